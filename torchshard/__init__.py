@@ -1,0 +1,25 @@
+"""Shard ordinary torch.nn.Modules over a JAX device mesh with regex rules, and train them."""
+
+from torchshard import presets
+from torchshard._errors import ShardingError, UnusedRuleWarning
+from torchshard._mesh import make_mesh, use_cpu_devices
+from torchshard._placement import constrain, init_sharded, shard
+from torchshard._plan import PlanEntry, ShardingPlan, plan
+from torchshard._rules import Rule, Rules, TensorInfo
+
+__all__ = [
+    "PlanEntry",
+    "Rule",
+    "Rules",
+    "ShardingError",
+    "ShardingPlan",
+    "TensorInfo",
+    "UnusedRuleWarning",
+    "constrain",
+    "init_sharded",
+    "make_mesh",
+    "plan",
+    "presets",
+    "shard",
+    "use_cpu_devices",
+]

@@ -1,0 +1,105 @@
+"""Device meshes with Auto (GSPMD) axes, and simulated CPU devices."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping, Sequence
+
+import jax
+from jax.sharding import AxisType, Mesh
+
+from torchshard._errors import ShardingError
+
+
+def _backend_started() -> bool:
+    from jax._src import xla_bridge
+
+    return bool(xla_bridge._backends)
+
+
+def use_cpu_devices(n: int) -> None:
+    """Makes JAX expose ``n`` CPU devices; call it before anything touches JAX devices.
+
+    Args:
+        n: number of simulated CPU devices (e.g. 8 on a laptop).
+
+    Raises:
+        ShardingError: ``n`` is not positive, or JAX already started with a different count.
+
+    Example:
+        >>> import torchshard as ts
+        >>> ts.use_cpu_devices(8)  # doctest: +SKIP
+    """
+    if not isinstance(n, int) or n < 1:
+        raise ShardingError(f"use_cpu_devices(n={n!r}): n must be a positive int.")
+    if _backend_started():
+        have = len(jax.devices("cpu"))
+        if have != n:
+            raise ShardingError(
+                f"use_cpu_devices({n}) was called after JAX started its backend with {have} CPU "
+                f"device(s); the count cannot change now. Call it first thing in your program (before "
+                f"jax.devices(), any jax array or torchax tensor), or set "
+                f"XLA_FLAGS=--xla_force_host_platform_device_count={n} in the environment."
+            )
+        return
+    jax.config.update("jax_num_cpu_devices", n)
+
+
+def _resolve_sizes(axes: Mapping[str, int], n_devices: int) -> tuple[int, ...]:
+    problems = [
+        f"axis {name!r} has size {size!r}; sizes must be positive ints or -1"
+        for name, size in axes.items()
+        if not isinstance(size, int) or isinstance(size, bool) or (size < 1 and size != -1)
+    ]
+    free = [name for name, size in axes.items() if size == -1]
+    if len(free) > 1:
+        problems.append(f"only one axis may be -1, got {free}")
+    if problems:
+        raise ShardingError(problems, header=f"invalid mesh {dict(axes)} for {n_devices} devices")
+    fixed = math.prod(s for s in axes.values() if s != -1)
+    if free:
+        if n_devices % fixed:
+            raise ShardingError(
+                f"mesh {dict(axes)}: {n_devices} devices cannot be split into axes of size "
+                f"{fixed} × {free[0]}; make the fixed sizes divide {n_devices}."
+            )
+        return tuple(n_devices // fixed if s == -1 else s for s in axes.values())
+    if fixed != n_devices:
+        raise ShardingError(
+            f"mesh {dict(axes)} needs {fixed} devices but {n_devices} are available; make the sizes "
+            f"multiply to {n_devices} (or use -1 for one axis), or pass devices= a list of {fixed}."
+        )
+    return tuple(axes.values())
+
+
+def make_mesh(axes: Mapping[str, int], devices: Sequence[jax.Device] | None = None) -> Mesh:
+    """Builds a device mesh whose axes are Auto, so GSPMD propagates shardings through torch ops.
+
+    Args:
+        axes: axis name → size, in mesh order, e.g. ``{"data": 4, "model": 2}``; one size may be -1.
+        devices: the devices to use; defaults to all of ``jax.devices()``.
+
+    Returns:
+        A ``jax.sharding.Mesh`` with ``AxisType.Auto`` axes.
+
+    Raises:
+        ShardingError: empty or non-string axis names, bad sizes, or sizes that do not use the devices.
+
+    Example:
+        >>> mesh = make_mesh({"data": -1, "model": 2})  # doctest: +SKIP
+        >>> dict(mesh.shape)  # doctest: +SKIP
+        {'data': 4, 'model': 2}
+    """
+    if not isinstance(axes, Mapping) or not axes or not all(isinstance(k, str) and k for k in axes):
+        raise ShardingError(
+            f"make_mesh(axes={axes!r}): axes must be a non-empty dict of axis name → size, "
+            f'e.g. {{"data": 4, "model": 2}}.'
+        )
+    devices = list(jax.devices() if devices is None else devices)
+    shape = _resolve_sizes(axes, len(devices))
+    return jax.make_mesh(shape, tuple(axes), axis_types=(AxisType.Auto,) * len(shape), devices=devices)
+
+
+def describe_mesh(mesh: Mesh) -> str:
+    """``Mesh(data=4, model=2)``: the short form used in error messages."""
+    return "Mesh(" + ", ".join(f"{k}={v}" for k, v in mesh.shape.items()) + ")"

@@ -1,0 +1,334 @@
+"""ShardingPlan: every state_dict tensor resolved to a validated NamedSharding."""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import math
+import warnings
+from collections.abc import Iterable, Iterator, Mapping
+from typing import Any, Literal
+
+import torch
+from jax.sharding import AbstractMesh, Mesh, NamedSharding, PartitionSpec
+
+from torchshard._errors import ShardingError, UnusedRuleWarning, raise_if_any
+from torchshard._mesh import describe_mesh
+from torchshard._rules import Rule, Rules, TensorInfo, annotation_rules, as_rules
+
+
+@dataclasses.dataclass(frozen=True)
+class PlanEntry:
+    """One tensor of a plan: where it lives and which rule put it there."""
+
+    name: str
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+    spec: PartitionSpec
+    sharding: NamedSharding
+    rule: str
+    kind: Literal["param", "buffer"]
+    tied_to: str | None = None
+
+    @property
+    def shard_shape(self) -> tuple[int, ...]:
+        return tuple(self.sharding.shard_shape(self.shape))
+
+    @property
+    def bytes_per_device(self) -> int:
+        return math.prod(self.shard_shape) * self.dtype.itemsize
+
+    @property
+    def total_bytes(self) -> int:
+        return math.prod(self.shape) * self.dtype.itemsize
+
+
+@dataclasses.dataclass(frozen=True)
+class _Tensor:
+    name: str
+    tensor: torch.Tensor
+    module_type: type
+    kind: Literal["param", "buffer"]
+
+
+def model_tensors(model: torch.nn.Module) -> list[_Tensor]:
+    """Params and buffers (persistent or not) under every name, tied names included."""
+    found: dict[str, _Tensor] = {}
+    for prefix, module in model.named_modules(remove_duplicate=False):
+        head = prefix + "." if prefix else ""
+        for leaf, t in module._parameters.items():
+            if t is not None:
+                found.setdefault(head + leaf, _Tensor(head + leaf, t, type(module), "param"))
+        for leaf, t in module._buffers.items():
+            if t is not None:
+                found.setdefault(head + leaf, _Tensor(head + leaf, t, type(module), "buffer"))
+    return list(found.values())
+
+
+def tie_groups(tensors: Iterable[_Tensor]) -> dict[str, str]:
+    """name → canonical name (the first name the tensor appears under)."""
+    first: dict[int, str] = {}
+    return {t.name: first.setdefault(id(t.tensor), t.name) for t in tensors}
+
+
+def _fmt_bytes(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(n) < 1024 or unit == "TiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.2f} {unit}"
+        n /= 1024
+    return f"{n} B"
+
+
+class ShardingPlan(Mapping[str, NamedSharding]):
+    """A read-only mapping ``state_dict name → NamedSharding`` with the details behind each choice.
+
+    Example:
+        >>> p = plan(model, mesh, presets.fsdp())  # doctest: +SKIP
+        >>> print(p.table())  # doctest: +SKIP
+    """
+
+    def __init__(self, mesh: Mesh | AbstractMesh, entries: Iterable[PlanEntry]) -> None:
+        self._mesh = mesh
+        self._entries = {e.name: e for e in entries}
+
+    @property
+    def mesh(self) -> Mesh | AbstractMesh:
+        return self._mesh
+
+    @property
+    def entries(self) -> Mapping[str, PlanEntry]:
+        return dict(self._entries)
+
+    def __getitem__(self, name: str) -> NamedSharding:
+        return self._entries[name].sharding
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._entries)
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    def spec(self, name: str) -> PartitionSpec:
+        return self._entries[name].spec
+
+    def canonical(self, name: str) -> str:
+        """The name a tied tensor is stored under (itself if untied)."""
+        return self._entries[name].tied_to or name
+
+    def unique_entries(self) -> list[PlanEntry]:
+        """One entry per distinct tensor (tied aliases left out)."""
+        return [e for e in self._entries.values() if e.tied_to is None]
+
+    def bytes_per_device(self, kind: Literal["param", "buffer"] | None = None) -> int:
+        """Bytes each device holds for this plan's tensors (tied tensors counted once)."""
+        return sum(e.bytes_per_device for e in self.unique_entries() if kind in (None, e.kind))
+
+    def total_bytes(self) -> int:
+        """Bytes of the unsharded model (tied tensors counted once)."""
+        return sum(e.total_bytes for e in self.unique_entries())
+
+    def diff(self, other: ShardingPlan) -> dict[str, tuple[PartitionSpec | None, PartitionSpec | None]]:
+        """Names whose spec differs between two plans: name → (spec here, spec there)."""
+        names = list(self) + [n for n in other if n not in self]
+        spec = lambda p, n: p.spec(n) if n in p else None  # noqa: E731
+        return {n: (spec(self, n), spec(other, n)) for n in names if spec(self, n) != spec(other, n)}
+
+    def rows(self) -> list[dict[str, Any]]:
+        """The table as dicts (for JSON output)."""
+        return [
+            {
+                "name": e.name,
+                "kind": e.kind,
+                "shape": list(e.shape),
+                "dtype": str(e.dtype).removeprefix("torch."),
+                "spec": str(e.spec),
+                "rule": e.rule,
+                "shard_shape": list(e.shard_shape),
+                "bytes_per_device": 0 if e.tied_to else e.bytes_per_device,
+                "tied_to": e.tied_to,
+            }
+            for e in self._entries.values()
+        ]
+
+    def table(self) -> str:
+        """A text table: name, shape, dtype, spec, rule, per-device shard shape and bytes, totals."""
+        head = ("name", "shape", "dtype", "spec", "rule", "shard/device", "bytes/device")
+        body = [
+            (
+                r["name"],
+                "×".join(map(str, r["shape"])) or "()",
+                r["dtype"],
+                r["spec"],
+                f"tied to {r['tied_to']}" if r["tied_to"] else r["rule"],
+                "×".join(map(str, r["shard_shape"])) or "()",
+                _fmt_bytes(r["bytes_per_device"]),
+            )
+            for r in self.rows()
+        ]
+        widths = [max(len(row[i]) for row in [head, *body]) for i in range(len(head))]
+        line = lambda row: "  ".join(c.ljust(w) for c, w in zip(row, widths)).rstrip()  # noqa: E731
+        total = self.total_bytes()
+        per_device = self.bytes_per_device()
+        foot = (
+            f"{describe_mesh(self._mesh)}: {len(self.unique_entries())} tensors, "
+            f"{_fmt_bytes(total)} in all, {_fmt_bytes(per_device)} per device "
+            f"({per_device / max(total, 1):.1%} of the model)"
+        )
+        return "\n".join([line(head), line(tuple("-" * w for w in widths)), *map(line, body), foot])
+
+    def __str__(self) -> str:
+        return self.table()
+
+    def __repr__(self) -> str:
+        return f"ShardingPlan({describe_mesh(self._mesh)}, {len(self)} tensors)"
+
+
+def _spec_problems(info: TensorInfo, spec: PartitionSpec) -> list[str]:
+    mesh = info.mesh
+    where = f"{info.name} {tuple(info.shape)} spec {spec} on {describe_mesh(mesh)}"
+    if len(spec) > len(info.shape):
+        return [
+            f"{where}: spec has {len(spec)} entries but the tensor has rank {len(info.shape)}; "
+            f"give at most {len(info.shape)} entries"
+        ]
+    problems, seen = [], set()
+    for dim, entry in enumerate(spec):
+        axes = () if entry is None else (entry,) if isinstance(entry, str) else tuple(entry)
+        unknown = [a for a in axes if a not in mesh.shape]
+        problems += [f"{where}: unknown mesh axis {a!r}; use one of {list(mesh.shape)}" for a in unknown]
+        problems += [
+            f"{where}: mesh axis {a!r} is used twice; each axis may shard one dim only" for a in axes if a in seen
+        ]
+        seen.update(axes)
+        if unknown or not axes:
+            continue
+        size = math.prod(mesh.shape[a] for a in axes)
+        if info.shape[dim] % size:
+            problems.append(
+                f"{where}: dim {dim} (size {info.shape[dim]}) is not divisible by "
+                f"{' × '.join(axes)} (size {size}); pad the dim to a multiple of {size}, shard another dim, "
+                f"or replicate it"
+            )
+    return problems
+
+
+@dataclasses.dataclass(frozen=True)
+class _Resolved:
+    spec: PartitionSpec
+    rule: str
+    explicit: bool
+
+
+def _resolve_one(info: TensorInfo, table: list[Rule], rules: Rules, default: str) -> _Resolved | None:
+    rule = next((r for r in table if r.matches(info.name)), None)
+    if rule is None and default == "error":
+        return None
+    spec = rule.resolve(info) if rule else PartitionSpec()
+    label = rule.describe() if rule else "default: replicate"
+    for transform in rules.transforms:
+        new = transform(info, spec)
+        if new != spec:
+            spec, label = new, f"{label} {transform.label}"
+    return _Resolved(spec, label, rule is not None)
+
+
+def _tie_problems(resolved: Mapping[str, _Resolved], ties: Mapping[str, str], mesh: Any) -> list[str]:
+    groups: dict[str, list[str]] = {}
+    for name, canon in ties.items():
+        groups.setdefault(canon, []).append(name)
+    problems = []
+    for names in groups.values():
+        specs = {resolved[n].spec for n in names if n in resolved and resolved[n].explicit}
+        if len(specs) > 1:
+            explicit = [n for n in names if n in resolved and resolved[n].explicit]
+            detail = ", ".join(f"{n} → {resolved[n].spec} ({resolved[n].rule})" for n in explicit)
+            problems.append(
+                f"tied tensor {' = '.join(names)} on {describe_mesh(mesh)} gets conflicting specs: {detail}; "
+                f"a tied tensor has one sharding, make its rules agree"
+            )
+    return problems
+
+
+def _tie_choice(names: list[str], resolved: Mapping[str, _Resolved]) -> _Resolved:
+    return next((resolved[n] for n in names if resolved[n].explicit), resolved[names[0]])
+
+
+def _warn_unused(table: list[Rule], names: list[str]) -> None:
+    for rule in table:
+        if rule.warn_unused and not any(rule.matches(n) for n in names):
+            close = difflib.get_close_matches(rule.pattern.replace("\\", ""), names, n=3, cutoff=0.3)
+            hint = f"; closest names: {close}" if close else ""
+            warnings.warn(
+                f"rule {rule.describe()} matched no tensor{hint}", UnusedRuleWarning, stacklevel=3
+            )
+
+
+def plan(
+    model: torch.nn.Module,
+    mesh: Mesh | AbstractMesh,
+    rules: Rules | Iterable[Any] | None = None,
+    *,
+    default: Literal["replicate", "error"] = "replicate",
+) -> ShardingPlan:
+    """Resolves every parameter and buffer of ``model`` to a validated ``NamedSharding``.
+
+    Explicit ``rules`` are tried first, then ``shard_rules`` annotations (deeper modules
+    first), then ``default``. Works on models built on the ``meta`` device.
+
+    Args:
+        model: the torch module (any device, ``meta`` included).
+        mesh: from `make_mesh` (an ``AbstractMesh`` plans without devices).
+        rules: a `Rules` table or a list of ``(pattern, spec)`` pairs.
+        default: ``"replicate"`` unmatched tensors, or ``"error"`` to list them as problems.
+
+    Returns:
+        The `ShardingPlan`.
+
+    Raises:
+        ShardingError: every problem at once (unknown axis, rank, divisibility, repeated axis,
+            unmatched names, conflicting specs of a tied tensor).
+
+    Example:
+        >>> p = plan(model, make_mesh({"data": 4, "model": 2}), [(r"fc1\\.weight", ("model", None))])  # doctest: +SKIP
+    """
+    if default not in ("replicate", "error"):
+        raise ShardingError(f"plan(default={default!r}): use 'replicate' or 'error'.")
+    rules = as_rules(rules)
+    table = list(rules) + list(annotation_rules(model))
+    tensors = model_tensors(model)
+    ties = tie_groups(tensors)
+    resolved, problems = {}, []
+    for t in tensors:
+        info = TensorInfo(t.name, tuple(t.tensor.shape), t.tensor.dtype, t.module_type, mesh)
+        got = _resolve_one(info, table, rules, default)
+        if got is None:
+            problems.append(
+                f"{t.name} {tuple(t.tensor.shape)} on {describe_mesh(mesh)}: no rule matches and "
+                f"default='error'; add a rule for it (e.g. ({t.name!r}, ())) or use default='replicate'"
+            )
+        else:
+            resolved[t.name] = got
+            problems += _spec_problems(info, got.spec)
+    problems += _tie_problems(resolved, ties, mesh)
+    raise_if_any(problems, header=f"invalid sharding plan for {type(model).__name__} on {describe_mesh(mesh)}")
+    _warn_unused(table, [t.name for t in tensors])
+    return ShardingPlan(mesh, _entries(tensors, ties, resolved, mesh))
+
+
+def _entries(tensors: list[_Tensor], ties: Mapping[str, str], resolved: Mapping[str, _Resolved], mesh: Any):
+    groups: dict[str, list[str]] = {}
+    for name, canon in ties.items():
+        groups.setdefault(canon, []).append(name)
+    for t in tensors:
+        canon = ties[t.name]
+        chosen = _tie_choice(groups[canon], resolved)
+        yield PlanEntry(
+            name=t.name,
+            shape=tuple(t.tensor.shape),
+            dtype=t.tensor.dtype,
+            spec=chosen.spec,
+            sharding=NamedSharding(mesh, chosen.spec),
+            rule=chosen.rule,
+            kind=t.kind,
+            tied_to=None if canon == t.name else canon,
+        )
