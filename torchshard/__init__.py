@@ -6,6 +6,7 @@ from torchshard._mesh import make_mesh, use_cpu_devices
 from torchshard._placement import constrain, init_sharded, shard
 from torchshard._plan import PlanEntry, ShardingPlan, plan
 from torchshard._rules import Rule, Rules, TensorInfo
+from torchshard._trainer import Trainer, TrainState
 
 __all__ = [
     "PlanEntry",
@@ -14,6 +15,8 @@ __all__ = [
     "ShardingError",
     "ShardingPlan",
     "TensorInfo",
+    "TrainState",
+    "Trainer",
     "UnusedRuleWarning",
     "constrain",
     "init_sharded",

@@ -69,7 +69,8 @@ def _placeholder_named_overloads() -> Iterator[None]:
             if not _NAMED_OVERLOAD.fullmatch(key):
                 raise
             qualname = f"{packet._qualified_op_name}.{key}"
-            _faked.append(qualname)
+            if qualname not in _faked:
+                _faked.append(qualname)
             return MissingOverload(qualname)
 
     torch._ops.OpOverloadPacket.__getattr__ = getattr_or_placeholder
@@ -90,3 +91,43 @@ def import_torchax() -> None:
     with shim:
         for name in ("torchax", "torchax.decompositions", "torchax.amp", "torchax.interop"):
             importlib.import_module(name)
+
+
+def _batch_norm_updating_stats(input, weight, bias, running_mean, running_var, training=False, momentum=0.1, eps=1e-5):
+    """``aten.native_batch_norm`` in torch ops that, like torch, writes the running stats back."""
+    dims = [0, *range(2, input.ndim)]
+    shape = [1, -1] + [1] * (input.ndim - 2)
+    if training:
+        mean = input.mean(dims)
+        centred = input - mean.reshape(shape)
+        var = (centred * centred).mean(dims)
+        if running_mean is not None:
+            count = input.numel() // input.shape[1]
+            with torch.no_grad():  # torch tracks the unbiased variance in running_var
+                running_mean.copy_((1 - momentum) * running_mean + momentum * mean)
+                running_var.copy_((1 - momentum) * running_var + momentum * var * count / max(count - 1, 1))
+    else:
+        mean, var = running_mean, running_var
+    rstd = torch.rsqrt(var + eps)
+    out = (input - mean.reshape(shape)) * rstd.reshape(shape)
+    if weight is not None:
+        out = out * weight.reshape(shape)
+    if bias is not None:
+        out = out + bias.reshape(shape)
+    if not training:
+        mean, rstd = input.new_zeros((0,)), input.new_zeros((0,))
+    return out, mean, rstd
+
+
+def needs_batch_norm_fix() -> bool:
+    """True for torchax releases whose batch norm drops the running statistics."""
+    try:
+        return _version_tuple(importlib.metadata.version("torchax")) <= _LAST_BROKEN_TORCHAX
+    except importlib.metadata.PackageNotFoundError:
+        return False
+
+
+def fix_environment(env: object) -> None:
+    """Applies the op fixes this torchax release needs to a torchax environment."""
+    if needs_batch_norm_fix():
+        env.override_op_definition(torch.ops.aten.native_batch_norm, _batch_norm_updating_stats)

@@ -22,9 +22,16 @@ import torchax  # noqa: E402
 import torchax.tensor  # noqa: E402
 
 
+_fixed_envs: set[int] = set()
+
+
 def env() -> torchax.tensor.Environment:
     """torchax's environment, created on first use (creating it starts the JAX backend)."""
-    return torchax.default_env()
+    tx = torchax.default_env()
+    if id(tx) not in _fixed_envs:
+        _compat.fix_environment(tx)
+        _fixed_envs.add(id(tx))
+    return tx
 
 
 def is_jax_tensor(t: Any) -> bool:
@@ -162,7 +169,13 @@ def constrain(tensor: torch.Tensor, spec: SpecLike, mesh: Mesh | None = None) ->
     if not is_jax_tensor(tensor):
         return tensor
     mesh = _ambient_mesh(mesh)
-    spec = to_spec(spec)
+    try:
+        spec = to_spec(spec)
+    except TypeError:
+        raise ShardingError(
+            f"constrain(): spec {spec!r} for activation {tuple(tensor.shape)} on {describe_mesh(mesh)} is not a "
+            f"PartitionSpec or a tuple of axis names / None; write e.g. ('data', None)"
+        ) from None
     info = TensorInfo("activation", tuple(tensor.shape), tensor.dtype, None, mesh)
     raise_if_any(_spec_problems(info, spec), header="constrain()")
     return wrap(put(tensor, NamedSharding(mesh, spec)))
