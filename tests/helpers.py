@@ -1,0 +1,31 @@
+"""Shared test helpers: the one comparison against eager torch, and small reference models."""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+
+def to_numpy(t) -> np.ndarray:
+    """Any torch / torchax / jax value as a float64 numpy array."""
+    if hasattr(t, "jax"):
+        t = t.jax()
+    if isinstance(t, torch.Tensor):
+        t = t.detach().cpu().numpy()
+    return np.asarray(t, dtype=np.float64)
+
+
+def assert_close(actual, expected, *, tol: float = 1e-5, what: str = "") -> None:
+    """|actual - expected| ≤ tol × max(1, max|expected|): absolute tolerance relative to the output scale."""
+    a, e = to_numpy(actual), to_numpy(expected)
+    assert a.shape == e.shape, f"{what}: shape {a.shape} != {e.shape}"
+    scale = max(1.0, float(np.abs(e).max(initial=0.0)))
+    err = float(np.abs(a - e).max(initial=0.0))
+    assert err <= tol * scale, f"{what}: max abs error {err:.3g} > {tol} × scale {scale:.3g}"
+
+
+def assert_trees_close(actual: dict, expected: dict, *, tol: float = 1e-5) -> None:
+    """Same keys, each value within `assert_close`."""
+    assert set(actual) == set(expected), set(actual) ^ set(expected)
+    for name in expected:
+        assert_close(actual[name], expected[name], tol=tol, what=name)

@@ -1,0 +1,51 @@
+"""Small torch models used across the tests (plain torch; nothing torchshard-specific)."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+
+class MLP(nn.Module):
+    """Linear stack with ReLU, as in the torchax tutorial (sizes scaled down)."""
+
+    def __init__(self, sizes=(32, 64, 64, 16)):
+        super().__init__()
+        self.layers = nn.ModuleList(nn.Linear(a, b) for a, b in zip(sizes[:-1], sizes[1:]))
+
+    def forward(self, x):
+        for i, layer in enumerate(self.layers):
+            x = layer(x)
+            if i < len(self.layers) - 1:
+                x = torch.relu(x)
+        return x
+
+
+class Block(nn.Module):
+    """Pre-norm residual MLP block: LayerNorm, GELU, residual."""
+
+    def __init__(self, dim=32, hidden=64):
+        super().__init__()
+        self.norm = nn.LayerNorm(dim)
+        self.up = nn.Linear(dim, hidden)
+        self.down = nn.Linear(hidden, dim)
+
+    def forward(self, x):
+        return x + self.down(nn.functional.gelu(self.up(self.norm(x))))
+
+
+class TiedLM(nn.Module):
+    """Embedding → block → LayerNorm → head tied to the embedding; a registered position buffer."""
+
+    def __init__(self, vocab=64, dim=32, seq=8):
+        super().__init__()
+        self.embed = nn.Embedding(vocab, dim)
+        self.block = Block(dim, 2 * dim)
+        self.norm = nn.LayerNorm(dim)
+        self.head = nn.Linear(dim, vocab, bias=False)
+        self.head.weight = self.embed.weight
+        self.register_buffer("pos", torch.linspace(-1.0, 1.0, seq * dim).reshape(seq, dim))
+
+    def forward(self, ids):
+        h = self.embed(ids) + self.pos[: ids.shape[-1]]
+        return self.head(self.norm(self.block(h)))
