@@ -1,6 +1,6 @@
 """Shard ordinary torch.nn.Modules over a JAX device mesh with regex rules, and train them."""
 
-from torchshard import presets
+from torchshard import collectives, presets
 from torchshard._errors import ShardingError, UnusedRuleWarning
 from torchshard._mesh import make_mesh, use_cpu_devices
 from torchshard._placement import constrain, init_sharded, shard
@@ -18,6 +18,7 @@ __all__ = [
     "TrainState",
     "Trainer",
     "UnusedRuleWarning",
+    "collectives",
     "constrain",
     "init_sharded",
     "make_mesh",
