@@ -116,7 +116,8 @@ class Trainer:
         max_in_flight: steps dispatched before waiting for the oldest (bounds queued work).
 
     Example:
-        >>> trainer = Trainer(model, lambda m, b: F.cross_entropy(m(b[0]), b[1]), optax.adamw(1e-3), p)  # doctest: +SKIP
+        >>> loss_fn = lambda m, b: F.cross_entropy(m(b[0]), b[1])
+        >>> trainer = Trainer(model, loss_fn, optax.adamw(1e-3), p)  # doctest: +SKIP
         >>> metrics = trainer.step((x, y))  # doctest: +SKIP
         >>> float(metrics["loss"])  # doctest: +SKIP
     """
@@ -214,7 +215,7 @@ class Trainer:
         loss, grads, buffers, aux = self._grads(state, frozen, batch, jax.random.key_data(key))
         updates, opt_state = self.optimizer.update(grads, state.opt_state, state.params)
         params = optax.apply_updates(state.params, updates)
-        metrics = {"loss": loss, "grad_norm": optax.global_norm(grads), **aux}
+        metrics = {"loss": loss, "grad_norm": optax.tree.norm(grads), **aux}
         return TrainState(params, buffers, opt_state, state.step + 1), metrics
 
     def _constrain_batch(self, x: jax.Array) -> jax.Array:

@@ -1,0 +1,297 @@
+"""Trainer against eager, unsharded torch: SGD, AdamW, accumulation, ties, buffers, dropout, errors."""
+
+from __future__ import annotations
+
+import copy
+
+import jax
+import numpy as np
+import optax
+import pytest
+import torch
+import torchax
+from helpers import assert_close, assert_trees_close, to_numpy
+from models import MLP, Block, TiedLM
+from torch import nn
+
+import torchshard as ts
+from torchshard import presets
+
+TP_MLP = presets.tensor_parallel(colwise=[r"layers\.0", r"layers\.2"], rowwise=[r"layers\.1"])
+PLANS = {
+    "dp": lambda: presets.data_parallel(),
+    "tp": lambda: TP_MLP,
+    "fsdp": lambda: presets.fsdp(min_size=64),
+    "fsdp+tp": lambda: TP_MLP + presets.fsdp(min_size=64),
+}
+MESHES = {"data4_model2": {"data": 4, "model": 2}, "data8": {"data": 8}}
+
+
+def mse(model, batch):
+    x, y = batch
+    return nn.functional.mse_loss(model(x), y)
+
+
+def lm_loss(model, ids):
+    logits = model(ids[:, :-1])
+    return nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), ids[:, 1:].reshape(-1))
+
+
+def pair(factory, seed=0):
+    """A reference model and an identical copy to shard."""
+    torch.manual_seed(seed)
+    ref = factory()
+    return ref, copy.deepcopy(ref)
+
+
+def mlp_batches(n, batch=16, seed=1):
+    g = torch.Generator().manual_seed(seed)
+    return [(torch.randn(batch, 32, generator=g), torch.randn(batch, 16, generator=g)) for _ in range(n)]
+
+
+def torch_losses(model, loss_fn, opt, batches):
+    out = []
+    for b in batches:
+        opt.zero_grad()
+        loss = loss_fn(model, b)
+        loss.backward()
+        opt.step()
+        out.append(loss.item())
+    return out
+
+
+def state_of(module):
+    return {k: to_numpy(v) for k, v in module.state_dict().items()}
+
+
+def make_trainer(model, loss_fn, opt, mesh_axes, rules, **kwargs):
+    mesh = ts.make_mesh(mesh_axes)
+    return ts.Trainer(model, loss_fn, opt, ts.plan(model, mesh, rules), **kwargs)
+
+
+def combos(plan_names):
+    """(plan, mesh) pairs; tensor-parallel plans only on meshes with a 'model' axis."""
+    return [(p, m) for p in plan_names for m in MESHES if "tp" not in p or "model" in MESHES[m]]
+
+
+@pytest.mark.parametrize(("plan_name", "mesh_name"), combos(PLANS))
+def test_sgd_params_after_10_steps_match_torch(plan_name, mesh_name):
+    ref, model = pair(MLP)
+    batches = mlp_batches(10)
+    trainer = make_trainer(model, mse, optax.sgd(0.05), MESHES[mesh_name], PLANS[plan_name]())
+    losses = [trainer.step(b)["loss"] for b in batches]
+    expected = torch_losses(ref, mse, torch.optim.SGD(ref.parameters(), lr=0.05), batches)
+    assert_trees_close(state_of(trainer.model), state_of(ref), tol=1e-5)
+    assert_close(np.array([float(v) for v in losses]), np.array(expected), tol=1e-5, what="losses")
+
+
+@pytest.mark.parametrize(("plan_name", "mesh_name"), combos(["dp", "fsdp", "fsdp+tp"]))
+def test_adamw_loss_trajectory_matches_torch(plan_name, mesh_name):
+    ref, model = pair(MLP)
+    batches = mlp_batches(8)
+    trainer = make_trainer(model, mse, optax.adamw(1e-2, weight_decay=0.1), MESHES[mesh_name], PLANS[plan_name]())
+    got = np.array([float(trainer.step(b)["loss"]) for b in batches])
+    expected = torch_losses(ref, mse, torch.optim.AdamW(ref.parameters(), lr=1e-2, weight_decay=0.1), batches)
+    np.testing.assert_allclose(got, expected, rtol=1e-4)
+
+
+@pytest.mark.parametrize("mesh_name", MESHES)
+def test_grad_accumulation_gives_the_same_update(mesh_name):
+    rules = presets.fsdp(min_size=64)
+    _, one = pair(MLP)
+    _, two = pair(MLP)
+    batches = mlp_batches(3, batch=32)
+    t1 = make_trainer(one, mse, optax.sgd(0.1), MESHES[mesh_name], rules)
+    t2 = make_trainer(two, mse, optax.sgd(0.1), MESHES[mesh_name], rules, grad_accum_steps=2)
+    for b in batches:
+        assert_close(t2.step(b)["loss"], t1.step(b)["loss"], tol=1e-5, what="loss")
+    assert_trees_close(state_of(t2.model), state_of(t1.model), tol=1e-5)
+
+
+@pytest.mark.parametrize("optimizer", ["sgd", "adamw"])
+def test_tied_embedding_trains_as_one_tensor(optimizer):
+    ref, model = pair(TiedLM)
+    g = torch.Generator().manual_seed(3)
+    batches = [torch.randint(0, 64, (8, 8), generator=g) for _ in range(4)]
+    rules = presets.tensor_parallel(colwise=["block.up"], rowwise=["block.down"]) + presets.fsdp(min_size=256)
+    opts = {
+        "sgd": (optax.sgd(0.5), torch.optim.SGD(ref.parameters(), lr=0.5)),
+        "adamw": (
+            optax.adamw(1e-2, weight_decay=0.01),
+            torch.optim.AdamW(ref.parameters(), lr=1e-2, weight_decay=0.01),
+        ),
+    }
+    trainer = make_trainer(model, lm_loss, opts[optimizer][0], MESHES["data4_model2"], rules)
+    got = np.array([float(trainer.step(b)["loss"]) for b in batches])
+    expected = torch_losses(ref, lm_loss, opts[optimizer][1], batches)
+    np.testing.assert_allclose(got, expected, rtol=1e-4)
+    assert trainer.model.head.weight is trainer.model.embed.weight
+    assert "head.weight" not in trainer.state.params
+    assert_trees_close(state_of(trainer.model), state_of(ref), tol=1e-4)
+
+
+def test_shardings_stay_pinned_to_the_plan_and_optimizer_state_follows_params():
+    _, model = pair(MLP)
+    mesh = ts.make_mesh(MESHES["data4_model2"])
+    plan = ts.plan(model, mesh, TP_MLP + presets.fsdp(min_size=64))
+    trainer = ts.Trainer(model, mse, optax.adamw(1e-3), plan)
+    for b in mlp_batches(5):
+        trainer.step(b)
+    for name, tensor in trainer.model.state_dict().items():
+        assert tensor.jax().sharding == plan[name], name
+    adam = trainer.state.opt_state[0]
+    for moments in (adam.mu, adam.nu):
+        for name, leaf in moments.items():
+            assert leaf.sharding == plan[name], name
+    assert trainer.step_count == 5
+
+
+@pytest.mark.parametrize(
+    "batch",
+    [
+        pytest.param(lambda x, y: (x, y), id="tuple"),
+        pytest.param(lambda x, y: {"x": x, "y": y}, id="dict"),
+        pytest.param(lambda x, y: torch.cat([x, y], 1), id="tensor"),
+    ],
+)
+def test_batch_pytrees(batch):
+    def loss_fn(model, b):
+        if isinstance(b, dict):
+            return mse(model, (b["x"], b["y"]))
+        if isinstance(b, torch.Tensor):
+            return mse(model, (b[:, :32], b[:, 32:]))
+        return mse(model, b)
+
+    ref, model = pair(MLP)
+    ((x, y),) = mlp_batches(1)
+    trainer = make_trainer(model, loss_fn, optax.sgd(0.1), MESHES["data8"], presets.data_parallel())
+    assert_close(trainer.step(batch(x, y))["loss"], mse(ref, (x, y)), tol=1e-5, what="loss")
+
+
+def test_already_placed_batch_is_accepted():
+    ref, model = pair(MLP)
+    ((x, y),) = mlp_batches(1)
+    trainer = make_trainer(model, mse, optax.sgd(0.1), MESHES["data8"], presets.data_parallel())
+    placed = trainer.place_batch((x, y))
+    assert placed[0].sharding.spec == jax.sharding.PartitionSpec("data")
+    assert_close(trainer.step(placed)["loss"], mse(ref, (x, y)), tol=1e-5, what="loss")
+
+
+class Normed(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(8, 8)
+        self.bn = nn.BatchNorm1d(8)
+
+    def forward(self, x):
+        return self.bn(self.fc(x))
+
+
+def test_batchnorm_running_stats_are_carried_and_updated():
+    ref, model = pair(Normed)
+    g = torch.Generator().manual_seed(0)
+    batches = [(torch.randn(16, 8, generator=g), torch.randn(16, 8, generator=g)) for _ in range(3)]
+    trainer = make_trainer(model, mse, optax.sgd(0.1), MESHES["data8"], presets.data_parallel())
+    for b in batches:
+        trainer.step(b)
+    torch_losses(ref, mse, torch.optim.SGD(ref.parameters(), lr=0.1), batches)
+    assert_trees_close(state_of(trainer.model), state_of(ref), tol=1e-5)
+    assert int(to_numpy(trainer.model.bn.num_batches_tracked)) == 3
+
+
+class DropoutProbe(nn.Module):
+    """Records the dropout mask of its input in a buffer sharded over the batch."""
+
+    shard_rules = [("mask", ("data", None))]
+
+    def __init__(self):
+        super().__init__()
+        self.w = nn.Parameter(torch.ones(8))
+        self.register_buffer("mask", torch.zeros(16, 8))
+
+    def forward(self, x):
+        out = nn.functional.dropout(x * self.w, p=0.5, training=True)
+        self.mask.copy_((out != 0).float())
+        return out
+
+
+def masks(seed, steps=2):
+    trainer = make_trainer(DropoutProbe(), lambda m, x: m(x).sum(), optax.sgd(0.0), MESHES["data8"], None, seed=seed)
+    out = []
+    for _ in range(steps):
+        trainer.step(torch.ones(16, 8))
+        out.append(to_numpy(trainer.model.mask))
+    return out
+
+
+def test_dropout_masks_differ_across_data_shards_and_steps_and_repeat_with_the_seed():
+    first, second = masks(seed=0)
+    per_device = first.reshape(8, 2 * 8)
+    assert len({row.tobytes() for row in per_device}) == 8, "data shards drew identical masks"
+    assert not np.array_equal(first, second), "two steps drew the same mask"
+    again = masks(seed=0)
+    np.testing.assert_array_equal(again[0], first)
+    np.testing.assert_array_equal(again[1], second)
+    assert not np.array_equal(masks(seed=1)[0], first)
+    assert 0.3 < first.mean() < 0.7
+
+
+def test_many_steps_without_reading_the_loss_complete():
+    _, model = pair(MLP)
+    trainer = make_trainer(model, mse, optax.adamw(1e-3), MESHES["data4_model2"], TP_MLP + presets.fsdp(min_size=64))
+    batch = mlp_batches(1)[0]
+    for _ in range(200):
+        trainer.step(batch)
+    assert trainer.step_count == 200
+    assert np.isfinite(float(trainer.step(batch)["loss"]))
+
+
+def test_trained_model_runs_inference_and_exports_state():
+    ref, model = pair(Block)
+    x = torch.randn(8, 4, 32)
+    trainer = make_trainer(model, lambda m, b: m(b).pow(2).mean(), optax.sgd(0.1), MESHES["data8"], None)
+    for _ in range(3):
+        trainer.step(x)
+    torch_losses(ref, lambda m, b: m(b).pow(2).mean(), torch.optim.SGD(ref.parameters(), lr=0.1), [x] * 3)
+    with torchax.default_env():
+        out = trainer.model(torchax.interop.torch_view(trainer.place_batch(x)))
+    assert_close(out, ref(x), tol=1e-5, what="inference after training")
+
+
+@pytest.mark.parametrize(
+    ("batch", "kwargs", "match"),
+    [
+        ((torch.randn(12, 32), torch.randn(12, 16)), {}, r"dim 0 \(size 12\) is not divisible by data \(size 8\)"),
+        (
+            (torch.randn(24, 32), torch.randn(24, 16)),
+            {"grad_accum_steps": 2},
+            r"size 24.*grad_accum_steps 2; use a batch size that is a multiple of 16",
+        ),
+    ],
+)
+def test_bad_batch_sizes_raise(batch, kwargs, match):
+    _, model = pair(MLP)
+    trainer = make_trainer(model, mse, optax.sgd(0.1), MESHES["data8"], None, **kwargs)
+    with pytest.raises(ts.ShardingError, match=match):
+        trainer.step(batch)
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "match"),
+    [
+        ({"grad_accum_steps": 0}, r"grad_accum_steps=0 must be an int ≥ 1"),
+        ({"batch_spec": ("batch",)}, r"batch_spec axis 'batch' is not in the mesh \['data'\]"),
+        ({"max_in_flight": 0}, r"max_in_flight=0"),
+    ],
+)
+def test_bad_trainer_arguments_raise(kwargs, match):
+    _, model = pair(MLP)
+    with pytest.raises(ts.ShardingError, match=match):
+        make_trainer(model, mse, optax.sgd(0.1), MESHES["data8"], None, **kwargs)
+
+
+def test_non_scalar_loss_raises():
+    _, model = pair(MLP)
+    trainer = make_trainer(model, lambda m, b: m(b[0]), optax.sgd(0.1), MESHES["data8"], None)
+    with pytest.raises(ts.ShardingError, match=r"scalar loss.*shape \(16, 16\)"):
+        trainer.step(mlp_batches(1)[0])
