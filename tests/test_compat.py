@@ -1,0 +1,161 @@
+"""The torchax import shim: torchax works afterwards, and the shim leaves torch as it found it."""
+
+import importlib.metadata
+import subprocess
+import sys
+
+import jax
+import jax.numpy as jnp
+import pytest
+import torch
+import torch._ops
+import torchax
+import torchax.interop
+from helpers import assert_close
+from torch.nn import functional as F
+
+from torchshard import _compat
+from torchshard._placement import wrap
+
+
+def _inputs(seed: int, *shapes) -> list[torch.Tensor]:
+    gen = torch.Generator().manual_seed(seed)
+    return [torch.randn(*s, generator=gen) for s in shapes]
+
+
+def _ids(n: int, high: int, seed: int = 1) -> torch.Tensor:
+    return torch.randint(0, high, (n,), generator=torch.Generator().manual_seed(seed))
+
+
+# name, scalar torch function, inputs, indices of the float inputs to differentiate
+OPS = [
+    ("matmul", lambda x, w: (x @ w).tanh().sum(), _inputs(0, (8, 16), (16, 4)), (0, 1)),
+    ("softmax", lambda x, c: (F.softmax(x, dim=-1) * c).sum(), _inputs(1, (8, 16), (8, 16)), (0,)),
+    (
+        "layer_norm",
+        lambda x, w, b, c: (F.layer_norm(x, (16,), w, b) * c).sum(),
+        _inputs(2, (8, 16), (16,), (16,), (8, 16)),
+        (0, 1, 2),
+    ),
+    ("embedding", lambda ids, w: F.embedding(ids, w).pow(2).sum(), [_ids(12, 10), *_inputs(3, (10, 6))], (1,)),
+    (
+        "cross_entropy",
+        lambda logits, target: F.cross_entropy(logits, target),
+        [*_inputs(4, (8, 10)), _ids(8, 10)],
+        (0,),
+    ),
+]
+
+
+def _eager(fn, inputs, argnums):
+    leaves = [t.clone().requires_grad_(i in argnums) for i, t in enumerate(inputs)]
+    value = fn(*leaves)
+    value.backward()
+    return value.detach(), [leaves[i].grad for i in argnums]
+
+
+def _on_jax(inputs):
+    return [wrap(jnp.asarray(t.numpy())) for t in inputs]
+
+
+@pytest.mark.parametrize(("name", "fn", "inputs", "argnums"), OPS, ids=[op[0] for op in OPS])
+def test_op_in_torchax_env_matches_eager_torch(name, fn, inputs, argnums):
+    expected, _ = _eager(fn, inputs, argnums)
+    with torchax.default_env():
+        value = fn(*_on_jax(inputs))
+    assert_close(value, expected, what=name)
+
+
+@pytest.mark.parametrize(("name", "fn", "inputs", "argnums"), OPS, ids=[op[0] for op in OPS])
+def test_op_value_and_grad_matches_eager_torch(name, fn, inputs, argnums):
+    expected, expected_grads = _eager(fn, inputs, argnums)
+    value, grads = torchax.interop.jax_value_and_grad(fn, {"argnums": argnums})(*_on_jax(inputs))
+    assert_close(value, expected, what=name)
+    for i, grad, want in zip(argnums, grads, expected_grads, strict=True):
+        assert_close(grad, want, what=f"{name} grad {i}")
+
+
+@pytest.mark.parametrize(("name", "fn", "inputs", "argnums"), OPS, ids=[op[0] for op in OPS])
+def test_jax_grad_of_torch_function_matches_eager_torch(name, fn, inputs, argnums):
+    _, expected_grads = _eager(fn, inputs, argnums)
+    arrays = [jnp.asarray(t.numpy()) for t in inputs]
+    grads = jax.jit(jax.grad(torchax.interop.jax_view(fn), argnums=argnums))(*arrays)
+    for i, grad, want in zip(argnums, grads, expected_grads, strict=True):
+        assert_close(grad, want, what=f"{name} grad {i}")
+
+
+def test_shim_is_needed_on_this_torch_torchax_pair():
+    assert not hasattr(torch.ops.aten.prod, "dim_Dimname")
+    assert _compat.needs_named_overload_shim()
+
+
+@pytest.mark.parametrize(
+    ("torchax_version", "torch_has_named", "expected"),
+    [
+        ("0.0.13", False, True),
+        ("0.0.12", False, True),
+        ("0.0.13.dev20250101", False, True),
+        ("0.0.14", False, False),
+        ("0.1.0", False, False),
+        ("0.0.13", True, False),
+        (None, False, False),  # torchax not installed as a distribution
+    ],
+)
+def test_needs_named_overload_shim(monkeypatch, torchax_version, torch_has_named, expected):
+    def version(name):
+        assert name == "torchax"
+        if torchax_version is None:
+            raise importlib.metadata.PackageNotFoundError(name)
+        return torchax_version
+
+    monkeypatch.setattr(importlib.metadata, "version", version)
+    if torch_has_named:
+        monkeypatch.setattr(torch.ops.aten.prod, "dim_Dimname", torch.ops.aten.prod.default, raising=False)
+    assert _compat.needs_named_overload_shim() is expected
+
+
+def test_faked_overloads_are_only_named_tensor_overloads():
+    faked = _compat.faked_overloads()
+    assert "aten::prod.dim_Dimname" in faked
+    assert len(set(faked)) == len(faked)
+    for qualname in faked:
+        assert qualname.startswith("aten::"), qualname
+        assert "dimname" in qualname.lower() or "names" in qualname.lower(), qualname
+
+
+def test_getattr_is_restored_after_import():
+    assert torch._ops.OpOverloadPacket.__getattr__.__qualname__ == "OpOverloadPacket.__getattr__"
+    with pytest.raises(AttributeError, match="no overload name 'dim_Dimname'"):
+        torch.ops.aten.prod.dim_Dimname  # noqa: B018
+
+
+def test_shim_window_fakes_only_named_overloads_and_restores(monkeypatch):
+    monkeypatch.setattr(_compat, "_faked", [])
+    original = torch._ops.OpOverloadPacket.__getattr__
+    with pytest.raises(RuntimeError, match="boom"), _compat._placeholder_named_overloads():
+        placeholder = torch.ops.aten.sum.dim_Dimname
+        assert isinstance(placeholder, _compat.MissingOverload)
+        with pytest.raises(AttributeError):
+            torch.ops.aten.sum.not_an_overload  # noqa: B018
+        raise RuntimeError("boom")
+    assert torch._ops.OpOverloadPacket.__getattr__ is original
+    assert _compat.faked_overloads() == ("aten::sum.dim_Dimname",)
+    with pytest.raises(AttributeError):
+        torch.ops.aten.sum.dim_Dimname  # noqa: B018
+
+
+def test_missing_overload_raises_when_called():
+    placeholder = _compat.MissingOverload("aten::prod.dim_Dimname")
+    assert not isinstance(placeholder, torch._ops.OperatorBase)
+    assert hash(placeholder) == hash(placeholder)
+    assert repr(placeholder) == "MissingOverload('aten::prod.dim_Dimname')"
+    with pytest.raises(NotImplementedError, match=r"aten::prod\.dim_Dimname was removed"):
+        placeholder(torch.ones(2), "x")
+
+
+def test_import_prints_nothing_and_leaves_the_backend_alone():
+    code = "import torchshard\nfrom jax._src import xla_bridge\nassert not xla_bridge._backends, xla_bridge._backends\n"
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout == ""
+    assert done.stderr == ""
