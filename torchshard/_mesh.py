@@ -30,7 +30,7 @@ def use_cpu_devices(n: int) -> None:
         >>> import torchshard as ts
         >>> ts.use_cpu_devices(8)  # doctest: +SKIP
     """
-    if not isinstance(n, int) or n < 1:
+    if not isinstance(n, int) or isinstance(n, bool) or n < 1:
         raise ShardingError(f"use_cpu_devices(n={n!r}): n must be a positive int.")
     if _backend_started():
         have = len(jax.devices("cpu"))
