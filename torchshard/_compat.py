@@ -70,7 +70,6 @@ def _placeholder_named_overloads() -> Iterator[None]:
                 raise
             qualname = f"{packet._qualified_op_name}.{key}"
             if qualname not in _faked:
-                if qualname not in _faked:
                 _faked.append(qualname)
             return MissingOverload(qualname)
 
