@@ -7,6 +7,7 @@ from torchshard._placement import constrain, init_sharded, shard
 from torchshard._plan import PlanEntry, ShardingPlan, plan
 from torchshard._rules import Rule, Rules, TensorInfo
 from torchshard._trainer import Trainer, TrainState
+from torchshard._visualize import visualize, visualize_plan
 
 __all__ = [
     "PlanEntry",
@@ -26,4 +27,6 @@ __all__ = [
     "presets",
     "shard",
     "use_cpu_devices",
+    "visualize",
+    "visualize_plan",
 ]
