@@ -166,7 +166,7 @@ class ShardingPlan(Mapping[str, NamedSharding]):
             for r in self.rows()
         ]
         widths = [max(len(row[i]) for row in [head, *body]) for i in range(len(head))]
-        line = lambda row: "  ".join(c.ljust(w) for c, w in zip(row, widths)).rstrip()  # noqa: E731
+        line = lambda row: "  ".join(c.ljust(w) for c, w in zip(row, widths, strict=True)).rstrip()  # noqa: E731
         total = self.total_bytes()
         per_device = self.bytes_per_device()
         foot = (
@@ -196,10 +196,10 @@ def _spec_problems(info: TensorInfo, spec: PartitionSpec) -> list[str]:
         axes = () if entry is None else (entry,) if isinstance(entry, str) else tuple(entry)
         unknown = [a for a in axes if a not in mesh.shape]
         problems += [f"{where}: unknown mesh axis {a!r}; use one of {list(mesh.shape)}" for a in unknown]
-        problems += [
-            f"{where}: mesh axis {a!r} is used twice; each axis may shard one dim only" for a in axes if a in seen
-        ]
-        seen.update(axes)
+        for a in axes:  # one at a time, so ('data', 'data') in a single entry counts too
+            if a in seen:
+                problems.append(f"{where}: mesh axis {a!r} is used twice; each axis may shard one dim only")
+            seen.add(a)
         if unknown or not axes:
             continue
         size = math.prod(mesh.shape[a] for a in axes)
@@ -258,9 +258,7 @@ def _warn_unused(table: list[Rule], names: list[str]) -> None:
         if rule.warn_unused and not any(rule.matches(n) for n in names):
             close = difflib.get_close_matches(rule.pattern.replace("\\", ""), names, n=3, cutoff=0.3)
             hint = f"; closest names: {close}" if close else ""
-            warnings.warn(
-                f"rule {rule.describe()} matched no tensor{hint}", UnusedRuleWarning, stacklevel=3
-            )
+            warnings.warn(f"rule {rule.describe()} matched no tensor{hint}", UnusedRuleWarning, stacklevel=3)
 
 
 def plan(
@@ -297,7 +295,7 @@ def plan(
     table = list(rules) + list(annotation_rules(model))
     tensors = model_tensors(model)
     ties = tie_groups(tensors)
-    resolved, problems = {}, []
+    resolved, problems = {}, [p for transform in rules.transforms for p in transform.problems(mesh)]
     for t in tensors:
         info = TensorInfo(t.name, tuple(t.tensor.shape), t.tensor.dtype, t.module_type, mesh)
         got = _resolve_one(info, table, rules, default)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import dataclasses
 import re
 from collections.abc import Callable, Iterable, Iterator, Sequence
-from typing import Any, Union
+from typing import Any
 
 import torch
 from jax.sharding import Mesh, PartitionSpec
@@ -25,7 +25,7 @@ class TensorInfo:
 
 
 SpecFn = Callable[[TensorInfo], PartitionSpec]
-SpecLike = Union[PartitionSpec, Sequence[Any], None, SpecFn]
+SpecLike = PartitionSpec | Sequence[Any] | SpecFn | None
 
 
 class SpecTransform:
@@ -35,6 +35,10 @@ class SpecTransform:
 
     def __call__(self, info: TensorInfo, spec: PartitionSpec) -> PartitionSpec:
         raise NotImplementedError
+
+    def problems(self, mesh: Mesh) -> list[str]:
+        """What makes this transform unusable on ``mesh`` (e.g. an unknown axis); empty if nothing."""
+        return []
 
 
 def _entry_ok(entry: Any) -> bool:

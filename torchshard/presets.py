@@ -7,15 +7,16 @@ import math
 import re
 from collections.abc import Mapping, Sequence
 
-from jax.sharding import PartitionSpec
+from jax.sharding import AbstractMesh, Mesh, PartitionSpec
 
-from torchshard._errors import ShardingError
+from torchshard._errors import ShardingError, raise_if_any
+from torchshard._mesh import describe_mesh
 from torchshard._rules import Rule, Rules, SpecTransform, TensorInfo
 
 __all__ = [
     "data_parallel",
-    "fsdp",
     "from_hf_tp_plan",
+    "fsdp",
     "replicated",
     "tensor_parallel",
 ]
@@ -66,8 +67,8 @@ class FSDP(SpecTransform):
         axes = _axes(self.axis)
         if math.prod(info.shape) < self.min_size or _used_axes(spec) & set(axes):
             return spec
-        if any(a not in info.mesh.shape for a in axes):
-            return spec
+        if any(a not in info.mesh.shape for a in axes) or len(spec) > len(info.shape):
+            return spec  # `problems` / plan validation report these
         size = math.prod(info.mesh.shape[a] for a in axes)
         entries = list(spec) + [None] * (len(info.shape) - len(spec))
         free = [d for d, e in enumerate(entries) if e is None and info.shape[d] % size == 0]
@@ -76,6 +77,11 @@ class FSDP(SpecTransform):
         dim = max(free, key=lambda d: (info.shape[d], -d))
         entries[dim] = self.axis
         return PartitionSpec(*entries)
+
+    def problems(self, mesh: Mesh | AbstractMesh) -> list[str]:
+        unknown = [a for a in _axes(self.axis) if a not in mesh.shape]
+        where = describe_mesh(mesh)
+        return [f"fsdp axis {a!r} is not an axis of {where}; use one of {list(mesh.shape)}" for a in unknown]
 
 
 def fsdp(axis: AxisName = "data", min_size: int = 2**12) -> Rules:
@@ -122,7 +128,8 @@ class Layout:
         if kind == "Embedding":  # [num_embeddings, dim]: colwise splits dim, rowwise the vocabulary
             out_dim, in_dim = 1, 0
         dim = out_dim if self.style == "colwise" else in_dim
-        entries = [None] * len(info.shape)
+        # a module with a 1-d weight (e.g. LayerNorm) yields a spec longer than its rank, which plan reports
+        entries = [None] * max(len(info.shape), dim + 1)
         entries[dim] = self.axis
         return PartitionSpec(*entries)
 
@@ -131,9 +138,7 @@ def _module_pattern(pattern: str) -> str:
     return f"(?:{pattern})"
 
 
-def tensor_parallel(
-    colwise: Sequence[str] = (), rowwise: Sequence[str] = (), *, axis: AxisName = "model"
-) -> Rules:
+def tensor_parallel(colwise: Sequence[str] = (), rowwise: Sequence[str] = (), *, axis: AxisName = "model") -> Rules:
     """Megatron-style tensor parallelism; patterns name *modules* (``Linear``/``Embedding``).
 
     ``colwise`` Linear: weight ``[out, in]`` → ``(axis, None)``, bias → ``(axis,)``.
@@ -158,15 +163,29 @@ def tensor_parallel(
     return Rules(rows)
 
 
+# transformers 4.x and 5.x style names; only the weight layout matters here (GSPMD places activations)
 _HF_STYLES = {
     "colwise": "colwise",
     "colwise_rep": "colwise",
+    "colwise_gather_output": "colwise",
+    "embedding_colwise": "colwise",
     "local_colwise": "colwise",
     "rowwise": "rowwise",
     "rowwise_rep": "rowwise",
+    "rowwise_split_input": "rowwise",
+    "embedding_rowwise": "rowwise",
     "local_rowwise": "rowwise",
 }
-_HF_REPLICATE = {"replicate", "gather", "local", "sequence_parallel", "isolated", "ep_router"}
+_HF_REPLICATE = {
+    "replicate",
+    "replicated_with_grad_allreduce",
+    "all_reduce",
+    "gather",
+    "local",
+    "sequence_parallel",
+    "isolated",
+    "ep_router",
+}
 
 
 def _hf_pattern(key: str) -> str:
@@ -206,6 +225,5 @@ def from_hf_tp_plan(
                 f"{sorted(_HF_STYLES)}; no-weight styles {sorted(_HF_REPLICATE)}); pass "
                 f"replicate_unsupported=True to replicate it"
             )
-    if problems:
-        raise ShardingError(problems, header="unsupported HF tp_plan styles")
+    raise_if_any(problems, header="unsupported HF tp_plan styles")
     return tensor_parallel(colwise, rowwise, axis=axis)
