@@ -1,4 +1,4 @@
-"""Train the torchax tutorial's MLP on 8 devices (data parallel, data × tensor parallel, FSDP) and compare with torch."""
+"""Train the torchax tutorial's MLP on 8 devices (DP, DP × TP, FSDP) and compare it with eager torch."""
 
 from __future__ import annotations
 
