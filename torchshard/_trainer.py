@@ -267,10 +267,27 @@ class Trainer:
         """
         placed = self.place_batch(jax.tree.map(lambda x: x.jax() if is_jax_tensor(x) else x, batch))
         frozen = self._arrays(self._names[2])
-        self._state, metrics = self._step_fn(self._state, frozen, placed, self._base_key)
+        with jax.set_mesh(self.mesh):  # constrain() inside forward reads the mesh it is traced under
+            self._state, metrics = self._step_fn(self._state, frozen, placed, self._base_key)
         self._bind()
         self._throttle(metrics["loss"])
         return metrics
+
+    def lower(self, batch: Any) -> jax.stages.Lowered:
+        """The step lowered for ``batch``, without running it or donating anything.
+
+        Args:
+            batch: as for `step`.
+
+        Returns:
+            A ``jax.stages.Lowered``; ``.compile().as_text()`` is the partitioned HLO that `step` runs.
+
+        Example:
+            >>> hlo = trainer.lower(batch).compile().as_text()  # doctest: +SKIP
+        """
+        placed = self.place_batch(jax.tree.map(lambda x: x.jax() if is_jax_tensor(x) else x, batch))
+        with jax.set_mesh(self.mesh):
+            return self._step_fn.lower(self._state, self._arrays(self._names[2]), placed, self._base_key)
 
     def _throttle(self, marker: jax.Array) -> None:
         self._in_flight.append(marker)
