@@ -1,0 +1,258 @@
+"""Step time of torchshard's Trainer against hand-written JAX, the torchax tutorial pattern and eager torch."""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import statistics
+import sys
+import time
+from collections.abc import Callable
+
+import torchshard as ts
+
+SIZES = (784, 1024, 1024, 1024, 10)
+
+
+def parse_args() -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--batch", type=int, default=2048)
+    parser.add_argument("--steps", type=int, default=10, help="timed steps (median reported)")
+    parser.add_argument("--warmup", type=int, default=3)
+    parser.add_argument("--cpu-devices", type=int, default=8, help="0: use JAX's default devices")
+    parser.add_argument("--configs", default="dp,tp,fsdp")
+    parser.add_argument("--no-torch", action="store_true", help="skip eager torch (slow on big batches)")
+    return parser.parse_args()
+
+
+def median_time(step: Callable[[], object], steps: int, warmup: int) -> float:
+    """Median wall time of ``step()`` including a wait for its result, after ``warmup`` calls."""
+    import jax
+
+    for _ in range(warmup):
+        jax.block_until_ready(step())
+    times = []
+    for _ in range(steps):
+        start = time.perf_counter()
+        jax.block_until_ready(step())
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+def build_model():
+    import torch
+    from torch import nn
+
+    torch.manual_seed(0)
+    layers = []
+    for i, (a, b) in enumerate(itertools.pairwise(SIZES)):
+        layers += [nn.Linear(a, b)] + ([nn.ReLU()] if i < len(SIZES) - 2 else [])
+    return nn.Sequential(*layers)
+
+
+def batch(n: int):
+    import torch
+
+    g = torch.Generator().manual_seed(0)
+    return torch.randn(n, SIZES[0], generator=g), torch.randint(0, SIZES[-1], (n,), generator=g)
+
+
+def loss_fn(model, b):
+    import torch.nn.functional as F
+
+    return F.cross_entropy(model(b[0]), b[1])
+
+
+def config(name: str):
+    linear = [str(2 * i) for i in range(len(SIZES) - 1)]
+    if name == "tp":
+        return {"data": -1, "model": 2}, ts.presets.tensor_parallel(colwise=linear[0::2], rowwise=linear[1::2])
+    if name == "fsdp":
+        return {"data": -1}, ts.presets.fsdp("data")
+    return {"data": -1}, ts.presets.data_parallel()
+
+
+def optimizer():
+    import optax
+
+    return optax.adamw(1e-4, weight_decay=0.01)
+
+
+def trainer_step(name: str, b):
+    axes, rules = config(name)
+    model = build_model()
+    trainer = ts.Trainer(model, loss_fn, optimizer(), ts.plan(model, ts.make_mesh(axes), rules))
+    placed = trainer.place_batch(b)
+    return trainer, lambda: trainer.step(placed)["loss"]
+
+
+def jax_step(trainer, b):
+    """The same step written by hand in JAX, with the Trainer's shardings and donation."""
+    import jax
+    import jax.numpy as jnp
+    import optax
+
+    opt = optimizer()
+    names = [f"{2 * i}" for i in range(len(SIZES) - 1)]
+
+    def loss(params, x, y):
+        h = x
+        for i, n in enumerate(names):
+            h = h @ params[f"{n}.weight"].T + params[f"{n}.bias"]
+            h = jax.nn.relu(h) if i < len(names) - 1 else h
+        return optax.softmax_cross_entropy_with_integer_labels(h, y).mean()
+
+    def step(params, state, x, y):
+        value, grads = jax.value_and_grad(loss)(params, x, y)
+        updates, state = opt.update(grads, state, params)
+        return optax.apply_updates(params, updates), state, value
+
+    shardings = trainer.state_shardings()
+    out = (
+        shardings.params,
+        shardings.opt_state,
+        jax.sharding.NamedSharding(trainer.mesh, jax.sharding.PartitionSpec()),
+    )
+    jitted = jax.jit(step, donate_argnums=(0, 1), out_shardings=out)
+    params = {k: jnp.copy(v) for k, v in trainer.state.params.items()}
+    state = jax.jit(opt.init, out_shardings=shardings.opt_state)(params)
+    x, y = trainer.place_batch(b)
+    holder = {"params": params, "state": state}
+
+    def run():
+        holder["params"], holder["state"], value = jitted(holder["params"], holder["state"], x, y)
+        return value
+
+    return run
+
+
+def tutorial_step(name: str, b):
+    """The torchax tutorial pattern: jit'd value_and_grad, then optax through call_jax outside jit."""
+    import jax
+    import optax
+    import torch
+    import torchax
+    import torchax.interop as interop
+
+    axes, rules = config(name)
+    model = build_model()
+    plan = ts.plan(model, ts.make_mesh(axes), rules)
+    ts.shard(model, plan)
+    weights = dict(model.named_parameters())
+    opt = optimizer()
+
+    def loss_fun(w, xy):
+        return loss_fn(lambda x: torch.func.functional_call(model, w, (x,)), xy)
+
+    grad_fn = interop.jax_jit(interop.jax_value_and_grad(loss_fun))
+    spec = jax.sharding.NamedSharding(plan.mesh, jax.sharding.PartitionSpec("data"))
+    xy = tuple(interop.torch_view(ts._placement.put(t, spec)) for t in b)
+    holder = {"w": weights, "state": interop.call_jax(opt.init, weights)}
+
+    def run():
+        with torchax.default_env():
+            value, grads = grad_fn(holder["w"], xy)
+            updates, holder["state"] = interop.call_jax(opt.update, grads, holder["state"], holder["w"])
+            holder["w"] = interop.call_jax(optax.apply_updates, holder["w"], updates)
+        return value.jax()
+
+    return run
+
+
+def torch_step(b):
+    import torch
+
+    model = build_model()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4, weight_decay=0.01)
+
+    def run():
+        opt.zero_grad()
+        loss = loss_fn(model, b)
+        loss.backward()
+        opt.step()
+        return loss.detach()
+
+    return run
+
+
+def gemm_flops_per_s(n: int, steps: int, warmup: int) -> float:
+    """FLOP/s of one plain jitted GEMM, batch sharded over all devices: the roofline here."""
+    import jax
+    import jax.numpy as jnp
+
+    mesh = ts.make_mesh({"data": -1})
+    spec = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec("data"))
+    x = jax.device_put(jnp.ones((n, 1024), jnp.float32), spec)
+    w = jax.device_put(
+        jnp.ones((1024, 1024), jnp.float32), jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
+    )
+    f = jax.jit(lambda a, b: a @ b)
+    return 2 * n * 1024 * 1024 / median_time(lambda: f(x, w), steps, warmup)
+
+
+def step_flops(n: int) -> int:
+    return 6 * n * sum(a * b for a, b in itertools.pairwise(SIZES))
+
+
+def per_device_bytes(trainer) -> int:
+    """Largest bytes held on one device by params and optimizer state."""
+    import jax
+
+    totals: dict[object, int] = {}
+    for leaf in jax.tree.leaves((trainer.state.params, trainer.state.opt_state)):
+        for shard in leaf.addressable_shards:
+            totals[shard.device] = totals.get(shard.device, 0) + shard.data.nbytes
+    return max(totals.values())
+
+
+def row(name: str, args, b, gemm: float, torch_s: float | None) -> dict[str, object]:
+    trainer, fused = trainer_step(name, b)
+    t_fused = median_time(fused, args.steps, args.warmup)
+    t_jax = median_time(jax_step(trainer, b), args.steps, args.warmup)
+    t_tut = median_time(tutorial_step(name, b), args.steps, args.warmup)
+    return {
+        "config": name,
+        "mesh": "×".join(f"{k}={v}" for k, v in trainer.mesh.shape.items()),
+        "trainer_ms": 1e3 * t_fused,
+        "vs_jax": t_fused / t_jax,
+        "tutorial_vs_trainer": t_tut / t_fused,
+        "torch_vs_trainer": None if torch_s is None else torch_s / t_fused,
+        "gemm_fraction": step_flops(args.batch) / t_fused / gemm,
+        "bytes_per_device": per_device_bytes(trainer),
+    }
+
+
+def print_table(rows: list[dict[str, object]]) -> None:
+    print(
+        "| config | mesh | Trainer step (ms) | Trainer / hand-written JAX | tutorial pattern / Trainer "
+        "| eager torch / Trainer | FLOP/s vs plain GEMM | params+Adam state per device (MiB) |"
+    )
+    print("|---|---|---|---|---|---|---|---|")
+    for r in rows:
+        torch_ratio = "—" if r["torch_vs_trainer"] is None else f"{r['torch_vs_trainer']:.2f}×"
+        print(
+            f"| {r['config']} | {r['mesh']} | {r['trainer_ms']:.1f} | {r['vs_jax']:.2f}× | "
+            f"{r['tutorial_vs_trainer']:.2f}× | {torch_ratio} | {r['gemm_fraction']:.0%} | "
+            f"{r['bytes_per_device'] / 2**20:.2f} |"
+        )
+
+
+def main() -> int:
+    args = parse_args()
+    if args.cpu_devices:
+        ts.use_cpu_devices(args.cpu_devices)
+    import jax
+
+    b = batch(args.batch)
+    gemm = gemm_flops_per_s(args.batch, args.steps, args.warmup)
+    torch_s = None if args.no_torch else median_time(torch_step(b), args.steps, args.warmup)
+    print(f"devices: {jax.device_count()} × {jax.devices()[0].platform}; batch {args.batch}; MLP {SIZES}; AdamW")
+    torch_ms = "—" if torch_s is None else f"{1e3 * torch_s:.1f} ms"
+    print(f"plain jitted GEMM: {gemm / 1e9:.1f} GFLOP/s; eager torch step: {torch_ms}")
+    rows = [row(name, args, b, gemm, torch_s) for name in args.configs.split(",")]
+    print_table(rows)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
