@@ -10,7 +10,7 @@ from typing import Any
 import torch
 from jax.sharding import Mesh, PartitionSpec
 
-from torchshard._errors import ShardingError
+from torchshard._errors import raise_if_any
 
 
 @dataclasses.dataclass(frozen=True)
@@ -135,8 +135,7 @@ class Rules:
     ) -> None:
         rows = list(rows)
         problems = [p for i, row in enumerate(rows) if (p := _check_row(row, i)) is not None]
-        if problems:
-            raise ShardingError(problems, header=f"invalid rule table ({len(problems)} problem(s))")
+        raise_if_any(problems, header="invalid rule table")
         self._rules = tuple(_to_rule(row, source) for row in rows)
         self._transforms = tuple(transforms)
 
