@@ -1,6 +1,6 @@
 """Shard ordinary torch.nn.Modules over a JAX device mesh with regex rules, and train them."""
 
-from torchshard import collectives, presets
+from torchshard import collectives, inspect, presets
 from torchshard._errors import ShardingError, UnusedRuleWarning
 from torchshard._mesh import make_mesh, use_cpu_devices
 from torchshard._placement import constrain, init_sharded, shard
@@ -22,6 +22,7 @@ __all__ = [
     "collectives",
     "constrain",
     "init_sharded",
+    "inspect",
     "make_mesh",
     "plan",
     "presets",
