@@ -1,0 +1,31 @@
+"""Smoke test of benchmarks/collectives.py: tiny sizes in a subprocess, a full table and a PNG."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+SCRIPT = Path(__file__).resolve().parent.parent / "benchmarks" / "collectives.py"
+OPS = ("all_gather", "psum", "psum_scatter", "all_to_all", "ppermute")
+
+
+def test_collectives_benchmark_runs(tmp_path):
+    png = tmp_path / "bw.png"
+    done = subprocess.run(
+        [sys.executable, str(SCRIPT), "--sizes", "1K,4K", "--iters", "2", "--plot", str(png)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert done.returncode == 0, done.stderr
+    rows = [line.split("|")[1:-1] for line in done.stdout.splitlines() if line.startswith("| ") and "---" not in line]
+    header, body = [c.strip() for c in rows[0]], [[c.strip() for c in row] for row in rows[1:]]
+    assert header == ["op", "devices", "size/device", "time (µs)", "algbw (GB/s)", "busbw (GB/s)"]
+    assert [(r[0], r[2]) for r in body] == [(op, size) for op in OPS for size in ("1 KiB", "4 KiB")]
+    for op, devices, _, micros, algbw, busbw in body:
+        n = int(devices)
+        factor = {"psum": 2 * (n - 1) / n, "ppermute": 1.0}.get(op, (n - 1) / n)
+        assert float(micros) > 0 and float(algbw) > 0
+        assert abs(float(busbw) - float(algbw) * factor) <= 2e-3 * float(algbw), (op, algbw, busbw)
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
