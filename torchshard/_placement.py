@@ -9,7 +9,7 @@ from typing import Any, Literal
 import jax
 import numpy as np
 import torch
-from jax.sharding import Mesh, NamedSharding, PartitionSpec
+from jax.sharding import AbstractMesh, Mesh, NamedSharding, PartitionSpec
 
 from torchshard import _compat
 from torchshard._errors import ShardingError, raise_if_any
@@ -135,12 +135,12 @@ def shard(model: torch.nn.Module, plan: ShardingPlan) -> torch.nn.Module:
     return assign(model, arrays, plan)
 
 
-def _ambient_mesh(mesh: Mesh | None) -> Mesh:
+def _ambient_mesh(mesh: Mesh | None, *, tracing: bool) -> Mesh | AbstractMesh:
     if mesh is not None:
         return mesh
-    found = jax.sharding.get_mesh()
-    if found is None or not found.shape:
-        found = jax.sharding.get_abstract_mesh()
+    # under jit only the abstract mesh may be read (it is all with_sharding_constraint needs);
+    # an eager transfer needs the concrete one
+    found = jax.sharding.get_abstract_mesh() if tracing else jax.sharding.get_mesh()
     if found is None or not found.shape:
         raise ShardingError(
             "constrain() needs a mesh: pass mesh=, or call it inside Trainer.step / `with jax.set_mesh(mesh):`."
@@ -168,7 +168,7 @@ def constrain(tensor: torch.Tensor, spec: SpecLike, mesh: Mesh | None = None) ->
     """
     if not is_jax_tensor(tensor):
         return tensor
-    mesh = _ambient_mesh(mesh)
+    mesh = _ambient_mesh(mesh, tracing=isinstance(tensor.jax(), jax.core.Tracer))
     try:
         spec = to_spec(spec)
     except TypeError:
