@@ -100,6 +100,31 @@ def test_tp_preset_uses_common_projection_names(capsys, tmp_path):
     assert specs["block.down_proj.weight"] == str(P(None, "model"))
 
 
+def test_compact_format_shows_each_tensor_once(capsys):
+    code, out, _ = _run(capsys, "models:TiedLM", "--mesh", "data=4,model=2", "--preset", "fsdp", "--format", "compact")
+    assert code == EXIT_OK
+    assert "Mesh(data=4, model=2): 10 of 10 tensors shown" in out
+    assert "embed.weight = head.weight  64×32" in out and "training memory per device" in out
+
+
+def test_compare_lists_the_specs_that_differ(capsys, tmp_path):
+    rules = _file(tmp_path, "rules.py", 'RULES = [(r"layers\\.0\\.weight", ("model", None))]\n')
+    argv = ["models:MLP", "--mesh", "data=4,model=2", "--rules", rules, "--compare", "fsdp"]
+    code, out, _ = _run(capsys, *argv, "--format", "json")
+    mesh = ts.make_mesh({"data": 4, "model": 2})
+    here, there = (
+        ts.plan(MLP(), mesh, ts.Rules([(r"layers\.0\.weight", ("model", None))])),
+        ts.plan(MLP(), mesh, presets.fsdp("data")),
+    )
+    expected = {name: [str(a), str(b)] for name, (a, b) in here.diff(there).items()}
+    assert code == EXIT_OK and expected
+    assert json.loads(out)["compare"] == {"against": "--preset fsdp", "differs": expected}
+    code, out, _ = _run(capsys, *argv)
+    assert f"compared with --preset fsdp: {len(expected)} tensor(s) differ" in out
+    assert re.search(r"layers\.0\.weight\s+P\('model', None\)\s+P\(\)\n", out)  # under min_size: fsdp leaves it
+    assert re.search(r"layers\.1\.weight\s+P\(\)\s+P\('data', None\)", out)
+
+
 INVALID = {
     "unknown axis and indivisible dim": (
         'RULES = [(r"layers\\.0\\.weight", ("model", None)), (r"layers\\.1\\.weight", ("data", None))]',
@@ -132,6 +157,7 @@ USAGE = {
     "no module": (["no_such_module_xyz:f", "--mesh", "data=8"], r"cannot import 'no_such_module_xyz'"),
     "no attribute": (["models:Nope", "--mesh", "data=8"], r"'models' has no attribute 'Nope'"),
     "not a module": (["os:getcwd", "--mesh", "data=8"], r"the factory returned a str, not a torch.nn.Module"),
+    "bad compare": (["models:MLP", "--mesh", "data=8", "--compare", "zero"], r"--compare 'zero': give a preset"),
     "hf without tp plan": (["models:MLP", "--mesh", "model=8", "--preset", "hf"], r"MLP has no config.base_model"),
 }  # fmt: skip
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import importlib
-import importlib.util
+import io
 import json
 import math
 import os
@@ -21,6 +21,7 @@ import torch
 import torchshard as ts
 from torchshard import presets
 from torchshard._plan import _fmt_bytes
+from torchshard._visualize import replicated_over
 
 EXIT_OK, EXIT_INVALID_PLAN, EXIT_USAGE = 0, 1, 2
 
@@ -165,13 +166,12 @@ def memory(plan: ts.ShardingPlan, model: torch.nn.Module) -> Memory:
 
 def replicated(plan: ts.ShardingPlan, top: int) -> list[dict[str, Any]]:
     """The ``top`` largest tensors (bytes per device) that some mesh axis holds more than one copy of."""
-    found = []
-    for e in plan.unique_entries():
-        used = {a for entry in e.spec if entry is not None for a in ((entry,) if isinstance(entry, str) else entry)}
-        over = [a for a, n in plan.mesh.shape.items() if a not in used and n > 1]
-        if over:
-            found.append({"name": e.name, "shape": list(e.shape), "spec": str(e.spec), "replicated_over": over,
-                          "bytes_per_device": e.bytes_per_device})  # fmt: skip
+    found = [
+        {"name": e.name, "shape": list(e.shape), "spec": str(e.spec), "replicated_over": over,
+         "bytes_per_device": e.bytes_per_device}
+        for e in plan.unique_entries()
+        if (over := replicated_over(e.spec, plan.mesh))
+    ]  # fmt: skip
     return sorted(found, key=lambda r: -r["bytes_per_device"])[:top]
 
 
@@ -203,18 +203,27 @@ def _replicated_cells(rows: list[dict[str, Any]]) -> list[tuple[str, ...]]:
     ]  # fmt: skip
 
 
-def format_table(data: dict[str, Any], plan: ts.ShardingPlan) -> str:
+def _aligned(rows: Sequence[tuple[str, ...]]) -> list[str]:
+    widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
+    return ["  " + "  ".join(c.ljust(w) for c, w in zip(row, widths, strict=True)).rstrip() for row in rows]
+
+
+def format_text(data: dict[str, Any], body: str) -> str:
+    """The plan (``body``: its table or compact view), then memory, replicated tensors and the comparison."""
     mem = data["per_device_bytes"]
     share = mem["total"] / max(data["unsharded_bytes"], 1)
-    lines = [_mesh_line(data), "", plan.table(), "", "training memory per device (AdamW, activations not included):"]
+    lines = [_mesh_line(data), "", body, "", "training memory per device (AdamW, activations not included):"]
     lines += [f"  {name:<24}{_fmt_bytes(n):>12}" for name, n in mem.items()]
     lines += [f"  ({share:.1%} of {_fmt_bytes(data['unsharded_bytes'])} on one device)", ""]
-    cells = [("name", "shape", "replicated over", "bytes/device"), *_replicated_cells(data["largest_replicated"])]
-    widths = [max(len(row[i]) for row in cells) for i in range(4)]
-    if len(cells) == 1:
-        return "\n".join([*lines, "no tensor is replicated over any mesh axis"])
-    lines.append(f"largest replicated tensors ({len(cells) - 1}):")
-    lines += ["  " + "  ".join(c.ljust(w) for c, w in zip(row, widths, strict=True)).rstrip() for row in cells]
+    cells = _replicated_cells(data["largest_replicated"])
+    lines += (
+        [f"largest replicated tensors ({len(cells)}):"] if cells else ["no tensor is replicated over any mesh axis"]
+    )
+    lines += _aligned([("name", "shape", "replicated over", "bytes/device"), *cells]) if cells else []
+    if "compare" in data:
+        differs = data["compare"]["differs"]
+        lines += ["", f"compared with {data['compare']['against']}: {len(differs)} tensor(s) differ"]
+        lines += _aligned([("name", "spec here", "spec there"), *((n, *pair) for n, pair in differs.items())])
     return "\n".join(lines)
 
 
@@ -233,7 +242,12 @@ def format_markdown(data: dict[str, Any], plan: ts.ShardingPlan) -> str:
     cells = _replicated_cells(data["largest_replicated"])
     replicated_rows = ["| replicated tensor | shape | over | bytes/device |", "|---|---|---|---|"]
     replicated_rows += [f"| `{name}` | {shape} | {over} | {size} |" for name, shape, over, size in cells]
-    return "\n".join([f"**{_mesh_line(data)}**", "", head, *body, "", *mem, "", *(replicated_rows if cells else [])])
+    lines = [f"**{_mesh_line(data)}**", "", head, *body, "", *mem, "", *(replicated_rows if cells else [])]
+    if "compare" in data:
+        differs = data["compare"]["differs"]
+        lines += ["", f"compared with {data['compare']['against']}: {len(differs)} tensor(s) differ", ""]
+        lines += [f"- `{name}`: `{here}` here, `{there}` there" for name, (here, there) in differs.items()]
+    return "\n".join(lines)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -247,33 +261,67 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--fsdp-axis", default="data", help="mesh axis of the fsdp presets (default: data)")
     p.add_argument("--tp-axis", default="model", help="mesh axis of the tp presets (default: model)")
     p.add_argument("--default", choices=("replicate", "error"), default="replicate", help="unmatched tensors")
-    p.add_argument("--format", choices=("table", "json", "markdown"), default="table")
+    p.add_argument("--compare", metavar="PRESET|FILE.py", help="list the tensors whose spec differs under this")
+    p.add_argument("--format", choices=("table", "compact", "json", "markdown"), default="table")
     p.add_argument("--top", type=int, default=5, help="how many replicated tensors to list (default: 5)")
     return parser
+
+
+def plan_with(
+    args: argparse.Namespace, model: torch.nn.Module, mesh: Any, *, rules_file: str | None, preset: str | None
+) -> ts.ShardingPlan:
+    """Plans ``model`` with a rules file's rows, then a preset's; unused-rule warnings become notes on stderr."""
+    rules = load_rules(rules_file) if rules_file else ts.Rules()
+    if preset:
+        rules = rules + preset_rules(preset, model, mesh, fsdp_axis=args.fsdp_axis, tp_axis=args.tp_axis)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always", ts.UnusedRuleWarning)
+        plan = ts.plan(model, mesh, rules, default=args.default)
+    for w in caught:
+        print(f"note: {w.message}", file=sys.stderr)
+    return plan
+
+
+def compare(args: argparse.Namespace, model: torch.nn.Module, plan: ts.ShardingPlan) -> dict[str, Any]:
+    """``--compare PRESET|FILE.py``: the tensors whose spec differs from the plan under that preset or rules file."""
+    other = args.compare
+    if other not in PRESETS and not other.endswith(".py"):
+        raise UsageError(f"--compare {other!r}: give a preset ({', '.join(PRESETS)}) or a rules file ending in .py")
+    is_preset = other in PRESETS
+    there = plan_with(
+        args, model, plan.mesh, rules_file=None if is_preset else other, preset=other if is_preset else None
+    )
+    differs = {name: [str(a), str(b)] for name, (a, b) in plan.diff(there).items()}
+    return {"against": f"--preset {other}" if is_preset else f"--rules {other}", "differs": differs}
 
 
 def run_plan(args: argparse.Namespace) -> str:
     """Builds, plans and formats; raises `UsageError` or `ShardingError`."""
     model = build_on_meta(load_factory(args.target))
     mesh, abstract = build_mesh(parse_mesh(args.mesh))
-    rules = load_rules(args.rules) if args.rules else ts.Rules()
-    if args.preset:
-        rules = rules + preset_rules(args.preset, model, mesh, fsdp_axis=args.fsdp_axis, tp_axis=args.tp_axis)
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always", ts.UnusedRuleWarning)
-        plan = ts.plan(model, mesh, rules, default=args.default)
-    for w in caught:
-        print(f"note: {w.message}", file=sys.stderr)
+    plan = plan_with(args, model, mesh, rules_file=args.rules, preset=args.preset)
     data = report(model, plan, abstract=abstract, top=args.top)
-    formats = {"json": lambda: json.dumps(data, indent=2), "markdown": lambda: format_markdown(data, plan)}
-    return formats.get(args.format, lambda: format_table(data, plan))()
+    if args.compare:
+        data["compare"] = compare(args, model, plan)
+    if args.format == "json":
+        return json.dumps(data, indent=2)
+    if args.format == "markdown":
+        return format_markdown(data, plan)
+    return format_text(data, _compact(plan) if args.format == "compact" else plan.table())
+
+
+def _compact(plan: ts.ShardingPlan) -> str:
+    out = io.StringIO()
+    ts.visualize_plan(plan, file=out)
+    return out.getvalue().rstrip()
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point: 0 for a valid plan, 1 with the full `ShardingError` for an invalid one, 2 for usage errors."""
     os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")  # a dry run must not grab accelerator memory
     args = build_parser().parse_args(argv)
-    sys.path.insert(0, str(Path.cwd()))
+    if str(Path.cwd()) not in sys.path:
+        sys.path.insert(0, str(Path.cwd()))  # MODULE:FACTORY names modules of the working directory
     try:
         print(run_plan(args))
     except ts.ShardingError as err:

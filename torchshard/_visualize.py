@@ -132,11 +132,15 @@ def visualize(tensor: torch.Tensor, *, file: TextIO | None = None) -> None:
     _write(head + "\n" + render_blocks(_blocks_from_indices(array.shape, sharding)), file)
 
 
-def _copies(spec: PartitionSpec, mesh: Mesh | AbstractMesh) -> str:
+def replicated_over(spec: PartitionSpec, mesh: Mesh | AbstractMesh) -> list[str]:
+    """The mesh axes (of size > 1) that ``spec`` does not use: each block has one copy per device along them."""
     used = {a for e in spec for a in _axes(e)}
-    free = [a for a in mesh.shape if a not in used]
-    count = math.prod(mesh.shape[a] for a in free)
-    return f"{count} ({','.join(free)})" if free and count > 1 else "1"
+    return [a for a, n in mesh.shape.items() if a not in used and n > 1]
+
+
+def _copies(spec: PartitionSpec, mesh: Mesh | AbstractMesh) -> str:
+    free = replicated_over(spec, mesh)
+    return f"{math.prod(mesh.shape[a] for a in free)} ({','.join(free)})" if free else "1"
 
 
 def _pieces(entry: PlanEntry) -> str:
@@ -163,7 +167,7 @@ def _columns(rows: Sequence[tuple[str, ...]]) -> list[str]:
 
 
 def _summary(plan: ShardingPlan) -> str:
-    replicated = [e for e in plan.unique_entries() if not any(_axes(x) for x in e.spec)]
+    replicated = [e for e in plan.unique_entries() if not any(_axes(entry) for entry in e.spec)]
     per_device = plan.bytes_per_device()
     return (
         f"{len(plan.unique_entries())} tensors, {_fmt_bytes(per_device)} per device of {_fmt_bytes(plan.total_bytes())}"
