@@ -12,6 +12,10 @@ from jax.sharding import PartitionSpec as P
 
 import torchshard as ts
 from torchshard import collectives as C
+from torchshard._compat import import_torchax
+
+import_torchax()
+from torchax import interop  # noqa: E402
 
 
 def _fsdp_matmul(x, w):
@@ -59,6 +63,21 @@ def test_matches_eager_torch(case, mesh_dm):
     out = C.shard_map(fn, mesh=mesh_dm, in_specs=in_specs, out_specs=out_specs)(*args)
     assert_close(out, truth(*args), what=case)
     assert out.jax().sharding == NamedSharding(mesh_dm, out_specs)
+
+
+def test_differentiable_under_jax_grad(mesh_dm):
+    torch.manual_seed(0)
+    x, w1, w2 = torch.randn(4, 16), torch.randn(16, 32), torch.randn(32, 16)
+    specs = (P(None, "model"), P(None, "model"), P("model", None))
+    mlp = C.shard_map(_tp_mlp, mesh=mesh_dm, in_specs=specs, out_specs=P(None, "model"))
+    loss = lambda a, b: (mlp(x, a, b) ** 2).sum()  # noqa: E731
+    value, grads = jax.value_and_grad(interop.jax_view(loss), argnums=(0, 1))(w1.numpy(), w2.numpy())
+    a, b = w1.clone().requires_grad_(), w2.clone().requires_grad_()
+    expected = (_mlp_truth(x, a, b) ** 2).sum()
+    expected.backward()
+    assert_close(value, expected.detach(), what="loss")
+    assert_close(grads[0], a.grad, what="grad w1")
+    assert_close(grads[1], b.grad, what="grad w2")
 
 
 def test_placed_inputs_are_resharded_to_in_specs(mesh_dm):

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import functools
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
@@ -120,7 +121,8 @@ def shard_map(
 
     Inside ``fn`` each argument is the device's local block (a torchax tensor), torch ops run
     locally, and the collectives of this module communicate across mesh axes. The result is
-    jitted once per input signature.
+    jitted once per input signature, and differentiable under JAX transforms (e.g. inside a
+    `Trainer` loss), though not by eager ``torch.autograd``.
 
     Args:
         fn: takes and returns torch tensors (a tensor or a tuple of them).
@@ -165,6 +167,7 @@ def shard_map(
 
     compiled: dict[tuple[PartitionSpec, ...], Callable[..., Any]] = {}
 
+    @functools.wraps(fn)
     def call(*args: Any) -> Any:
         specs = _as_tuple(_per_item(in_tree, len(args), "in_specs"), len(args))
         _check_inputs(args, specs, mesh)
