@@ -279,6 +279,20 @@ def test_init_sharded_model_runs_like_torch(mesh_dm):
     assert_close(_jit_forward(model)(_batch(ids, mesh_dm)), expected)
 
 
+class WithIntegerBuffers(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.norm = nn.BatchNorm1d(16)  # num_batches_tracked is int64 in torch
+        self.register_buffer("index", torch.arange(16))
+
+
+def test_init_sharded_narrows_64_bit_buffers_quietly(mesh_dm):
+    # filterwarnings = error: JAX's "int64 is not available" warning would fail this test
+    model = torchshard.init_sharded(WithIntegerBuffers, mesh_dm, presets.fsdp(min_size=16))
+    assert model.index.jax().sharding.spec == P("data")
+    assert_trees_close(model.state_dict(), WithIntegerBuffers().state_dict())
+
+
 def test_init_sharded_reports_plan_errors(mesh_dm):
     with pytest.raises(ShardingError, match=r"layers\.0\.weight \(64, 32\) .*unknown mesh axis 'modle'"):
         torchshard.init_sharded(lambda: MLP(), mesh_dm, [(r"layers\.0\.weight", ("modle", None))])

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-
+import warnings
 from collections.abc import Callable, Iterable
 from typing import Any, Literal
 
@@ -20,7 +20,6 @@ from torchshard._rules import Rules, SpecLike, TensorInfo, to_spec
 _compat.import_torchax()
 import torchax  # noqa: E402
 import torchax.tensor  # noqa: E402
-
 
 _fixed_envs: set[int] = set()
 
@@ -189,7 +188,9 @@ def _materialise(model_fn: Callable[[], torch.nn.Module], p: ShardingPlan, seed:
     def build(key: jax.Array) -> list[jax.Array]:
         saved = tx._property.content  # torch init consumes torchax's RNG; keep its tracers inside
         try:
-            with tx:
+            with tx, warnings.catch_warnings():
+                # 64-bit tensors are narrowed unless x64 is on, as `shard` does; JAX would warn per tensor
+                warnings.filterwarnings("ignore", "Explicitly requested dtype int64", UserWarning)
                 tx.manual_seed(wrap(key))
                 with torch.device("jax"):
                     model = model_fn()
@@ -199,7 +200,7 @@ def _materialise(model_fn: Callable[[], torch.nn.Module], p: ShardingPlan, seed:
             tx._property.content = saved
 
     arrays = jax.jit(build, out_shardings=shardings)(np.uint32(seed))
-    return dict(zip(names, arrays))
+    return dict(zip(names, arrays, strict=True))
 
 
 def init_sharded(
@@ -249,5 +250,3 @@ def spec_of(tensor: torch.Tensor) -> PartitionSpec | None:
     """The ``PartitionSpec`` of a placed tensor (None if it is not a NamedSharding)."""
     sharding = tensor.jax().sharding if is_jax_tensor(tensor) else None
     return sharding.spec if isinstance(sharding, NamedSharding) else None
-
-
