@@ -192,11 +192,13 @@ def visualize_plan(
         file: where to write; defaults to ``sys.stdout``.
 
     Example:
-        >>> visualize_plan(plan(model, mesh, presets.fsdp()), names=r"layers\\.0\\.")  # doctest: +SKIP
-        Mesh(data=8): 2 of 4 tensors shown
-        tensor           shape  pieces  shard  copies  bytes/device
-        layers.0.weight  64×32  8×1     8×32   1       1.00 KiB
-        ...
+        >>> p = plan(MLP(), make_mesh({"data": 8}), presets.fsdp())  # doctest: +SKIP
+        >>> visualize_plan(p, names=r"layers\\.1\\.")  # doctest: +SKIP
+        Mesh(data=8): 2 of 6 tensors shown
+        tensor           shape  pieces  shard  copies    bytes/device
+        layers.1.weight  64×64  8×1     8×64   1         2.00 KiB
+        layers.1.bias    64     1       64     8 (data)  256 B
+        6 tensors, 14.56 KiB per device of 28.56 KiB; 5 fully replicated (12.56 KiB on every device)
     """
     rows = _plan_rows(plan, names)
     head = f"{describe_mesh(plan.mesh)}: {len(rows)} of {len(plan.unique_entries())} tensors shown"
