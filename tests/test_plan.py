@@ -167,11 +167,14 @@ def test_plan_on_an_abstract_mesh(mesh_dm):
         ([(r"embed\.weight", (None, "model"))], P(None, "model"), r"'embed\\.weight'"),
         ([(r"(embed|head)\.weight", ("model", None))], P("model", None), r"'(embed|head)\\.weight'"),
         ([], P(), "default: replicate"),
+        # the same sharding spelled two ways is no conflict
+        ([(r"embed\.weight", ("model",)), (r"head\.weight", (("model",), None))], P("model"), r"'embed\\.weight'"),
     ],
 )
 def test_tied_tensor_gets_one_sharding(mesh_dm, rules, spec, rule):
     plan = torchshard.plan(TiedLM(), mesh_dm, rules)
     assert plan.spec("embed.weight") == plan.spec("head.weight") == spec
+    assert plan["embed.weight"] == plan["head.weight"]
     assert plan.entries["head.weight"].tied_to == "embed.weight"
     assert plan.entries["embed.weight"].tied_to is None
     assert plan.canonical("head.weight") == plan.canonical("embed.weight") == "embed.weight"

@@ -232,13 +232,21 @@ def _resolve_one(info: TensorInfo, table: list[Rule], rules: Rules, default: str
     return _Resolved(spec, label, rule is not None)
 
 
+def _same_sharding_key(spec: PartitionSpec) -> tuple[Any, ...]:
+    """``P('a')``, ``P('a', None)`` and ``P(('a',), None)`` shard alike; they get one key."""
+    entries = [e[0] if isinstance(e, tuple) and len(e) == 1 else e for e in spec]
+    while entries and entries[-1] is None:
+        entries.pop()
+    return tuple(entries)
+
+
 def _tie_problems(resolved: Mapping[str, _Resolved], ties: Mapping[str, str], mesh: Any) -> list[str]:
     groups: dict[str, list[str]] = {}
     for name, canon in ties.items():
         groups.setdefault(canon, []).append(name)
     problems = []
     for names in groups.values():
-        specs = {resolved[n].spec for n in names if n in resolved and resolved[n].explicit}
+        specs = {_same_sharding_key(resolved[n].spec) for n in names if n in resolved and resolved[n].explicit}
         if len(specs) > 1:
             explicit = [n for n in names if n in resolved and resolved[n].explicit]
             detail = ", ".join(f"{n} → {resolved[n].spec} ({resolved[n].rule})" for n in explicit)
