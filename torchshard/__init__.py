@@ -1,6 +1,15 @@
 """Shard ordinary torch.nn.Modules over a JAX device mesh with regex rules, and train them."""
 
 from torchshard import collectives, inspect, presets
+from torchshard._checkpoint import (
+    CheckpointError,
+    checkpoint_steps,
+    from_torch_state_dict,
+    load,
+    save,
+    save_safetensors,
+    to_torch_state_dict,
+)
 from torchshard._errors import ShardingError, UnusedRuleWarning
 from torchshard._mesh import make_mesh, use_cpu_devices
 from torchshard._placement import constrain, init_sharded, shard
@@ -10,6 +19,7 @@ from torchshard._trainer import Trainer, TrainState
 from torchshard._visualize import visualize, visualize_plan
 
 __all__ = [
+    "CheckpointError",
     "PlanEntry",
     "Rule",
     "Rules",
@@ -19,14 +29,20 @@ __all__ = [
     "TrainState",
     "Trainer",
     "UnusedRuleWarning",
+    "checkpoint_steps",
     "collectives",
     "constrain",
+    "from_torch_state_dict",
     "init_sharded",
     "inspect",
+    "load",
     "make_mesh",
     "plan",
     "presets",
+    "save",
+    "save_safetensors",
     "shard",
+    "to_torch_state_dict",
     "use_cpu_devices",
     "visualize",
     "visualize_plan",
