@@ -1,6 +1,6 @@
 """Shard ordinary torch.nn.Modules over a JAX device mesh with regex rules, and train them."""
 
-from torchshard import collectives, inspect, presets
+from torchshard import collectives, distributed, inspect, presets
 from torchshard._checkpoint import (
     CheckpointError,
     checkpoint_steps,
@@ -32,6 +32,7 @@ __all__ = [
     "checkpoint_steps",
     "collectives",
     "constrain",
+    "distributed",
     "from_torch_state_dict",
     "init_sharded",
     "inspect",
