@@ -50,20 +50,28 @@ def host_array(t: torch.Tensor) -> np.ndarray:
     return arr
 
 
-def put(value: Any, sharding: NamedSharding) -> jax.Array:
+def put(value: Any, sharding: NamedSharding, *, process_local: bool = False) -> jax.Array:
     """Places ``value`` (CPU torch tensor, torchax tensor, numpy or jax array) with ``sharding``.
 
     Under tracing this is a sharding constraint; eagerly a transfer. Host data is read one
-    addressable shard at a time, so each process only places its own shards.
+    addressable shard at a time, so each process only places its own shards. With
+    ``process_local``, ``value`` is only this process's part of the global array (its rows of
+    each sharded dim, concatenated in order), as when each host loads its own slice of a batch.
     """
     if is_jax_tensor(value):
         value = value.jax()
     if isinstance(value, jax.core.Tracer):
         return jax.lax.with_sharding_constraint(value, sharding)
+    if process_local:
+        return jax.make_array_from_process_local_data(sharding, _host(value))
     if isinstance(value, jax.Array):
         return jax.device_put(value, sharding)
-    host = host_array(value) if isinstance(value, torch.Tensor) else np.asarray(value)
+    host = _host(value)
     return jax.make_array_from_callback(host.shape, sharding, lambda index: host[index])
+
+
+def _host(value: Any) -> np.ndarray:
+    return host_array(value) if isinstance(value, torch.Tensor) else np.asarray(value)
 
 
 def wrap(array: jax.Array) -> torch.Tensor:

@@ -19,6 +19,7 @@ from torchshard._mesh import describe_mesh
 from torchshard._placement import env, is_jax_tensor, put, shard, wrap
 from torchshard._plan import ShardingPlan, model_tensors
 from torchshard._rules import SpecLike, to_spec
+from torchshard.distributed import global_shape
 
 LossFn = Callable[[torch.nn.Module, Any], Any]
 Arrays = dict[str, jax.Array]
@@ -224,21 +225,31 @@ class Trainer:
     def _leaf_spec(self, x: Any) -> PartitionSpec:
         return self.batch_spec if len(getattr(x, "shape", ())) >= len(self.batch_spec) else PartitionSpec()
 
-    def place_batch(self, batch: Any) -> Any:
+    def place_batch(self, batch: Any, *, local: bool = False) -> Any:
         """Places every leaf of ``batch`` (torch CPU/torchax tensors, numpy, jax) with ``batch_spec``.
+
+        Args:
+            batch: the global batch, the same on every process; or, with ``local``, only this
+                process's rows (see `torchshard.distributed.local_batch_slice`).
+            local: ``batch`` is this process's slice of the global batch.
 
         Raises:
             ShardingError: every leaf whose sharded dims do not divide by the mesh axes.
         """
         leaves = jax.tree.leaves(batch)
-        raise_if_any(
-            [p for i, leaf in enumerate(leaves) for p in self._batch_problems(i, leaf)],
-            header=f"batch does not fit batch_spec {self.batch_spec} on {describe_mesh(self.mesh)}",
-        )
-        return jax.tree.map(lambda x: put(x, NamedSharding(self.mesh, self._leaf_spec(x))), batch)
+        problems = [p for i, leaf in enumerate(leaves) for p in self._batch_problems(i, leaf, local=local)]
+        raise_if_any(problems, header=f"batch does not fit batch_spec {self.batch_spec} on {describe_mesh(self.mesh)}")
+        return jax.tree.map(lambda x: put(x, self._leaf_sharding(x), process_local=local), batch)
 
-    def _batch_problems(self, index: int, leaf: Any) -> list[str]:
+    def _leaf_sharding(self, x: Any) -> NamedSharding:
+        return NamedSharding(self.mesh, self._leaf_spec(x))
+
+    def _batch_problems(self, index: int, leaf: Any, *, local: bool = False) -> list[str]:
         shape = tuple(getattr(leaf, "shape", ()))
+        if local:
+            shape, problems = global_shape(shape, self._leaf_sharding(leaf), what=f"process-local batch leaf #{index}")
+            if problems:
+                return problems
         spec = self._leaf_spec(leaf)
         problems = []
         for dim, entry in enumerate(spec):
@@ -253,19 +264,23 @@ class Trainer:
                 )
         return problems
 
-    def step(self, batch: Any) -> dict[str, jax.Array]:
+    def step(self, batch: Any, *, local: bool = False) -> dict[str, jax.Array]:
         """Runs one training step on ``batch``; returns metrics as unsynchronised jax scalars.
 
         ``float(metrics["loss"])`` waits for the value; not reading it lets steps overlap,
-        up to ``max_in_flight`` queued steps.
+        up to ``max_in_flight`` queued steps. In a multi-process run the metrics are the same
+        on every process.
 
         Args:
-            batch: a pytree (tensor, tuple, dict...) of torch CPU tensors or placed tensors.
+            batch: a pytree (tensor, tuple, dict...) of torch CPU tensors or placed tensors: by
+                default the global batch, the same on every process.
+            local: ``batch`` holds only this process's rows of the global batch (each host loads
+                its own slice; see `torchshard.distributed.local_batch_slice`).
 
         Returns:
             ``{"loss": ..., "grad_norm": ..., **aux}``.
         """
-        placed = self.place_batch(jax.tree.map(lambda x: x.jax() if is_jax_tensor(x) else x, batch))
+        placed = self.place_batch(jax.tree.map(lambda x: x.jax() if is_jax_tensor(x) else x, batch), local=local)
         frozen = self._arrays(self._names[2])
         with jax.set_mesh(self.mesh):  # constrain() inside forward reads the mesh it is traced under
             self._state, metrics = self._step_fn(self._state, frozen, placed, self._base_key)
