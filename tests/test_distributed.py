@@ -1,0 +1,312 @@
+"""Multi-process runs: initialize() resolution, the local launcher, and 1×8 vs 2×4 training parity."""
+
+from __future__ import annotations
+
+import io
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import jax
+import pytest
+import torch
+from helpers import assert_close, assert_trees_close
+from jax.sharding import NamedSharding, PartitionSpec
+
+import torchshard
+from torchshard import ShardingError, distributed, launch
+
+TESTS = Path(__file__).parent
+ROOT = TESTS.parent
+ENV_NAMES = (
+    distributed.COORDINATOR_ENV,
+    distributed.NUM_PROCESSES_ENV,
+    distributed.PROCESS_ID_ENV,
+    distributed.CPU_DEVICES_ENV,
+    "SLURM_JOB_ID",
+    "SLURM_NTASKS",
+    "OMPI_MCA_orte_hnp_uri",
+    "OMPI_COMM_WORLD_SIZE",
+    "TPU_WORKER_HOSTNAMES",
+)
+LAUNCH_ENV = {
+    distributed.COORDINATOR_ENV: "127.0.0.1:5000",
+    distributed.NUM_PROCESSES_ENV: "2",
+    distributed.PROCESS_ID_ENV: "1",
+}
+
+
+# --- resolve(): where the setup comes from -------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("args", "environ", "expected"),
+    [
+        ({}, {}, distributed.ProcessGroup("single")),
+        (
+            {"coordinator_address": "h:1", "num_processes": 2, "process_id": 0},
+            {},
+            distributed.ProcessGroup("arguments", "h:1", 2, 0),
+        ),
+        ({}, LAUNCH_ENV, distributed.ProcessGroup("environment", "127.0.0.1:5000", 2, 1)),
+        (
+            {},
+            {**LAUNCH_ENV, distributed.CPU_DEVICES_ENV: "4"},
+            distributed.ProcessGroup("environment", "127.0.0.1:5000", 2, 1, 4),
+        ),
+        ({"process_id": 0}, LAUNCH_ENV, distributed.ProcessGroup("arguments", "127.0.0.1:5000", 2, 0)),
+        ({"num_processes": 1}, {}, distributed.ProcessGroup("arguments", None, 1, None)),
+        ({"cpu_devices_per_process": 8}, {}, distributed.ProcessGroup("single", cpu_devices_per_process=8)),
+        ({}, {"SLURM_JOB_ID": "7", "SLURM_NTASKS": "4"}, distributed.ProcessGroup("cluster", cluster="SLURM")),
+        ({}, {"SLURM_JOB_ID": "7", "SLURM_NTASKS": "1"}, distributed.ProcessGroup("single")),
+        (
+            {},
+            {"OMPI_MCA_orte_hnp_uri": "1.0;tcp://h:1", "OMPI_COMM_WORLD_SIZE": "2"},
+            distributed.ProcessGroup("cluster", cluster="Open MPI"),
+        ),
+        ({}, {"TPU_WORKER_HOSTNAMES": "w0,w1"}, distributed.ProcessGroup("cluster", cluster="TPU pod (GKE)")),
+        ({}, {"TPU_WORKER_HOSTNAMES": "w0"}, distributed.ProcessGroup("single")),
+        (
+            {"coordinator_address": "h:1", "num_processes": 2, "process_id": 1},
+            {"SLURM_JOB_ID": "7", "SLURM_NTASKS": "4"},
+            distributed.ProcessGroup("arguments", "h:1", 2, 1),
+        ),
+    ],
+)
+def test_resolve(args, environ, expected):
+    assert distributed.resolve(**args, environ=environ) == expected
+
+
+@pytest.mark.parametrize(
+    ("args", "environ", "match"),
+    [
+        ({"coordinator_address": "h:1"}, {}, r"missing num_processes=N \(or \$TORCHSHARD_NUM_PROCESSES\)"),
+        ({"num_processes": 2}, {}, r"missing coordinator_address='host:port'"),
+        ({"num_processes": 2, "process_id": 0}, {}, r"missing coordinator_address"),
+        ({"coordinator_address": "h:1", "num_processes": 2, "process_id": 2}, {}, r"process_id=2 must be < num"),
+        ({}, {**LAUNCH_ENV, distributed.NUM_PROCESSES_ENV: "two"}, r"num_processes='two' .* must be an int ≥ 1"),
+        ({"coordinator_address": "h:1", "num_processes": 2, "process_id": -1}, {}, r"process_id=-1 .* int ≥ 0"),
+        ({"cpu_devices_per_process": 0}, {}, r"cpu_devices_per_process=0 .* must be an int ≥ 1"),
+        ({}, {distributed.CPU_DEVICES_ENV: "x"}, r"cpu_devices_per_process='x'"),
+    ],
+)
+def test_resolve_errors(args, environ, match):
+    with pytest.raises(ShardingError, match=match):
+        distributed.resolve(**args, environ=environ)
+
+
+# --- initialize(): what it calls ------------------------------------------------------------------
+
+
+@pytest.fixture
+def fake_jax(monkeypatch):
+    """Records jax.distributed.initialize and runtime configuration calls; JAX itself is untouched."""
+    for name in ENV_NAMES:
+        monkeypatch.delenv(name, raising=False)
+    calls = []
+    monkeypatch.setattr(distributed, "_current", None)
+    monkeypatch.setattr(distributed, "_backend_started", lambda: False)
+    monkeypatch.setattr(distributed, "_configure_runtime", lambda cpus: calls.append(("configure", cpus)))
+    monkeypatch.setattr(jax.distributed, "initialize", lambda *a: calls.append(("initialize", *a)))
+    return calls
+
+
+@pytest.mark.parametrize(
+    ("args", "environ", "expected"),
+    [
+        ({}, {}, [("configure", None)]),
+        ({"cpu_devices_per_process": 8}, {}, [("configure", 8)]),
+        (
+            {"coordinator_address": "h:1", "num_processes": 2, "process_id": 1, "cpu_devices_per_process": 4},
+            {},
+            [("configure", 4), ("initialize", "h:1", 2, 1)],
+        ),
+        ({}, LAUNCH_ENV, [("configure", None), ("initialize", "127.0.0.1:5000", 2, 1)]),
+        ({}, {"SLURM_JOB_ID": "7", "SLURM_NTASKS": "2"}, [("configure", None), ("initialize",)]),
+    ],
+)
+def test_initialize_calls(fake_jax, monkeypatch, args, environ, expected):
+    for name, value in environ.items():
+        monkeypatch.setenv(name, value)
+    group = distributed.initialize(**args)
+    assert fake_jax == expected
+    assert distributed.initialize(**args) is group  # the same setup again is a no-op
+    assert fake_jax == expected
+
+
+def test_initialize_twice_differently(fake_jax):
+    distributed.initialize("h:1", 2, 0)
+    with pytest.raises(ShardingError, match=r"already called with .* cannot change"):
+        distributed.initialize("h:1", 2, 1)
+
+
+def test_initialize_after_backend_started(fake_jax, monkeypatch):
+    monkeypatch.setattr(distributed, "_backend_started", lambda: True)
+    with pytest.raises(ShardingError, match=r"after JAX started its backend; call it first thing"):
+        distributed.initialize("h:1", 2, 0)
+    assert fake_jax == []
+
+
+def test_process_helpers_single_process():
+    assert (distributed.process_index(), distributed.process_count(), distributed.is_main_process()) == (0, 1, True)
+
+
+# --- process-local batches (single process: local == global) -------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("local_shape", "spec", "expected"),
+    [((16, 3), ("data",), (16, 3)), ((8, 6), ("data", "model"), (8, 6)), ((5,), (), (5,))],
+)
+def test_global_shape_single_process(mesh_dm, local_shape, spec, expected):
+    assert distributed.global_shape(local_shape, NamedSharding(mesh_dm, PartitionSpec(*spec))) == (expected, [])
+
+
+def test_global_shape_problem(mesh_dm):
+    _, problems = distributed.global_shape((6, 3), NamedSharding(mesh_dm, PartitionSpec("data")), what="x")
+    assert problems == [
+        "x (6, 3): dim 0 (size 6) does not split over the 4 shards this process holds on Mesh(data=4, model=2); "
+        "give each process a multiple of 4"
+    ]
+
+
+@pytest.mark.parametrize(("spec", "expected"), [(("data",), slice(0, 16)), ((("data", "model"),), slice(0, 16))])
+def test_local_batch_slice_single_process(mesh_dm, spec, expected):
+    assert distributed.local_batch_slice(16, mesh_dm, spec) == expected
+
+
+def test_local_batch_slice_indivisible(mesh_fsdp):
+    with pytest.raises(ShardingError, match=r"batch size 12 does not split over the 8 batch shards .* multiple of 8"):
+        distributed.local_batch_slice(12, mesh_fsdp)
+
+
+def test_trainer_local_batch_errors(mesh_fsdp):
+    import optax
+
+    model = torch.nn.Linear(4, 2)
+    trainer = torchshard.Trainer(model, lambda m, b: m(b).sum(), optax.sgd(0.1), torchshard.plan(model, mesh_fsdp))
+    with pytest.raises(ShardingError, match=r"process-local batch leaf #0 \(6, 4\): dim 0 .* multiple of 8"):
+        trainer.step(torch.ones(6, 4), local=True)
+
+
+# --- the launcher, with cheap children (no JAX) ---------------------------------------------------
+
+
+def _python(code: str, nproc: int = 2) -> tuple[list[str], list[dict[str, str]]]:
+    envs = [launch.child_env(rank, nproc, 1, None, dict(os.environ)) for rank in range(nproc)]
+    return [
+        sys.executable,
+        "-c",
+        f"import os, signal, sys, time\nrank = int(os.environ['{distributed.PROCESS_ID_ENV}'])\n{code}",
+    ], envs
+
+
+SEND_SIGTERM = "rank == 0 and os.kill(os.getppid(), signal.SIGTERM)\ntime.sleep(60)"
+CHILDREN = {
+    "ok": "print(f'hello {rank}')",
+    "rank1_fails": "sys.exit(3) if rank == 1 else time.sleep(60)",
+    "sleep": "time.sleep(60)",
+    # rank 0 sends SIGTERM to the launcher (the test process), which must forward it
+    "sigterm": SEND_SIGTERM,
+    # like a process inside jax.distributed, whose preemption notifier catches SIGTERM
+    "sigterm_ignored": "signal.signal(signal.SIGTERM, signal.SIG_IGN)\n" + SEND_SIGTERM,
+}
+
+
+@pytest.mark.parametrize(
+    ("child", "timeout", "code", "max_s"),
+    [
+        ("ok", None, 0, 10),
+        ("rank1_fails", None, 3, 10),
+        ("sleep", 0.5, launch.TIMEOUT_EXIT, 10),
+        ("sigterm", None, 128 + signal.SIGTERM, 10),
+        ("sigterm_ignored", None, 128 + signal.SIGTERM, 15),
+    ],
+)
+def test_run_processes(child, timeout, code, max_s):
+    command, envs = _python(CHILDREN[child])
+    out = io.StringIO()
+    start = time.monotonic()
+    assert launch.run_processes(command, envs, timeout=timeout, out=out) == code, out.getvalue()
+    assert time.monotonic() - start < max_s
+    if child == "ok":
+        assert sorted(out.getvalue().splitlines()) == ["[rank 0] hello 0", "[rank 1] hello 1"]
+
+
+@pytest.mark.parametrize(
+    ("cpu_devices", "expected"),
+    [
+        (
+            None,
+            {"TORCHSHARD_COORDINATOR": "127.0.0.1:99", "TORCHSHARD_NUM_PROCESSES": "2", "TORCHSHARD_PROCESS_ID": "1"},
+        ),
+        (4, {"TORCHSHARD_CPU_DEVICES": "4", "JAX_PLATFORMS": "cpu"}),
+    ],
+)
+def test_child_env(cpu_devices, expected):
+    env = launch.child_env(1, 2, 99, cpu_devices, {"KEEP": "1"})
+    assert env["KEEP"] == "1" and env.items() >= expected.items()
+    assert ("TORCHSHARD_CPU_DEVICES" in env) == (cpu_devices is not None)
+
+
+@pytest.mark.parametrize("argv", [["--nproc", "0", "x.py"], ["--nproc", "two", "x.py"], ["x.py"]])
+def test_launcher_bad_arguments(argv, capsys):
+    with pytest.raises(SystemExit, match="2"):
+        launch.parse_args(argv)
+
+
+def test_launcher_missing_script(capsys):
+    assert launch.main(["--nproc", "2", "no_such_script.py"]) == 2
+    assert "no such script: no_such_script.py" in capsys.readouterr().err
+
+
+# --- real multi-process runs (loopback, bounded by subprocess timeouts) ---------------------------
+
+
+def _launch(
+    nproc: int, cpus: int, script: str, *args: str, timeout: float
+) -> tuple[subprocess.CompletedProcess, float]:
+    command = [sys.executable, "-m", "torchshard.launch", "--nproc", str(nproc), "--cpu-devices-per-proc", str(cpus)]
+    command += ["--timeout", str(timeout), str(TESTS / script), *args]
+    start = time.monotonic()
+    result = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=timeout + 30)
+    return result, time.monotonic() - start
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory) -> dict[str, list[dict]]:
+    """The training script as 1 process × 8 devices and as 2 processes × 4 devices: each rank's JSON."""
+    out = {}
+    for nproc, cpus in ((1, 8), (2, 4)):
+        folder = tmp_path_factory.mktemp(f"run{nproc}x{cpus}")
+        result, _ = _launch(nproc, cpus, "mp_train_script.py", str(folder), timeout=240)
+        assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-4000:]
+        out[f"{nproc}x{cpus}"] = [json.loads((folder / f"rank{r}.json").read_text()) for r in range(nproc)]
+    return out
+
+
+def test_every_process_sees_the_same_run(runs):
+    rank0, rank1 = runs["2x4"]
+    assert (rank0["process_count"], rank0["devices"], runs["1x8"][0]["devices"]) == (2, 8, 8)
+    without_rows = [{k: {**v, "rows": None} for k, v in r["results"].items()} for r in (rank0, rank1)]
+    assert without_rows[0] == without_rows[1]
+    assert [rank0["results"]["tp"]["rows"], rank1["results"]["tp"]["rows"]] == [[0, 8], [8, 16]]
+
+
+@pytest.mark.parametrize("name", ["dp", "tp", "fsdp"])
+def test_two_processes_match_one(runs, name):
+    one, two = runs["1x8"][0]["results"][name], runs["2x4"][0]["results"][name]
+    assert_close(two["losses"], one["losses"], tol=1e-5, what=f"{name} losses")
+    assert_trees_close(two["params"], one["params"], tol=1e-5)
+
+
+def test_failing_process_ends_the_run():
+    result, seconds = _launch(2, 1, "mp_control_script.py", "crash", timeout=90)
+    assert result.returncode == 1, result.stdout[-4000:]
+    assert "[rank 1] RuntimeError: rank 1 fails on purpose" in result.stdout
+    assert "rank 1 exited with code 1; stopping the others" in result.stderr
+    assert seconds < 60  # rank 0 would sleep 120 s
