@@ -1,0 +1,496 @@
+"""Checkpoints: exact resume across meshes and plans, atomic saves, strict and corrupt loads, torch export."""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import json
+import pathlib
+import re
+import subprocess
+import sys
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import numpy as np
+import optax
+import pytest
+import safetensors.torch
+import torch
+from helpers import assert_close, to_numpy
+from models import MLP, TiedLM
+from torch import nn
+
+import torchshard as ts
+from torchshard import _checkpoint, presets
+
+TESTS = pathlib.Path(__file__).parent
+TP_LM = presets.tensor_parallel(colwise=[r"block\.up"], rowwise=[r"block\.down"])
+TP_DROPOUT = presets.tensor_parallel(colwise=[r"0"], rowwise=[r"3"])
+
+
+def dropout_mlp() -> nn.Module:
+    """Dropout makes the loss depend on the per-step RNG key, so resuming must restore it."""
+    return nn.Sequential(nn.Linear(32, 64), nn.ReLU(), nn.Dropout(0.25), nn.Linear(64, 16))
+
+
+def lm_loss(model, ids):
+    logits = model(ids[:, :-1])
+    return nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), ids[:, 1:].reshape(-1))
+
+
+def mse(model, batch):
+    x, y = batch
+    return nn.functional.mse_loss(model(x), y)
+
+
+def lm_batches(n: int) -> list[torch.Tensor]:
+    g = torch.Generator().manual_seed(1)
+    return [torch.randint(0, 64, (16, 9), generator=g) for _ in range(n)]
+
+
+def mlp_batches(n: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    g = torch.Generator().manual_seed(1)
+    return [(torch.randn(16, 32, generator=g), torch.randn(16, 16, generator=g)) for _ in range(n)]
+
+
+@dataclasses.dataclass(frozen=True)
+class Run:
+    factory: Callable[[], nn.Module]
+    loss_fn: Callable[[nn.Module, Any], torch.Tensor]
+    optimizer: Callable[[], optax.GradientTransformation]
+    rules: Any  # the source plan, on data=4 × model=2
+    batches: Callable[[int], list[Any]]
+
+
+RUNS = {
+    "tiedlm_adamw": Run(TiedLM, lm_loss, lambda: optax.adamw(1e-2), TP_LM, lm_batches),
+    "dropout_mlp_sgd": Run(dropout_mlp, mse, lambda: optax.sgd(0.05, momentum=0.9), TP_DROPOUT, mlp_batches),
+}
+DESTINATIONS = {
+    "same_plan": (lambda: ts.make_mesh({"data": 4, "model": 2}), "source"),
+    "fsdp_data8": (lambda: ts.make_mesh({"data": 8}), presets.fsdp(min_size=64)),
+    "one_device": (lambda: ts.make_mesh({"data": 1}, devices=jax.devices()[:1]), None),
+}
+
+
+def make_trainer(run: Run, mesh, rules, *, torch_seed: int, seed: int) -> ts.Trainer:
+    torch.manual_seed(torch_seed)
+    model = run.factory()
+    return ts.Trainer(model, run.loss_fn, run.optimizer(), ts.plan(model, mesh, rules), seed=seed)
+
+
+def host_tree(tree):
+    return jax.tree.map(np.asarray, tree)
+
+
+@dataclasses.dataclass(frozen=True)
+class Saved:
+    path: pathlib.Path
+    state: Any  # host copy of the TrainState at the save
+    losses_after: list[float]  # steps 5..8 of the uninterrupted run
+
+
+@pytest.fixture(scope="module")
+def saved_run(tmp_path_factory):
+    """Trains 4 steps, saves, trains 4 more without stopping (the reference); cached per run."""
+    cache: dict[str, Saved] = {}
+
+    def get(name: str) -> Saved:
+        if name not in cache:
+            run = RUNS[name]
+            trainer = make_trainer(run, ts.make_mesh({"data": 4, "model": 2}), run.rules, torch_seed=0, seed=0)
+            batches = run.batches(8)
+            for b in batches[:4]:
+                trainer.step(b)
+            path = tmp_path_factory.mktemp(name)
+            ts.save(path, trainer)
+            state = host_tree(trainer.state)
+            cache[name] = Saved(path, state, [float(trainer.step(b)["loss"]) for b in batches[4:]])
+        return cache[name]
+
+    return get
+
+
+@pytest.mark.parametrize("destination", DESTINATIONS)
+@pytest.mark.parametrize("run_name", RUNS)
+def test_resume_gives_the_losses_of_an_uninterrupted_run(saved_run, run_name, destination):
+    saved, run = saved_run(run_name), RUNS[run_name]
+    mesh_fn, rules = DESTINATIONS[destination]
+    trainer = make_trainer(run, mesh_fn(), run.rules if rules == "source" else rules, torch_seed=1, seed=1)
+    assert ts.load(saved.path, trainer) is trainer
+    assert trainer.step_count == 4
+    losses = [float(trainer.step(b)["loss"]) for b in run.batches(8)[4:]]
+    np.testing.assert_allclose(losses, saved.losses_after, rtol=1e-5)
+
+
+@pytest.mark.parametrize("destination", ["fsdp_data8", "one_device"])
+def test_load_restores_the_exact_state_onto_the_target_plan(saved_run, destination):
+    saved = saved_run("tiedlm_adamw")
+    mesh_fn, rules = DESTINATIONS[destination]
+    trainer = make_trainer(RUNS["tiedlm_adamw"], mesh_fn(), rules, torch_seed=1, seed=1)
+    ts.load(saved.path, trainer)
+    jax.tree.map(np.testing.assert_array_equal, host_tree(trainer.state), saved.state)
+    for name, array in {**trainer.state.params, **trainer.state.buffers}.items():
+        assert array.sharding == trainer.plan[name], name
+    for name, mu in trainer.state.opt_state[0].mu.items():
+        assert mu.sharding == trainer.plan[name], name
+    model = trainer.model
+    assert model.head.weight is model.embed.weight
+    assert_close(model.embed.weight, saved.state.params["embed.weight"], tol=0)
+
+
+def sharded(factory: Callable[[], nn.Module], mesh, rules=None, *, seed: int = 0) -> nn.Module:
+    torch.manual_seed(seed)
+    model = factory()
+    return ts.shard(model, ts.plan(model, mesh, rules))
+
+
+def values(model: nn.Module) -> dict[str, np.ndarray]:
+    return {k: to_numpy(v) for k, v in model.state_dict().items()}
+
+
+def test_a_module_saves_and_loads_onto_its_current_shardings(tmp_path, mesh_dm, mesh_fsdp):
+    source = sharded(TiedLM, mesh_dm, TP_LM)
+    target = sharded(TiedLM, mesh_fsdp, presets.fsdp(min_size=64), seed=1)
+    shardings = {n: t.jax().sharding for n, t in target.state_dict(keep_vars=True).items()}
+    assert ts.save(tmp_path, source) == tmp_path / "step_00000000"
+    ts.load(tmp_path, target)
+    jax.tree.map(np.testing.assert_array_equal, values(target), values(source))
+    assert {n: t.jax().sharding for n, t in target.state_dict(keep_vars=True).items()} == shardings
+    assert target.head.weight is target.embed.weight
+
+
+def test_a_trainer_checkpoint_loads_into_a_meta_module_with_a_plan(saved_run, mesh_fsdp):
+    saved = saved_run("tiedlm_adamw")
+    with torch.device("meta"):
+        model = TiedLM()
+    p = ts.plan(model, mesh_fsdp, presets.fsdp(min_size=64))
+    ts.load(saved.path, model, plan=p)
+    assert model.embed.weight.jax().sharding == p["embed.weight"]
+    assert model.head.weight is model.embed.weight
+    assert_close(model.block.up.weight, saved.state.params["block.up.weight"], tol=0)
+
+
+@pytest.mark.parametrize(
+    ("target", "lines"),
+    [
+        (
+            lambda: MLP((32, 64, 16)),
+            [
+                r"mis-shaped layers\.1\.weight: checkpoint \(64, 64\), model \(16, 64\)",
+                r"mis-shaped layers\.1\.bias: checkpoint \(64,\), model \(16,\)",
+                r"unexpected layers\.2\.weight \(16, 64\): in the checkpoint, not in the model",
+                r"unexpected layers\.2\.bias \(16,\)",
+            ],
+        ),
+        (
+            lambda: MLP((32, 64, 64, 64, 16)),
+            [
+                r"mis-shaped layers\.2\.weight: checkpoint \(16, 64\), model \(64, 64\)",
+                r"mis-shaped layers\.2\.bias: checkpoint \(16,\), model \(64,\)",
+                r"missing layers\.3\.weight \(16, 64\): in the model, not in the checkpoint",
+                r"missing layers\.3\.bias \(16,\)",
+            ],
+        ),
+    ],
+    ids=["fewer_layers", "more_layers"],
+)
+def test_a_mismatched_model_lists_every_missing_unexpected_and_misshaped_tensor(tmp_path, mesh_dm, target, lines):
+    ts.save(tmp_path, sharded(MLP, mesh_dm))
+    with pytest.raises(ts.ShardingError, match=r"does not fit MLP \(\d+ problems\)") as info:
+        ts.load(tmp_path, sharded(target, mesh_dm))
+    for line in lines:
+        assert len(re.findall(line, str(info.value))) == 1, (line, str(info.value))
+    assert len(info.value.problems) == len(lines)
+
+
+def untied_lm() -> nn.Module:
+    model = TiedLM()
+    model.head.weight = nn.Parameter(model.embed.weight.detach() + 1.0)
+    return model
+
+
+def test_a_checkpoint_tied_tensor_loads_into_an_untied_model_as_separate_copies(tmp_path, mesh_dm):
+    source = sharded(TiedLM, mesh_dm, TP_LM)
+    ts.save(tmp_path, source)
+    target = ts.load(tmp_path, sharded(untied_lm, mesh_dm, TP_LM, seed=1))
+    assert target.head.weight is not target.embed.weight
+    assert target.head.weight.jax() is not target.embed.weight.jax()
+    assert_close(target.head.weight, source.embed.weight, tol=0)
+
+
+def test_a_model_tie_over_different_checkpoint_values_is_a_mismatch(tmp_path, mesh_dm):
+    ts.save(tmp_path, sharded(untied_lm, mesh_dm, TP_LM))
+    with pytest.raises(
+        ts.ShardingError, match=r"tied head\.weight = embed\.weight: one tensor in the model, different"
+    ):
+        ts.load(tmp_path, sharded(TiedLM, mesh_dm, TP_LM))
+
+
+def test_a_different_optimizer_is_a_mismatch(saved_run, mesh_dm):
+    saved = saved_run("dropout_mlp_sgd")
+    run = dataclasses.replace(RUNS["dropout_mlp_sgd"], optimizer=lambda: optax.adam(1e-3))
+    trainer = make_trainer(run, mesh_dm, TP_DROPOUT, torch_seed=0, seed=0)
+    with pytest.raises(
+        ts.ShardingError, match=r"missing optimizer/step leaf \['opt_state'\]\[0\]\.mu\['0\.weight'\] \(64, 32\)"
+    ):
+        ts.load(saved.path, trainer)
+
+
+def test_a_module_checkpoint_does_not_load_into_a_trainer(tmp_path, mesh_dm):
+    ts.save(tmp_path, sharded(MLP, mesh_dm))
+    run = Run(MLP, mse, lambda: optax.sgd(0.1), None, mlp_batches)
+    with pytest.raises(ts.ShardingError, match=r"no optimizer state or step \(it was saved from a module\)"):
+        ts.load(tmp_path, make_trainer(run, mesh_dm, None, torch_seed=0, seed=0))
+
+
+def data_files(step_dir: pathlib.Path) -> list[pathlib.Path]:
+    """The tensorstore chunk files orbax wrote, largest first."""
+    files = [f for f in (step_dir / "state").rglob("*") if f.is_file() and f.parent.name == "d"]
+    return sorted(files, key=lambda f: f.stat().st_size, reverse=True)
+
+
+def flip_bytes(f: pathlib.Path) -> None:
+    data = bytearray(f.read_bytes())
+    for i in range(len(data) // 2, len(data) // 2 + 8):
+        data[i] ^= 0x5A
+    f.write_bytes(bytes(data))
+
+
+DAMAGE = {
+    "flipped_bytes": (
+        lambda d: flip_bytes(data_files(d)[0]),
+        r"(?s)is corrupted; load an earlier step \(1 problem\).*layers\.\d\.weight: checksum mismatch",
+    ),
+    "truncated_data": (
+        lambda d: data_files(d)[0].write_bytes(data_files(d)[0].read_bytes()[:100]),
+        r"array data could not be read.*truncated or corrupted",
+    ),
+    "deleted_data": (lambda d: data_files(d)[0].unlink(), r"array data could not be read"),
+    "garbled_metadata": (
+        lambda d: (d / "torchshard.json").write_text('{"format": "torchshard-checkpoint", "vers'),
+        r"torchshard\.json is unreadable or malformed \(JSONDecodeError",
+    ),
+    "foreign_metadata": (lambda d: (d / "torchshard.json").write_text("{}"), r"unreadable or malformed.*format None"),
+}
+
+
+@pytest.mark.parametrize("damage", DAMAGE)
+def test_a_damaged_checkpoint_raises_a_clear_error(tmp_path, mesh_dm, damage):
+    model = sharded(lambda: MLP((32, 256, 16)), mesh_dm)
+    step_dir = ts.save(tmp_path, model)
+    corrupt, match = DAMAGE[damage]
+    corrupt(step_dir)
+    with pytest.raises(ts.CheckpointError, match=match):
+        ts.load(tmp_path, model)
+    assert issubclass(ts.CheckpointError, ts.ShardingError)
+
+
+class Interrupted(KeyboardInterrupt):
+    pass
+
+
+def _raise(*_: Any, **__: Any) -> None:
+    raise Interrupted
+
+
+def after(fn: Callable[..., Any]) -> Callable[..., Any]:
+    def run_then_raise(*args: Any, **kwargs: Any) -> None:
+        fn(*args, **kwargs)
+        raise Interrupted
+
+    return run_then_raise
+
+
+INTERRUPTIONS = {
+    "inside_orbax": ("ocp_save", _raise),
+    "after_arrays": ("_write_state", after(_checkpoint._write_state)),
+    "after_metadata": ("_write_meta", after(_checkpoint._write_meta)),
+    "at_rename": ("_commit", _raise),
+}
+
+
+@pytest.mark.parametrize("where", INTERRUPTIONS)
+def test_an_interrupted_save_never_loads_and_is_cleaned_up(tmp_path, mesh_dm, monkeypatch, where):
+    model = sharded(MLP, mesh_dm)
+    ts.save(tmp_path, model, step=4)
+    before = values(model)
+    ts.load(tmp_path, sharded(MLP, mesh_dm, seed=1))  # compiles the checksum once, outside the patch
+    name, patch = INTERRUPTIONS[where]
+    with monkeypatch.context() as m:
+        if name == "ocp_save":
+            m.setattr(_checkpoint.ocp.PyTreeCheckpointHandler, "save", _raise)
+        else:
+            m.setattr(_checkpoint, name, patch)
+        with pytest.raises(Interrupted):
+            ts.save(tmp_path, sharded(MLP, mesh_dm, seed=2), step=8)
+    assert ts.checkpoint_steps(tmp_path) == [4]
+    target = sharded(MLP, mesh_dm, seed=3)
+    jax.tree.map(np.testing.assert_array_equal, values(ts.load(tmp_path, target)), before)
+    with pytest.raises(ts.CheckpointError, match=r"no complete checkpoint for step 8 .* available steps: \[4\]"):
+        ts.load(tmp_path, target, step=8)
+    ts.save(tmp_path, model, step=9)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["step_00000004", "step_00000009"]
+
+
+def test_keep_last_retains_the_newest_steps_and_load_picks_the_latest(tmp_path, mesh_dm):
+    models = [sharded(MLP, mesh_dm, seed=s) for s in range(3)]
+    for step in range(1, 6):
+        ts.save(tmp_path, models[step % 3], step=step, keep_last=2)
+    assert ts.checkpoint_steps(tmp_path) == [4, 5]
+    ts.save(tmp_path, models[0], step=2, keep_last=2)  # an older step just saved is kept
+    assert ts.checkpoint_steps(tmp_path) == [2, 5]
+    ts.save(tmp_path, models[0], step=5)  # saving an existing step replaces it
+    target = sharded(MLP, mesh_dm, seed=9)
+    jax.tree.map(np.testing.assert_array_equal, values(ts.load(tmp_path, target)), values(models[0]))
+    ts.load(tmp_path / "step_00000002", target)
+    jax.tree.map(np.testing.assert_array_equal, values(target), values(models[0]))
+
+
+@pytest.mark.parametrize(
+    ("call", "error", "match"),
+    [
+        (lambda p, m: ts.load(p / "nowhere", m), ts.CheckpointError, r"nowhere: the directory does not exist"),
+        (
+            lambda p, m: ts.load(p, m),
+            ts.CheckpointError,
+            r"no complete checkpoint at .* \(no step_<N>/torchshard\.json inside\)",
+        ),
+        (lambda p, m: ts.load(p, m, step=-1), ts.ShardingError, r"step=-1 must be None \(the latest\) or an int ≥ 0"),
+        (lambda p, m: ts.load(p, m, plan="fsdp"), ts.ShardingError, r"plan must be a ShardingPlan"),
+        (
+            lambda p, m: ts.load(ts.save(p, m), MLP()),
+            ts.ShardingError,
+            r"layers\.0\.weight \(64, 32\): a plain torch tensor on cpu",
+        ),
+        (lambda p, m: ts.save(p, m, keep_last=0), ts.ShardingError, r"keep_last=0 must be None .* or an int ≥ 1"),
+        (lambda p, m: ts.save(p, m, step=1.5), ts.ShardingError, r"step=1\.5 must be None or an int ≥ 0"),
+        (lambda p, m: ts.save(p, {"w": m}), ts.ShardingError, r"target must be a Trainer or a sharded .* got dict"),
+        (lambda p, m: ts.save(p, MLP()), ts.ShardingError, r"save\(\): MLP is not sharded; place it with"),
+        (
+            lambda p, m: ts.save_safetensors(p, m, max_shard_bytes=0),
+            ts.ShardingError,
+            r"max_shard_bytes=0\): must be an int ≥ 1",
+        ),
+    ],
+    ids=[
+        "missing_dir",
+        "empty_dir",
+        "negative_step",
+        "bad_plan",
+        "unplaced_target",
+        "keep_last_0",
+        "float_step",
+        "not_a_module",
+        "unplaced_save",
+        "bad_shard_bytes",
+    ],
+)
+def test_bad_calls_raise(tmp_path, mesh_dm, call, error, match):
+    with pytest.raises(error, match=match):
+        call(tmp_path, sharded(MLP, mesh_dm))
+
+
+def test_plan_with_a_trainer_is_an_error(saved_run, mesh_dm):
+    run = RUNS["dropout_mlp_sgd"]
+    trainer = make_trainer(run, mesh_dm, None, torch_seed=0, seed=0)
+    with pytest.raises(ts.ShardingError, match=r"plan= is for modules; a Trainer loads onto its own plan"):
+        ts.load(saved_run("dropout_mlp_sgd").path, trainer, plan=trainer.plan)
+
+
+def test_to_torch_state_dict_is_plain_torch_with_ties_and_dtypes(mesh_dm):
+    torch.manual_seed(0)
+    reference = nn.Sequential(TiedLM(), nn.BatchNorm1d(64))  # BatchNorm adds an int64 buffer
+    model = copy.deepcopy(reference)
+    run = Run(lambda: model, lambda m, b: m[0](b).sum(), lambda: optax.sgd(0.0), None, lm_batches)
+    trainer = make_trainer(run, mesh_dm, presets.fsdp(min_size=64), torch_seed=0, seed=0)
+    state = ts.to_torch_state_dict(trainer)
+    expected = reference.state_dict()
+    assert list(state) == list(expected)
+    for name, tensor in state.items():
+        assert type(tensor) is torch.Tensor and tensor.device.type == "cpu", name
+        assert tensor.dtype == expected[name].dtype, name
+        torch.testing.assert_close(tensor, expected[name], rtol=0, atol=0)
+    assert state["0.head.weight"] is state["0.embed.weight"]
+
+
+SUBPROCESS = """
+import sys
+import torch
+sys.path.insert(0, sys.argv[1])
+from models import TiedLM
+torch.manual_seed(123)
+model = TiedLM()
+model.load_state_dict(torch.load(sys.argv[2]))
+assert model.head.weight is model.embed.weight
+torch.save(model(torch.load(sys.argv[3])).detach(), sys.argv[4])
+leaked = sorted(m for m in sys.modules if m.split(".")[0] in ("jax", "jaxlib", "torchax", "torchshard"))
+assert not leaked, leaked
+"""
+
+
+def test_exported_state_dict_loads_in_a_process_without_jax(tmp_path, mesh_dm):
+    torch.manual_seed(0)
+    reference = TiedLM()
+    model = ts.shard(copy.deepcopy(reference), ts.plan(copy.deepcopy(reference), mesh_dm, TP_LM))
+    ids = lm_batches(1)[0][:, :-1]
+    torch.save(ts.to_torch_state_dict(model), tmp_path / "model.pt")
+    torch.save(ids, tmp_path / "ids.pt")
+    files = [str(TESTS), *(str(tmp_path / f) for f in ("model.pt", "ids.pt", "out.pt"))]
+    done = subprocess.run([sys.executable, "-c", SUBPROCESS, *files], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    torch.testing.assert_close(torch.load(tmp_path / "out.pt"), reference(ids), rtol=0, atol=0)
+
+
+def test_from_torch_state_dict_places_a_plain_state_dict_onto_a_plan(mesh_fsdp):
+    torch.manual_seed(0)
+    reference = TiedLM()
+    with torch.device("meta"):
+        model = TiedLM()
+    p = ts.plan(model, mesh_fsdp, presets.fsdp(min_size=64))
+    assert ts.from_torch_state_dict(model, reference.state_dict(), p) is model
+    assert model.head.weight is model.embed.weight
+    assert model.embed.weight.jax().sharding == p["embed.weight"]
+    jax.tree.map(np.testing.assert_array_equal, values(model), values(reference))
+
+
+def test_from_torch_state_dict_lists_every_problem(mesh_fsdp):
+    state = TiedLM().state_dict()
+    del state["norm.bias"]
+    state["block.up.weight"] = torch.zeros(3, 3)
+    state["extra"] = torch.zeros(2)
+    model = TiedLM()
+    with pytest.raises(ts.ShardingError, match=r"state_dict does not fit TiedLM \(3 problems\)") as info:
+        ts.from_torch_state_dict(model, state, ts.plan(model, mesh_fsdp))
+    assert info.value.problems == (
+        "missing norm.bias (32,): in the model, not in the state_dict",
+        "unexpected extra (2,): in the state_dict, not in the model",
+        "mis-shaped block.up.weight: state_dict (3, 3), model (64, 32)",
+    )
+
+
+def read_safetensors(directory: pathlib.Path) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
+    index = json.loads((directory / "model.safetensors.index.json").read_text())
+    tensors: dict[str, torch.Tensor] = {}
+    for file in sorted(set(index["weight_map"].values())):
+        tensors |= safetensors.torch.load_file(directory / file)
+    return index, tensors
+
+
+def test_save_safetensors_writes_hf_style_shards_with_ties_stored_once(tmp_path, mesh_dm):
+    model = sharded(TiedLM, mesh_dm, TP_LM)
+    (tmp_path / "model-00001-of-00009.safetensors").write_bytes(b"stale")
+    assert ts.save_safetensors(tmp_path, model, max_shard_bytes=9000) == tmp_path / "model.safetensors.index.json"
+    index, tensors = read_safetensors(tmp_path)
+    state = ts.to_torch_state_dict(model)
+    files = sorted(p.name for p in tmp_path.glob("*.safetensors"))
+    assert files == [f"model-0000{i}-of-00004.safetensors" for i in range(1, 5)]
+    assert set(tensors) == set(index["weight_map"]) == set(state) - {"head.weight"}
+    assert index["metadata"]["total_size"] == sum(t.numel() * t.element_size() for t in tensors.values())
+    for name, tensor in tensors.items():
+        torch.testing.assert_close(tensor, state[name], rtol=0, atol=0)
+    fresh = TiedLM()
+    assert fresh.load_state_dict(tensors, strict=False).missing_keys == ["head.weight"]
+    torch.testing.assert_close(fresh.head.weight, state["head.weight"], rtol=0, atol=0)
