@@ -201,13 +201,3 @@ def test_result_feeds_the_next_shard_map(mesh_dm):
     total = C.shard_map(lambda t: C.psum(t.sum(), "data"), mesh=mesh_dm, in_specs=P("data"), out_specs=P())
     assert float(to_numpy(total(double(x)))) == 56.0
     assert isinstance(jax.device_get(double(x).jax()), np.ndarray)
-
-
-def test_leaves_an_enclosing_torchax_env_enabled(mesh_dm):
-    from torchshard._placement import env
-
-    total = C.shard_map(lambda t: C.psum(t, "data"), mesh=mesh_dm, in_specs=P("data"), out_specs=P())
-    with env():
-        assert float(to_numpy(total(torch.arange(4.0)))) == 6.0
-        assert env().enabled
-    assert not env().enabled

@@ -160,8 +160,7 @@ def shard_map(
     )
 
     def body(*arrays: jax.Array) -> Any:
-        # re-entering an enabled env would mark it disabled on exit, under the caller's own `with env()`
-        with contextlib.nullcontext() if env().enabled else env(), torch.device("jax"):
+        with env(), torch.device("jax"):
             out = fn(*interop.torch_view(arrays))
             _check_outputs(out, out_tree, mesh)
             return interop.jax_view(out)
