@@ -29,10 +29,13 @@ ENV_NAMES = (
     distributed.CPU_DEVICES_ENV,
     "SLURM_JOB_ID",
     "SLURM_NTASKS",
+    "SLURM_STEP_NODELIST",
+    "SLURM_PROCID",
     "OMPI_MCA_orte_hnp_uri",
     "OMPI_COMM_WORLD_SIZE",
     "TPU_WORKER_HOSTNAMES",
 )
+SLURM_STEP = {"SLURM_JOB_ID": "7", "SLURM_STEP_NODELIST": "n[1-2]", "SLURM_PROCID": "0", "SLURM_NTASKS": "4"}
 LAUNCH_ENV = {
     distributed.COORDINATOR_ENV: "127.0.0.1:5000",
     distributed.NUM_PROCESSES_ENV: "2",
@@ -61,8 +64,14 @@ LAUNCH_ENV = {
         ({"process_id": 0}, LAUNCH_ENV, distributed.ProcessGroup("arguments", "127.0.0.1:5000", 2, 0)),
         ({"num_processes": 1}, {}, distributed.ProcessGroup("arguments", None, 1, None)),
         ({"cpu_devices_per_process": 8}, {}, distributed.ProcessGroup("single", cpu_devices_per_process=8)),
-        ({}, {"SLURM_JOB_ID": "7", "SLURM_NTASKS": "4"}, distributed.ProcessGroup("cluster", cluster="SLURM")),
-        ({}, {"SLURM_JOB_ID": "7", "SLURM_NTASKS": "1"}, distributed.ProcessGroup("single")),
+        (
+            {"cpu_devices_per_process": 2},
+            LAUNCH_ENV,
+            distributed.ProcessGroup("environment", "127.0.0.1:5000", 2, 1, 2),
+        ),
+        ({}, SLURM_STEP, distributed.ProcessGroup("cluster", cluster="SLURM")),
+        ({}, {**SLURM_STEP, "SLURM_NTASKS": "1"}, distributed.ProcessGroup("single")),
+        ({}, {"SLURM_JOB_ID": "7", "SLURM_NTASKS": "4"}, distributed.ProcessGroup("single")),  # sbatch, not srun
         (
             {},
             {"OMPI_MCA_orte_hnp_uri": "1.0;tcp://h:1", "OMPI_COMM_WORLD_SIZE": "2"},
@@ -72,7 +81,7 @@ LAUNCH_ENV = {
         ({}, {"TPU_WORKER_HOSTNAMES": "w0"}, distributed.ProcessGroup("single")),
         (
             {"coordinator_address": "h:1", "num_processes": 2, "process_id": 1},
-            {"SLURM_JOB_ID": "7", "SLURM_NTASKS": "4"},
+            SLURM_STEP,
             distributed.ProcessGroup("arguments", "h:1", 2, 1),
         ),
     ],
@@ -88,7 +97,11 @@ def test_resolve(args, environ, expected):
         ({"num_processes": 2}, {}, r"missing coordinator_address='host:port'"),
         ({"num_processes": 2, "process_id": 0}, {}, r"missing coordinator_address"),
         ({"coordinator_address": "h:1", "num_processes": 2, "process_id": 2}, {}, r"process_id=2 must be < num"),
-        ({}, {**LAUNCH_ENV, distributed.NUM_PROCESSES_ENV: "two"}, r"num_processes='two' .* must be an int ≥ 1"),
+        (
+            {},
+            {**LAUNCH_ENV, distributed.NUM_PROCESSES_ENV: "two"},
+            r"1 problem\):\n  - num_processes='two' .* int ≥ 1$",
+        ),
         ({"coordinator_address": "h:1", "num_processes": 2, "process_id": -1}, {}, r"process_id=-1 .* int ≥ 0"),
         ({"cpu_devices_per_process": 0}, {}, r"cpu_devices_per_process=0 .* must be an int ≥ 1"),
         ({}, {distributed.CPU_DEVICES_ENV: "x"}, r"cpu_devices_per_process='x'"),
@@ -126,7 +139,7 @@ def fake_jax(monkeypatch):
             [("configure", 4), ("initialize", "h:1", 2, 1)],
         ),
         ({}, LAUNCH_ENV, [("configure", None), ("initialize", "127.0.0.1:5000", 2, 1)]),
-        ({}, {"SLURM_JOB_ID": "7", "SLURM_NTASKS": "2"}, [("configure", None), ("initialize",)]),
+        ({}, SLURM_STEP, [("configure", None), ("initialize",)]),
     ],
 )
 def test_initialize_calls(fake_jax, monkeypatch, args, environ, expected):

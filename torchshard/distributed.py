@@ -59,13 +59,14 @@ def detect_cluster(environ: Mapping[str, str] | None = None) -> str | None:
         The cluster's name, or ``None`` for a plain single process.
 
     Example:
-        >>> detect_cluster({"SLURM_JOB_ID": "7", "SLURM_NTASKS": "4"})
-        'SLURM'
+        >>> detect_cluster({"OMPI_MCA_orte_hnp_uri": "1.0;tcp://10.0.0.1:5000", "OMPI_COMM_WORLD_SIZE": "4"})
+        'Open MPI'
     """
-    # a cluster counts only when it runs several processes, so one plain process inside a
-    # SLURM allocation or an MPI launch with -n 1 stays a no-op
+    # the variables JAX's own detection reads; a cluster counts only when it runs several
+    # processes, so a plain `python` in an sbatch script or `mpirun -n 1` stays a no-op
     environ = os.environ if environ is None else environ
-    if "SLURM_JOB_ID" in environ and _count(environ, "SLURM_NTASKS") > 1:
+    slurm_step = all(k in environ for k in ("SLURM_JOB_ID", "SLURM_STEP_NODELIST", "SLURM_PROCID"))
+    if slurm_step and _count(environ, "SLURM_NTASKS") > 1:
         return "SLURM"
     if "OMPI_MCA_orte_hnp_uri" in environ and _count(environ, "OMPI_COMM_WORLD_SIZE") > 1:
         return "Open MPI"
@@ -86,15 +87,17 @@ def _int_field(name: str, value: int | str | None, env_name: str, *, minimum: in
     return number, []
 
 
-def _merge(explicit: dict[str, object], environ: Mapping[str, str]) -> tuple[dict[str, object], bool]:
-    env_names = {
-        "coordinator_address": COORDINATOR_ENV,
-        "num_processes": NUM_PROCESSES_ENV,
-        "process_id": PROCESS_ID_ENV,
-        "cpu_devices_per_process": CPU_DEVICES_ENV,
-    }
-    merged = {k: explicit[k] if explicit[k] is not None else environ.get(env) for k, env in env_names.items()}
-    return merged, any(v is not None for v in explicit.values())
+_ENV_NAMES = {
+    "coordinator_address": COORDINATOR_ENV,
+    "num_processes": NUM_PROCESSES_ENV,
+    "process_id": PROCESS_ID_ENV,
+    "cpu_devices_per_process": CPU_DEVICES_ENV,
+}
+_CORE = ("coordinator_address", "num_processes", "process_id")
+
+
+def _merge(explicit: dict[str, object], environ: Mapping[str, str]) -> dict[str, object]:
+    return {k: explicit[k] if explicit[k] is not None else environ.get(env) for k, env in _ENV_NAMES.items()}
 
 
 def _validate(merged: dict[str, object]) -> tuple[dict[str, object], list[str]]:
@@ -107,15 +110,15 @@ def _validate(merged: dict[str, object]) -> tuple[dict[str, object], list[str]]:
     return {**merged, "num_processes": num, "process_id": pid, "cpu_devices_per_process": cpus}, problems
 
 
-def _missing(fields: dict[str, object]) -> list[str]:
-    if fields["num_processes"] == 1 and fields["coordinator_address"] is None:
+def _missing(merged: dict[str, object]) -> list[str]:
+    if str(merged["num_processes"]) == "1" and merged["coordinator_address"] is None:
         return []  # one process needs no coordinator
     hints = {
         "coordinator_address": f"coordinator_address='host:port' (or ${COORDINATOR_ENV})",
         "num_processes": f"num_processes=N (or ${NUM_PROCESSES_ENV})",
         "process_id": f"process_id=i (or ${PROCESS_ID_ENV})",
     }
-    return [f"missing {hint}" for key, hint in hints.items() if fields[key] is None]
+    return [f"missing {hint}" for key, hint in hints.items() if merged[key] is None]
 
 
 def resolve(
@@ -156,13 +159,12 @@ def resolve(
         "process_id": process_id,
         "cpu_devices_per_process": cpu_devices_per_process,
     }
-    merged, from_args = _merge(explicit, environ)
+    merged = _merge(explicit, environ)
     fields, problems = _validate(merged)
-    core = ("coordinator_address", "num_processes", "process_id")
-    if any(merged[k] is not None for k in core):
-        problems += _missing(fields)
+    if any(merged[k] is not None for k in _CORE):
+        problems += _missing(merged)
         raise_if_any(problems, header="cannot set up the process group; pass all three or none")
-        source = "arguments" if from_args else "environment"
+        source = "arguments" if any(explicit[k] is not None for k in _CORE) else "environment"
         return ProcessGroup(source, **fields)
     raise_if_any(problems, header="cannot set up the process group")
     cluster = detect_cluster(environ)
