@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import itertools
+
 import torch
 from torch import nn
 
@@ -11,7 +13,7 @@ class MLP(nn.Module):
 
     def __init__(self, sizes=(32, 64, 64, 16)):
         super().__init__()
-        self.layers = nn.ModuleList(nn.Linear(a, b) for a, b in zip(sizes[:-1], sizes[1:]))
+        self.layers = nn.ModuleList(nn.Linear(a, b) for a, b in itertools.pairwise(sizes))
 
     def forward(self, x):
         for i, layer in enumerate(self.layers):
