@@ -67,8 +67,16 @@ def train(name: str) -> dict:
     return {"losses": losses, "rows": [rows.start, rows.stop], "params": gathered(trainer.model)}
 
 
+def init() -> dict:
+    """A model materialised directly sharded, with random init: the same values on any process layout."""
+    mesh, rules = setup("tp")
+    model = ts.init_sharded(MLP, mesh, rules, seed=3)
+    return {"losses": [], "rows": [0, 0], "params": gathered(model)}
+
+
 def main(out_dir: str) -> None:
     results = {name: train(name) for name in ("dp", "tp", "fsdp")}
+    results["init_sharded"] = init()
     info = {"process_index": jax.process_index(), "process_count": jax.process_count(), "devices": jax.device_count()}
     with open(os.path.join(out_dir, f"rank{jax.process_index()}.json"), "w") as f:
         json.dump({**info, "results": results}, f)

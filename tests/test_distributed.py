@@ -310,7 +310,7 @@ def test_every_process_sees_the_same_run(runs):
     assert [rank0["results"]["tp"]["rows"], rank1["results"]["tp"]["rows"]] == [[0, 8], [8, 16]]
 
 
-@pytest.mark.parametrize("name", ["dp", "tp", "fsdp"])
+@pytest.mark.parametrize("name", ["dp", "tp", "fsdp", "init_sharded"])
 def test_two_processes_match_one(runs, name):
     one, two = runs["1x8"][0]["results"][name], runs["2x4"][0]["results"][name]
     assert_close(two["losses"], one["losses"], tol=1e-5, what=f"{name} losses")
