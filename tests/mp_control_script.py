@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import sys
 import time
 
@@ -9,7 +10,7 @@ from torchshard import distributed
 
 if __name__ == "__main__":
     mode, rank = sys.argv[1], distributed.process_index()
-    print(f"ready {rank}", flush=True)
+    print(f"ready {rank} pid {os.getpid()}", flush=True)
     if mode == "crash" and rank == 1:
         raise RuntimeError("rank 1 fails on purpose")
     time.sleep(120)

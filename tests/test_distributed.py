@@ -323,3 +323,48 @@ def test_failing_process_ends_the_run():
     assert "[rank 1] RuntimeError: rank 1 fails on purpose" in result.stdout
     assert "rank 1 exited with code 1; stopping the others" in result.stderr
     assert seconds < 60  # rank 0 would sleep 120 s
+
+
+def test_processes_end_when_the_launcher_is_killed():
+    command = [
+        sys.executable,
+        "-m",
+        "torchshard.launch",
+        "--nproc",
+        "2",
+        "--cpu-devices-per-proc",
+        "1",
+        "--timeout",
+        "90",
+    ]
+    launcher = subprocess.Popen(
+        [*command, str(TESTS / "mp_control_script.py"), "sleep"], cwd=ROOT, stdout=subprocess.PIPE, text=True
+    )
+    try:
+        pids = [int(line.split()[-1]) for line in _lines_with(launcher.stdout, "ready", count=2, within_s=60)]
+    finally:
+        launcher.kill()  # SIGKILL: no chance to stop its children itself
+        launcher.communicate()
+    deadline = time.monotonic() + 10
+    while any(_alive(pid) for pid in pids) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not any(_alive(pid) for pid in pids)
+
+
+def _lines_with(stream, word: str, *, count: int, within_s: float) -> list[str]:
+    found, deadline = [], time.monotonic() + within_s
+    while len(found) < count and time.monotonic() < deadline:
+        line = stream.readline()
+        if not line:
+            break
+        found += [line] if word in line else []
+    assert len(found) == count, found
+    return found
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    return True

@@ -5,6 +5,8 @@ from __future__ import annotations
 import os
 import runpy
 import sys
+import threading
+import time
 import traceback
 
 
@@ -23,8 +25,21 @@ def _failure_code(exit: SystemExit) -> int:
     return 1
 
 
+def _exit_with_launcher() -> None:
+    """Ends this process soon after the launcher dies (even by SIGKILL), so no orphan keeps running."""
+    launcher = os.getppid()
+
+    def watch() -> None:
+        while os.getppid() == launcher:
+            time.sleep(0.5)
+        _exit_now(1)
+
+    threading.Thread(target=watch, name="torchshard-launcher-watch", daemon=True).start()
+
+
 def main(argv: list[str]) -> None:
     """Runs ``argv[0]`` with arguments ``argv[1:]`` after `torchshard.distributed.initialize`."""
+    _exit_with_launcher()
     from torchshard import distributed
 
     # before the script touches JAX: the launcher's TORCHSHARD_* variables say how to join

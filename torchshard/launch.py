@@ -228,7 +228,10 @@ def _positive(text: str) -> int:
 
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     """The launcher's command line (everything after the script goes to the script)."""
-    parser = argparse.ArgumentParser(prog="python -m torchshard.launch", description=__doc__)
+    parser = argparse.ArgumentParser(
+        prog="python -m torchshard.launch",
+        description="Run N local processes of one multi-process torchshard job (JAX multi-controller).",
+    )
     parser.add_argument("--nproc", type=_positive, required=True, help="number of local processes")
     parser.add_argument("--cpu-devices-per-proc", type=_positive, help="simulated CPU devices per process")
     parser.add_argument("--timeout", type=float, help="seconds before every process is killed (exit 124)")
