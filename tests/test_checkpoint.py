@@ -199,7 +199,9 @@ def test_a_trainer_checkpoint_loads_into_a_meta_module_with_a_plan(saved_run, me
 )
 def test_a_mismatched_model_lists_every_missing_unexpected_and_misshaped_tensor(tmp_path, mesh_dm, target, lines):
     ts.save(tmp_path, sharded(MLP, mesh_dm))
-    with pytest.raises(ts.ShardingError, match=r"does not fit MLP \(\d+ problems\)") as info:
+    with pytest.raises(
+        ts.ShardingError, match=r"\(MLP\) does not fit MLP; load it into the architecture .* \(\d+ problems\)"
+    ) as info:
         ts.load(tmp_path, sharded(target, mesh_dm))
     for line in lines:
         assert len(re.findall(line, str(info.value))) == 1, (line, str(info.value))
@@ -266,9 +268,13 @@ DAMAGE = {
     ),
     "truncated_data": (
         lambda d: data_files(d)[0].write_bytes(data_files(d)[0].read_bytes()[:100]),
-        r"array data could not be read.*truncated or corrupted",
+        r"(?s)is incomplete or truncated; load an earlier step \(1 problem\).*state/.*/d/\w+: 100 bytes, saved \d+",
     ),
-    "deleted_data": (lambda d: data_files(d)[0].unlink(), r"array data could not be read"),
+    "deleted_data": (lambda d: data_files(d)[0].unlink(), r"(?s)incomplete or truncated.*state/.*/d/\w+: missing"),
+    "garbled_orbax_metadata": (
+        lambda d: (d / "state" / "_METADATA").write_bytes(b"x" * (d / "state" / "_METADATA").stat().st_size),
+        r"array data could not be read \(.*\); the checkpoint is truncated or corrupted; load an earlier step",
+    ),
     "garbled_metadata": (
         lambda d: (d / "torchshard.json").write_text('{"format": "torchshard-checkpoint", "vers'),
         r"torchshard\.json is unreadable or malformed \(JSONDecodeError",
@@ -462,7 +468,9 @@ def test_from_torch_state_dict_lists_every_problem(mesh_fsdp):
     state["block.up.weight"] = torch.zeros(3, 3)
     state["extra"] = torch.zeros(2)
     model = TiedLM()
-    with pytest.raises(ts.ShardingError, match=r"state_dict does not fit TiedLM \(3 problems\)") as info:
+    with pytest.raises(
+        ts.ShardingError, match=r"state_dict does not fit TiedLM; load it into the model it came from \(3 problems\)"
+    ) as info:
         ts.from_torch_state_dict(model, state, ts.plan(model, mesh_fsdp))
     assert info.value.problems == (
         "missing norm.bias (32,): in the model, not in the state_dict",

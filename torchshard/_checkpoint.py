@@ -169,7 +169,7 @@ def _read_meta(step_dir: pathlib.Path) -> dict[str, Any]:
         meta = json.loads(file.read_text())
         if meta.get("format") != _FORMAT or meta.get("version") != _VERSION:
             raise ValueError(f"format {meta.get('format')!r} version {meta.get('version')!r}")
-        if not all(c in meta["tensors"] for c in meta["names"].values()):
+        if not isinstance(meta["files"], dict) or not all(c in meta["tensors"] for c in meta["names"].values()):
             raise ValueError("a name refers to no stored tensor")
     except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
         raise CheckpointError(
@@ -252,6 +252,22 @@ def _write_meta(directory: pathlib.Path, meta: dict[str, Any]) -> None:
     (directory / _META).write_text(json.dumps(meta, indent=1))
 
 
+def _file_sizes(directory: pathlib.Path) -> dict[str, int]:
+    """Relative path → size of every file orbax wrote (all processes' files; it syncs before returning)."""
+    return {f.relative_to(directory).as_posix(): f.stat().st_size for f in sorted(directory.rglob("*")) if f.is_file()}
+
+
+def _check_files(step_dir: pathlib.Path, meta: dict[str, Any]) -> None:
+    """Catches deleted and truncated files with a stat each, before orbax reads anything."""
+    problems = []
+    for name, size in meta["files"].items():
+        file = step_dir / _STATE / name
+        found = file.stat().st_size if file.is_file() else None
+        if found != size:
+            problems.append(f"{_STATE}/{name}: " + ("missing" if found is None else f"{found} bytes, saved {size}"))
+    _raise_corrupt(problems, header=f"{step_dir} is incomplete or truncated; load an earlier step")
+
+
 def _commit(tmp: pathlib.Path, final: pathlib.Path) -> None:
     """Moves a finished save into place by renames: readers see a complete old or new step, never half."""
     old = final.with_name(_OLD + final.name)
@@ -332,7 +348,7 @@ def save(path: PathLike, target: Target, *, step: int | None = None, keep_last: 
     _sync("torchshard-save-begin")
     _write_state(tmp / _STATE, tree)
     if _primary():
-        _write_meta(tmp, meta)
+        _write_meta(tmp, meta | {"files": _file_sizes(tmp / _STATE)})
         _commit(tmp, final)
         _prune(root, keep_last, saved=step)
     _sync("torchshard-save-end")
@@ -550,12 +566,14 @@ def load(path: PathLike, target: Target, *, step: int | None = None, plan: Shard
     _check_load_args(target, step, plan)
     step_dir = _resolve(pathlib.Path(path), step)
     meta = _read_meta(step_dir)
+    _check_files(step_dir, meta)
     model = _model_of(target)
     trainer = target if isinstance(target, Trainer) else None
     layout = trainer.plan if trainer is not None else plan
     dest = _plan_destination(model, layout) if layout is not None else _placed_destination(model)
     problems = _tensor_problems(meta, dest) + (_trainer_problems(meta, trainer) if trainer else [])
-    raise_if_any(problems, header=f"checkpoint {step_dir} does not fit {type(model).__name__}")
+    header = f"checkpoint {step_dir} ({meta.get('module')}) does not fit {type(model).__name__}"
+    raise_if_any(problems, header=f"{header}; load it into the architecture (and optimizer) it was saved from")
     restored = _read_state(step_dir, _restore_item(meta, dest, trainer))
     _verify(step_dir, meta, restored)
     arrays = _destination_arrays(meta, dest, restored["model"])
@@ -665,7 +683,9 @@ def from_torch_state_dict(
     problems += [
         f"{c} {tuple(tensors[c].shape)}: a non-persistent buffer on meta" for c, v in values.items() if v is None
     ]
-    raise_if_any(problems, header=f"state_dict does not fit {type(model).__name__}")
+    raise_if_any(
+        problems, header=f"state_dict does not fit {type(model).__name__}; load it into the model it came from"
+    )
     return assign(model, {c: put(v, dest.arrays[c].sharding) for c, v in values.items()}, plan)
 
 
