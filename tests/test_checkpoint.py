@@ -15,6 +15,7 @@ from typing import Any
 import jax
 import numpy as np
 import optax
+import orbax.checkpoint as ocp
 import pytest
 import safetensors.torch
 import torch
@@ -310,11 +311,11 @@ def after(fn: Callable[..., Any]) -> Callable[..., Any]:
     return run_then_raise
 
 
-INTERRUPTIONS = {
-    "inside_orbax": ("ocp_save", _raise),
-    "after_arrays": ("_write_state", after(_checkpoint._write_state)),
-    "after_metadata": ("_write_meta", after(_checkpoint._write_meta)),
-    "at_rename": ("_commit", _raise),
+INTERRUPTIONS = {  # where a save dies: (object, attribute, replacement)
+    "inside_orbax": (ocp.PyTreeCheckpointHandler, "save", _raise),
+    "after_arrays": (_checkpoint, "_write_state", after(_checkpoint._write_state)),
+    "after_metadata": (_checkpoint, "_write_meta", after(_checkpoint._write_meta)),
+    "at_rename": (_checkpoint, "_commit", _raise),
 }
 
 
@@ -323,13 +324,8 @@ def test_an_interrupted_save_never_loads_and_is_cleaned_up(tmp_path, mesh_dm, mo
     model = sharded(MLP, mesh_dm)
     ts.save(tmp_path, model, step=4)
     before = values(model)
-    ts.load(tmp_path, sharded(MLP, mesh_dm, seed=1))  # compiles the checksum once, outside the patch
-    name, patch = INTERRUPTIONS[where]
     with monkeypatch.context() as m:
-        if name == "ocp_save":
-            m.setattr(_checkpoint.ocp.PyTreeCheckpointHandler, "save", _raise)
-        else:
-            m.setattr(_checkpoint, name, patch)
+        m.setattr(*INTERRUPTIONS[where])
         with pytest.raises(Interrupted):
             ts.save(tmp_path, sharded(MLP, mesh_dm, seed=2), step=8)
     assert ts.checkpoint_steps(tmp_path) == [4]
@@ -375,6 +371,7 @@ def test_keep_last_retains_the_newest_steps_and_load_picks_the_latest(tmp_path, 
         (lambda p, m: ts.save(p, m, step=1.5), ts.ShardingError, r"step=1\.5 must be None or an int ≥ 0"),
         (lambda p, m: ts.save(p, {"w": m}), ts.ShardingError, r"target must be a Trainer or a sharded .* got dict"),
         (lambda p, m: ts.save(p, MLP()), ts.ShardingError, r"save\(\): MLP is not sharded; place it with"),
+        (lambda p, m: ts.to_torch_state_dict(MLP()), ts.ShardingError, r"to_torch_state_dict\(\): MLP is not sharded"),
         (
             lambda p, m: ts.save_safetensors(p, m, max_shard_bytes=0),
             ts.ShardingError,
@@ -391,6 +388,7 @@ def test_keep_last_retains_the_newest_steps_and_load_picks_the_latest(tmp_path, 
         "float_step",
         "not_a_module",
         "unplaced_save",
+        "unplaced_export",
         "bad_shard_bytes",
     ],
 )

@@ -77,8 +77,8 @@ def _trainer_tree(trainer: Trainer) -> dict[str, Any]:
     return {"opt_state": state.opt_state, "step": state.step, "rng": trainer._base_key}
 
 
-def _state_tree(target: Target) -> dict[str, Any]:
-    arrays = _placed_arrays(_model_of(target), doing="save()")
+def _state_tree(target: Target, *, doing: str) -> dict[str, Any]:
+    arrays = _placed_arrays(_model_of(target), doing=doing)
     if not isinstance(target, Trainer):
         return {"model": arrays}
     state = target.state
@@ -337,7 +337,7 @@ def save(path: PathLike, target: Target, *, step: int | None = None, keep_last: 
     _check_save_args(target, step, keep_last)
     root = pathlib.Path(path)
     step = (target.step_count if isinstance(target, Trainer) else 0) if step is None else step
-    tree = _state_tree(target)
+    tree = _state_tree(target, doing="save()")
     meta = _metadata(target, tree, step)
     final = root / _step_name(step)
     tmp = root / (_TMP + final.name)
@@ -640,7 +640,7 @@ def to_torch_state_dict(target: Target) -> dict[str, torch.Tensor]:
         >>> MyModel().load_state_dict(torch.load("model.pt"))  # doctest: +SKIP
     """
     model = _model_of(target)
-    arrays = _state_tree(target)["model"]
+    arrays = _state_tree(target, doing="to_torch_state_dict()")["model"]
     canonical = _canonical_names(model)
     dtypes = _torch_dtypes(target)
     made: dict[str, torch.Tensor] = {}
@@ -769,7 +769,7 @@ def save_safetensors(path: PathLike, target: Target, *, max_shard_bytes: int = 5
     if isinstance(max_shard_bytes, bool) or not isinstance(max_shard_bytes, int) or max_shard_bytes < 1:
         raise ShardingError(f"save_safetensors(max_shard_bytes={max_shard_bytes!r}): must be an int ≥ 1")
     model = _model_of(target)
-    arrays = _state_tree(target)["model"]
+    arrays = _state_tree(target, doing="save_safetensors()")["model"]
     canonical = _canonical_names(model)
     dtypes = _torch_dtypes(target)
     stored = [n for n in dict.fromkeys(canonical[n] for n in _state_dict_names(model))]
