@@ -34,6 +34,7 @@ ENV_NAMES = (
     "OMPI_MCA_orte_hnp_uri",
     "OMPI_COMM_WORLD_SIZE",
     "TPU_WORKER_HOSTNAMES",
+    "TORCHSHARD_CLUSTER",
 )
 SLURM_STEP = {"SLURM_JOB_ID": "7", "SLURM_STEP_NODELIST": "n[1-2]", "SLURM_PROCID": "0", "SLURM_NTASKS": "4"}
 LAUNCH_ENV = {
@@ -80,6 +81,11 @@ LAUNCH_ENV = {
         ({}, {"TPU_WORKER_HOSTNAMES": "w0,w1"}, distributed.ProcessGroup("cluster", cluster="TPU pod (GKE)")),
         ({}, {"TPU_WORKER_HOSTNAMES": "w0"}, distributed.ProcessGroup("single")),
         (
+            {},
+            {"TORCHSHARD_CLUSTER": "auto"},
+            distributed.ProcessGroup("cluster", cluster="JAX auto-detection ($TORCHSHARD_CLUSTER=auto)"),
+        ),
+        (
             {"coordinator_address": "h:1", "num_processes": 2, "process_id": 1},
             SLURM_STEP,
             distributed.ProcessGroup("arguments", "h:1", 2, 1),
@@ -125,7 +131,15 @@ def fake_jax(monkeypatch):
     monkeypatch.setattr(distributed, "_backend_started", lambda: False)
     monkeypatch.setattr(distributed, "_configure_runtime", lambda cpus: calls.append(("configure", cpus)))
     monkeypatch.setattr(jax.distributed, "initialize", lambda *a: calls.append(("initialize", *a)))
+    monkeypatch.setattr(jax.distributed, "is_initialized", lambda: any(c[0] == "initialize" for c in calls))
     return calls
+
+
+def test_initialize_after_jax_distributed_initialize(fake_jax, monkeypatch):
+    monkeypatch.setattr(jax.distributed, "is_initialized", lambda: True)
+    monkeypatch.setattr(distributed, "_backend_started", lambda: True)
+    assert distributed.initialize("h:1", 2, 0).source == "arguments"
+    assert fake_jax == [("configure", None)]
 
 
 @pytest.mark.parametrize(

@@ -22,6 +22,7 @@ COORDINATOR_ENV = "TORCHSHARD_COORDINATOR"
 NUM_PROCESSES_ENV = "TORCHSHARD_NUM_PROCESSES"
 PROCESS_ID_ENV = "TORCHSHARD_PROCESS_ID"
 CPU_DEVICES_ENV = "TORCHSHARD_CPU_DEVICES"
+CLUSTER_ENV = "TORCHSHARD_CLUSTER"  # "auto": always defer to JAX's detection (GCE TPU VMs, Kubernetes...)
 
 Source = Literal["arguments", "environment", "cluster", "single"]
 
@@ -52,6 +53,9 @@ def _hosts(environ: Mapping[str, str], name: str) -> int:
 def detect_cluster(environ: Mapping[str, str] | None = None) -> str | None:
     """Names the multi-process cluster this process runs in (SLURM, Open MPI, TPU pod), if any.
 
+    Other clusters JAX knows (Cloud TPU VMs on GCE, Kubernetes, mpi4py) need a metadata query
+    or a package to be recognised; set ``TORCHSHARD_CLUSTER=auto`` to defer to JAX there.
+
     Args:
         environ: environment to inspect; defaults to ``os.environ``.
 
@@ -65,6 +69,8 @@ def detect_cluster(environ: Mapping[str, str] | None = None) -> str | None:
     # the variables JAX's own detection reads; a cluster counts only when it runs several
     # processes, so a plain `python` in an sbatch script or `mpirun -n 1` stays a no-op
     environ = os.environ if environ is None else environ
+    if environ.get(CLUSTER_ENV) == "auto":
+        return f"JAX auto-detection (${CLUSTER_ENV}=auto)"
     slurm_step = all(k in environ for k in ("SLURM_JOB_ID", "SLURM_STEP_NODELIST", "SLURM_PROCID"))
     if slurm_step and _count(environ, "SLURM_NTASKS") > 1:
         return "SLURM"
@@ -182,7 +188,9 @@ def _configure_runtime(cpu_devices_per_process: int | None) -> None:
 
 
 def _connect(group: ProcessGroup) -> None:
-    if group.source == "cluster":
+    if jax.distributed.is_initialized():
+        logger.info("torchshard: jax.distributed is already initialised; joining nothing more")
+    elif group.source == "cluster":
         logger.info("torchshard: initialising jax.distributed from the %s environment", group.cluster)
         jax.distributed.initialize()
     elif group.source != "single" and (group.num_processes != 1 or group.coordinator_address is not None):
@@ -205,10 +213,10 @@ def initialize(
     Call it first thing, before anything touches JAX devices. The setup comes from, in order:
     the arguments; the ``TORCHSHARD_COORDINATOR`` / ``TORCHSHARD_NUM_PROCESSES`` /
     ``TORCHSHARD_PROCESS_ID`` / ``TORCHSHARD_CPU_DEVICES`` variables that
-    ``python -m torchshard.launch`` sets; a SLURM, Open MPI or TPU-pod environment with several
-    processes (JAX's own ``jax.distributed.initialize()`` auto-detection). Otherwise nothing
-    happens. On CPU, cross-process collectives use gloo. Calling it again with the same setup
-    is a no-op.
+    ``python -m torchshard.launch`` sets; a SLURM ``srun`` step, ``mpirun`` or GKE TPU pod with
+    several processes, or ``TORCHSHARD_CLUSTER=auto`` (JAX's own ``jax.distributed.initialize()``
+    auto-detection). Otherwise nothing happens. On CPU, cross-process collectives use gloo.
+    Calling it again with the same setup is a no-op.
 
     Args:
         coordinator_address: ``host:port`` of process 0, reachable from every process.
@@ -233,7 +241,7 @@ def initialize(
     if _current is not None:
         _check_same(_current, group)
         return _current
-    if _backend_started() and group.source != "single":
+    if _backend_started() and group.source != "single" and not jax.distributed.is_initialized():
         raise ShardingError(
             "torchshard.distributed.initialize() was called after JAX started its backend; call it first "
             "thing in your program, before jax.devices(), any jax array, torchax tensor or model placement."
