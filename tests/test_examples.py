@@ -34,3 +34,14 @@ def test_mlp_forward_exits_non_zero_on_a_mismatch():
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     assert module.main(["--batch", "8", "--tol", "-1"]) == 1  # no error is below a negative tolerance
+
+
+def test_train_mlp_runs_checkpoints_resumes_and_matches_torch(tmp_path):
+    args = ["--batch", "64", "--plans", "dp,tp,fsdp", "--checkpoint-dir", str(tmp_path), "--checkpoint-every", "2"]
+    first = _run("train_mlp.py", "--steps", "2", *args)
+    assert first.returncode == 0, first.stdout + first.stderr
+    assert "tp vs eager torch" in first.stdout and "FAIL" not in first.stdout
+    resumed = _run("train_mlp.py", "--steps", "4", "--resume", *args)
+    assert resumed.returncode == 0, resumed.stdout + resumed.stderr
+    assert "fsdp: resumed at step 2" in resumed.stdout
+    assert resumed.stdout.count("(rtol 0.001: ok)") == 3
