@@ -154,11 +154,12 @@ def report(results: dict[str, list[float]], rtol: float) -> bool:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    if args.cpu_devices:
+    group = ts.distributed.initialize()  # joins a `python -m torchshard.launch` run; a no-op when run alone
+    if args.cpu_devices and group.source == "single":
         ts.use_cpu_devices(args.cpu_devices)
     batches = make_batches(args.batch, args.steps)
     results = {name: train_sharded(name, batches, args) for name in args.plans.split(",")}
-    if not args.no_torch:
+    if not args.no_torch and ts.distributed.is_main_process():
         results["torch"] = train_torch(batches, args.lr)
     return 0 if report(results, args.rtol) else 1
 

@@ -33,7 +33,7 @@ def use_cpu_devices(n: int) -> None:
     if not isinstance(n, int) or isinstance(n, bool) or n < 1:
         raise ShardingError(f"use_cpu_devices(n={n!r}): n must be a positive int.")
     if _backend_started():
-        have = len(jax.devices("cpu"))
+        have = len(jax.local_devices(backend="cpu"))  # this process's, in a multi-process run too
         if have != n:
             raise ShardingError(
                 f"use_cpu_devices({n}) was called after JAX started its backend with {have} CPU "
