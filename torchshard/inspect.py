@@ -19,7 +19,7 @@ from torchshard._mesh import describe_mesh
 from torchshard._plan import _fmt_bytes
 from torchshard._trainer import Trainer
 
-__all__ = ["KINDS", "Collective", "CollectiveStats", "collectives", "parse_hlo"]
+__all__ = ["KINDS", "Collective", "CollectiveStats", "axes_of", "collectives", "parse_hlo"]
 
 KINDS = ("all-reduce", "all-gather", "reduce-scatter", "all-to-all", "collective-permute")
 
