@@ -20,8 +20,8 @@ from jax.experimental import multihost_utils
 
 from torchshard._errors import ShardingError, raise_if_any
 from torchshard._mesh import describe_mesh
-from torchshard._placement import assign, host_array, is_jax_tensor, put
-from torchshard._plan import ShardingPlan, model_tensors, tie_groups
+from torchshard._placement import assign, host_array, is_jax_tensor, put, rebind
+from torchshard._plan import ShardingPlan, model_tensors, named_tensors, tie_groups
 from torchshard._trainer import Trainer, TrainState
 
 _FORMAT = "torchshard-checkpoint"
@@ -61,7 +61,7 @@ def _canonical_names(model: torch.nn.Module) -> dict[str, str]:
 
 def _placed_arrays(model: torch.nn.Module, *, doing: str) -> dict[str, jax.Array]:
     """Canonical name → the ``jax.Array`` behind each placed tensor (tied tensors once)."""
-    tensors = {t.name: t.tensor for t in model_tensors(model)}
+    tensors = named_tensors(model)
     canonical = list(dict.fromkeys(_canonical_names(model).values()))
     unplaced = [n for n in canonical if not is_jax_tensor(tensors[n])]
     raise_if_any(
@@ -74,7 +74,7 @@ def _placed_arrays(model: torch.nn.Module, *, doing: str) -> dict[str, jax.Array
 def _trainer_tree(trainer: Trainer) -> dict[str, Any]:
     """The non-module part of a trainer: optimizer state, step counter and RNG base key."""
     state = trainer.state
-    return {"opt_state": state.opt_state, "step": state.step, "rng": trainer._base_key}
+    return {"opt_state": state.opt_state, "step": state.step, "rng": trainer.rng_key}
 
 
 def _state_tree(target: Target, *, doing: str) -> dict[str, Any]:
@@ -498,26 +498,19 @@ def _destination_arrays(meta: dict[str, Any], dest: _Destination, restored: dict
     return arrays
 
 
-def _rebind(model: torch.nn.Module, arrays: Mapping[str, jax.Array]) -> None:
-    """Points the model's placed tensors at new arrays in place (tied aliases share the object)."""
-    tensors = {t.name: t.tensor for t in model_tensors(model)}
-    for name, array in arrays.items():
-        tensors[name]._elem = array
-
-
 def _load_trainer(trainer: Trainer, arrays: dict[str, jax.Array], restored: dict[str, Any]) -> None:
     target = _trainer_tree(trainer)
     tree = jax.tree.map(_to_destination, restored, target)
     state = trainer.state
-    _rebind(trainer.model, arrays)  # frozen params too, which are not in the TrainState
-    trainer._base_key = tree["rng"]
+    rebind(named_tensors(trainer.model), arrays)  # frozen params too, which are not in the TrainState
     trainer.load_state(
         TrainState(
             params={n: arrays[n] for n in state.params},
             buffers={n: arrays[n] for n in state.buffers},
             opt_state=tree["opt_state"],
             step=tree["step"],
-        )
+        ),
+        rng_key=tree["rng"],
     )
 
 
@@ -582,7 +575,7 @@ def load(path: PathLike, target: Target, *, step: int | None = None, plan: Shard
     elif plan is not None:
         assign(model, arrays, plan)
     else:
-        _rebind(model, arrays)
+        rebind(named_tensors(model), arrays)
     return target
 
 
@@ -677,7 +670,7 @@ def from_torch_state_dict(
         >>> from_torch_state_dict(model, torch.load("model.pt"), plan(model, mesh, presets.fsdp()))  # doctest: +SKIP
     """
     dest = _plan_destination(model, plan)
-    tensors = {t.name: t.tensor for t in model_tensors(model)}
+    tensors = named_tensors(model)
     values = {c: _value_for(c, dest, state_dict, tensors) for c in dest.arrays}
     problems = _state_dict_problems(model, state_dict, tensors)
     problems += [

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import warnings
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
 from typing import Any, Literal
 
 import jax
@@ -14,7 +14,7 @@ from jax.sharding import AbstractMesh, Mesh, NamedSharding, PartitionSpec
 from torchshard import _compat
 from torchshard._errors import ShardingError, raise_if_any
 from torchshard._mesh import describe_mesh
-from torchshard._plan import ShardingPlan, _spec_problems, model_tensors, plan
+from torchshard._plan import ShardingPlan, _spec_problems, model_tensors, named_tensors, plan
 from torchshard._rules import Rules, SpecLike, TensorInfo, to_spec
 
 _compat.import_torchax()
@@ -105,8 +105,14 @@ def assign(model: torch.nn.Module, arrays: dict[str, jax.Array], plan: ShardingP
     return model
 
 
+def rebind(tensors: Mapping[str, torch.Tensor], arrays: Mapping[str, jax.Array]) -> None:
+    """Points placed tensors at new arrays in place, so every holder (and tied alias) sees them."""
+    for name, array in arrays.items():
+        tensors[name]._elem = array
+
+
 def _match_problems(model: torch.nn.Module, plan: ShardingPlan) -> list[str]:
-    tensors = {t.name: t.tensor for t in model_tensors(model)}
+    tensors = named_tensors(model)
     missing = [n for n in plan if n not in tensors]
     unexpected = [n for n in tensors if n not in plan]
     problems = [f"{n}: in the plan but not in the model" for n in missing]
@@ -137,7 +143,7 @@ def shard(model: torch.nn.Module, plan: ShardingPlan) -> torch.nn.Module:
         >>> model = shard(model, plan(model, mesh, presets.fsdp()))  # doctest: +SKIP
     """
     raise_if_any(_match_problems(model, plan), header=f"plan does not fit {type(model).__name__}")
-    tensors = {t.name: t.tensor for t in model_tensors(model)}
+    tensors = named_tensors(model)
     arrays = {e.name: put(tensors[e.name], e.sharding) for e in plan.unique_entries()}
     return assign(model, arrays, plan)
 
@@ -202,7 +208,7 @@ def _materialise(model_fn: Callable[[], torch.nn.Module], p: ShardingPlan, seed:
                 tx.manual_seed(wrap(key))
                 with torch.device("jax"):
                     model = model_fn()
-                tensors = {t.name: t.tensor for t in model_tensors(model)}
+                tensors = named_tensors(model)
                 return [tensors[n].jax() for n in names]
         finally:
             tx._property.content = saved

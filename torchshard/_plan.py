@@ -65,6 +65,11 @@ def model_tensors(model: torch.nn.Module) -> list[_Tensor]:
     return list(found.values())
 
 
+def named_tensors(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """name → tensor for every param and buffer name (tied aliases map to the same object)."""
+    return {t.name: t.tensor for t in model_tensors(model)}
+
+
 def tie_groups(tensors: Iterable[_Tensor]) -> dict[str, str]:
     """name → canonical name (the first name the tensor appears under)."""
     first: dict[int, str] = {}

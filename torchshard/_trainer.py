@@ -16,8 +16,8 @@ from torch.nn.utils.stateless import _reparametrize_module
 
 from torchshard._errors import ShardingError, raise_if_any
 from torchshard._mesh import describe_mesh
-from torchshard._placement import env, is_jax_tensor, put, shard, wrap
-from torchshard._plan import ShardingPlan, model_tensors
+from torchshard._placement import env, is_jax_tensor, put, rebind, shard, wrap
+from torchshard._plan import ShardingPlan, named_tensors
 from torchshard._rules import SpecLike, to_spec
 from torchshard.distributed import global_shape
 
@@ -36,7 +36,7 @@ class TrainState(NamedTuple):
 
 def _groups(model: torch.nn.Module, plan: ShardingPlan) -> tuple[list[str], list[str], list[str]]:
     """Canonical names split into trainable params, buffers (carried and updated) and frozen params."""
-    tensors = {t.name: t.tensor for t in model_tensors(model)}
+    tensors = named_tensors(model)
     params, buffers, frozen = [], [], []
     for entry in plan.unique_entries():
         if entry.kind == "buffer":
@@ -143,6 +143,7 @@ class Trainer:
         self.grad_accum_steps = grad_accum_steps
         self.max_in_flight = max_in_flight
         self._model = shard(model, plan)
+        self._tensors = named_tensors(self._model)
         self._runtime = _Runtime(self._model, loss_fn)
         self._names = _groups(self._model, plan)
         self._replicated = NamedSharding(plan.mesh, PartitionSpec())
@@ -168,9 +169,13 @@ class Trainer:
     def step_count(self) -> int:
         return int(self._state.step)
 
+    @property
+    def rng_key(self) -> jax.Array:
+        """Raw key data (uint32) the per-step keys are folded from: part of a resumable state."""
+        return self._base_key
+
     def _arrays(self, names: list[str]) -> Arrays:
-        tensors = {t.name: t.tensor for t in model_tensors(self._model)}
-        return {n: tensors[n].jax() for n in names}
+        return {n: self._tensors[n].jax() for n in names}
 
     def _initial_state(self) -> TrainState:
         params_names, buffer_names, _ = self._names
@@ -280,10 +285,9 @@ class Trainer:
         Returns:
             ``{"loss": ..., "grad_norm": ..., **aux}``.
         """
-        placed = self.place_batch(jax.tree.map(lambda x: x.jax() if is_jax_tensor(x) else x, batch), local=local)
-        frozen = self._arrays(self._names[2])
+        args = self._step_args(batch, local=local)
         with jax.set_mesh(self.mesh):  # constrain() inside forward reads the mesh it is traced under
-            self._state, metrics = self._step_fn(self._state, frozen, placed, self._base_key)
+            self._state, metrics = self._step_fn(*args)
         self._bind()
         self._throttle(metrics["loss"])
         return metrics
@@ -300,9 +304,13 @@ class Trainer:
         Example:
             >>> hlo = trainer.lower(batch).compile().as_text()  # doctest: +SKIP
         """
-        placed = self.place_batch(jax.tree.map(lambda x: x.jax() if is_jax_tensor(x) else x, batch))
+        args = self._step_args(batch)
         with jax.set_mesh(self.mesh):
-            return self._step_fn.lower(self._state, self._arrays(self._names[2]), placed, self._base_key)
+            return self._step_fn.lower(*args)
+
+    def _step_args(self, batch: Any, *, local: bool = False) -> tuple[Any, ...]:
+        placed = self.place_batch(jax.tree.map(lambda x: x.jax() if is_jax_tensor(x) else x, batch), local=local)
+        return self._state, self._arrays(self._names[2]), placed, self._base_key
 
     def _throttle(self, marker: jax.Array) -> None:
         self._in_flight.append(marker)
@@ -310,14 +318,18 @@ class Trainer:
             self._in_flight.popleft().block_until_ready()
 
     def _bind(self) -> None:
-        arrays = {**self._state.params, **self._state.buffers}
-        tensors = {t.name: t.tensor for t in model_tensors(self._model)}
-        for name in arrays:
-            tensors[name]._elem = arrays[name]
+        rebind(self._tensors, {**self._state.params, **self._state.buffers})
 
-    def load_state(self, state: TrainState) -> None:
-        """Replaces the training state (e.g. from a checkpoint); arrays must already be placed."""
+    def load_state(self, state: TrainState, *, rng_key: jax.Array | None = None) -> None:
+        """Replaces the training state (e.g. from a checkpoint); arrays must already be placed.
+
+        Args:
+            state: the new `TrainState`, sharded as `state_shardings` says.
+            rng_key: the `rng_key` to continue from (kept if None).
+        """
         self._state = state
+        if rng_key is not None:
+            self._base_key = rng_key
         self._bind()
 
 
