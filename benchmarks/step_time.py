@@ -25,18 +25,24 @@ def parse_args() -> argparse.Namespace:
     return parser.parse_args()
 
 
-def median_time(step: Callable[[], object], steps: int, warmup: int) -> float:
-    """Median wall time of ``step()`` including a wait for its result, after ``warmup`` calls."""
+def median_times(fns: list[Callable[[], object]], steps: int, warmup: int) -> list[float]:
+    """Median wall time of each ``fn()`` (waiting for its result), calls interleaved so load drifts hit all alike."""
     import jax
 
     for _ in range(warmup):
-        jax.block_until_ready(step())
-    times = []
+        for fn in fns:
+            jax.block_until_ready(fn())
+    times: list[list[float]] = [[] for _ in fns]
     for _ in range(steps):
-        start = time.perf_counter()
-        jax.block_until_ready(step())
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
+        for fn, record in zip(fns, times, strict=True):
+            start = time.perf_counter()
+            jax.block_until_ready(fn())
+            record.append(time.perf_counter() - start)
+    return [statistics.median(t) for t in times]
+
+
+def median_time(step: Callable[[], object], steps: int, warmup: int) -> float:
+    return median_times([step], steps, warmup)[0]
 
 
 def build_model():
@@ -207,9 +213,7 @@ def per_device_bytes(trainer) -> int:
 
 def row(name: str, args, b, gemm: float, torch_s: float | None) -> dict[str, object]:
     trainer, fused = trainer_step(name, b)
-    t_fused = median_time(fused, args.steps, args.warmup)
-    t_jax = median_time(jax_step(trainer, b), args.steps, args.warmup)
-    t_tut = median_time(tutorial_step(name, b), args.steps, args.warmup)
+    t_fused, t_jax, t_tut = median_times([fused, jax_step(trainer, b), tutorial_step(name, b)], args.steps, args.warmup)
     return {
         "config": name,
         "mesh": "×".join(f"{k}={v}" for k, v in trainer.mesh.shape.items()),

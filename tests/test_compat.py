@@ -44,6 +44,24 @@ OPS = [
         [*_inputs(4, (8, 10)), _ids(8, 10)],
         (0,),
     ),
+    (
+        "gather_dim1_smaller_index",
+        lambda x, idx: torch.gather(x, 1, idx).pow(2).sum(),
+        [*_inputs(5, (6, 5)), _ids(4 * 3, 5).reshape(4, 3)],
+        (0,),
+    ),
+    (
+        "gather_dim0",
+        lambda x, idx: torch.gather(x, 0, idx).sin().sum(),
+        [*_inputs(6, (5, 4)), _ids(7 * 4, 5).reshape(7, 4)],
+        (0,),
+    ),
+    (
+        "gather_3d_negative_dim",
+        lambda x, idx: torch.gather(x, -1, idx).sum(),
+        [*_inputs(7, (2, 3, 6)), _ids(2 * 3 * 2, 6).reshape(2, 3, 2)],
+        (0,),
+    ),
 ]
 
 

@@ -12,6 +12,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 from models import MLP
 from torch import nn
+from torch.nn import functional as F
 
 import torchshard as ts
 from torchshard import ShardingError, presets
@@ -146,6 +147,18 @@ def test_data_parallel_all_reduces_gradients_and_gathers_nothing():
     assert stats.count("all-reduce") == stats.count("all-reduce", axes="data") >= 1
     grad_bytes = sum(p.numel() * 4 for p in MLP().parameters())
     assert stats.nbytes("all-reduce") >= grad_bytes  # every gradient is summed over the batch shards
+
+
+def test_cross_entropy_keeps_the_batch_sharded():
+    # torchax's own aten.gather indexes with coordinate grids GSPMD cannot split: it gathered the batch.
+    torch.manual_seed(0)
+    model = MLP()
+    plan = ts.plan(model, ts.make_mesh({"data": 8}), presets.data_parallel())
+    trainer = ts.Trainer(model, lambda m, b: F.cross_entropy(m(b[0]), b[1]), optax.sgd(0.1), plan)
+    labels = torch.randint(0, 16, (BATCH,), generator=torch.Generator().manual_seed(2))
+    stats = collectives(trainer, (mlp_batch()[0], labels))
+    assert stats.count("all-gather") == 0, stats
+    assert stats.count() == stats.count("all-reduce", axes="data")
 
 
 def test_tensor_parallel_all_reduces_the_row_parallel_output():

@@ -127,7 +127,33 @@ def needs_batch_norm_fix() -> bool:
         return False
 
 
+def _gather_along_axis(input, dim, index, *, sparse_grad=False):
+    """``aten.gather`` as ``take_along_axis``: a batched gather that GSPMD keeps sharded.
+
+    torchax's own version indexes with full coordinate grids, which the partitioner cannot split,
+    so ``cross_entropy`` on a batch-sharded step all-gathers the batch.
+    """
+    import jax.numpy as jnp
+
+    if input.ndim == 0:
+        return jnp.broadcast_to(input, index.shape)
+    dim %= input.ndim
+    # torch lets index be smaller than input in the other dims: only that corner is read.
+    corner = tuple(slice(None) if d == dim else slice(0, index.shape[d]) for d in range(input.ndim))
+    return jnp.take_along_axis(input[corner], index, axis=dim)
+
+
 def fix_environment(env: object) -> None:
     """Applies the op fixes this torchax release needs to a torchax environment."""
     if needs_batch_norm_fix():
         env.override_op_definition(torch.ops.aten.native_batch_norm, _batch_norm_updating_stats)
+    from torchax.ops import ops_registry
+
+    env._ops[torch.ops.aten.gather] = ops_registry.Operator(
+        torch.ops.aten.gather,
+        _gather_along_axis,
+        is_jax_function=True,
+        is_user_defined=True,
+        needs_env=False,
+        is_view_op=False,
+    )
