@@ -123,7 +123,7 @@ class Rules:
     Example:
         >>> rules = Rules([(r".*\\.weight", ("model", None)), (r".*", ())])
         >>> rules.spec_for("fc.weight")
-        PartitionSpec('model', None)
+        P('model', None)
     """
 
     def __init__(

@@ -33,7 +33,7 @@ def replicated() -> Rules:
 
     Example:
         >>> replicated().spec_for("anything")
-        PartitionSpec()
+        P()
     """
     return Rules([(r".*", PartitionSpec())], source="replicated")
 
@@ -43,7 +43,7 @@ def data_parallel() -> Rules:
 
     Example:
         >>> data_parallel().spec_for("fc.weight")
-        PartitionSpec()
+        P()
     """
     return Rules([(r".*", PartitionSpec())], source="data_parallel")
 
