@@ -17,7 +17,7 @@ SIZES = (784, 1024, 1024, 1024, 10)
 def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--batch", type=int, default=2048)
-    parser.add_argument("--steps", type=int, default=10, help="timed steps (median reported)")
+    parser.add_argument("--steps", type=int, default=20, help="timed steps (median reported)")
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--cpu-devices", type=int, default=8, help="0: use JAX's default devices")
     parser.add_argument("--configs", default="dp,tp,fsdp")
