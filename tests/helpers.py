@@ -29,3 +29,15 @@ def assert_trees_close(actual: dict, expected: dict, *, tol: float = 1e-5) -> No
     assert set(actual) == set(expected), set(actual) ^ set(expected)
     for name in expected:
         assert_close(actual[name], expected[name], tol=tol, what=name)
+
+
+def torch_losses(model, loss_fn, opt, batches) -> list[float]:
+    """The truth: eager, unsharded torch training, one optimizer step per batch; returns the losses."""
+    out = []
+    for b in batches:
+        opt.zero_grad()
+        loss = loss_fn(model, b)
+        loss.backward()
+        opt.step()
+        out.append(loss.item())
+    return out

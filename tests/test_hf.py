@@ -10,7 +10,7 @@ import numpy as np
 import optax
 import pytest
 import torch
-from helpers import assert_close
+from helpers import assert_close, torch_losses
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
@@ -184,14 +184,7 @@ def batches(n, *, batch=BATCH, seq=16, seed=1):
 
 def eager_losses(model, data):
     opt = torch.optim.AdamW(model.parameters(), lr=LR, betas=BETAS, eps=EPS, weight_decay=WEIGHT_DECAY)
-    out = []
-    for ids in data:
-        opt.zero_grad()
-        loss = lm_loss(model, ids)
-        loss.backward()
-        opt.step()
-        out.append(loss.item())
-    return out
+    return torch_losses(model, lm_loss, opt, data)
 
 
 def sharded_logits(model, ids, mesh):

@@ -10,7 +10,7 @@ import optax
 import pytest
 import torch
 import torchax
-from helpers import assert_close, assert_trees_close, to_numpy
+from helpers import assert_close, assert_trees_close, to_numpy, torch_losses
 from models import MLP, Block, TiedLM
 from torch import nn
 
@@ -47,17 +47,6 @@ def pair(factory, seed=0):
 def mlp_batches(n, batch=16, seed=1):
     g = torch.Generator().manual_seed(seed)
     return [(torch.randn(batch, 32, generator=g), torch.randn(batch, 16, generator=g)) for _ in range(n)]
-
-
-def torch_losses(model, loss_fn, opt, batches):
-    out = []
-    for b in batches:
-        opt.zero_grad()
-        loss = loss_fn(model, b)
-        loss.backward()
-        opt.step()
-        out.append(loss.item())
-    return out
 
 
 def state_of(module):
