@@ -19,8 +19,6 @@ import sys
 import jax
 import numpy as np
 import torch
-from jax.sharding import NamedSharding
-from jax.sharding import PartitionSpec as P
 from torch import nn
 
 import torchshard as ts
@@ -83,7 +81,7 @@ def main(argv: list[str] | None = None) -> int:
     print("\nlayers.0.weight [out, in], column-parallel:")
     jax.debug.visualize_array_sharding(model.layers[0].weight.jax())
 
-    batch = torchax.interop.torch_view(jax.device_put(x.numpy(), NamedSharding(mesh, P("data"))))
+    batch = ts.shard_batch(x, mesh)  # leading dim over "data"
     out = sharded_forward(model)(batch).jax()
     print(f"\noutput {tuple(out.shape)}, batch over 'data':")
     jax.debug.visualize_array_sharding(out)

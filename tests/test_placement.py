@@ -299,3 +299,30 @@ def test_init_sharded_narrows_64_bit_buffers_quietly(mesh_dm):
 def test_init_sharded_reports_plan_errors(mesh_dm):
     with pytest.raises(ShardingError, match=r"layers\.0\.weight \(64, 32\) .*unknown mesh axis 'modle'"):
         torchshard.init_sharded(lambda: MLP(), mesh_dm, [(r"layers\.0\.weight", ("modle", None))])
+
+
+def test_shard_batch_places_every_leaf_and_runs_the_model(mesh_dm):
+    torch.manual_seed(0)
+    model = MLP()
+    x = torch.randn(16, 32)
+    expected = model(x)
+    torchshard.shard(model, torchshard.plan(model, mesh_dm, presets.fsdp(min_size=64)))
+    batch = torchshard.shard_batch({"x": x, "scale": torch.tensor(2.0)}, mesh_dm)
+    assert batch["x"].jax().sharding == NamedSharding(mesh_dm, P("data"))
+    assert batch["scale"].jax().sharding == NamedSharding(mesh_dm, P())
+    with torchax.default_env():
+        out = model(batch["x"]) * batch["scale"]
+    assert_close(out, expected * 2, tol=1e-5, what="forward on a sharded batch")
+
+
+@pytest.mark.parametrize(
+    ("batch", "spec", "match"),
+    [
+        (torch.zeros(6, 4), ("data",), r"batch leaf #0 \(6, 4\).*dim 0 \(size 6\) is not divisible by data \(size 4\)"),
+        ((torch.zeros(8, 4), torch.zeros(8, 3)), ("data", "model"), r"batch leaf #1 \(8, 3\).*dim 1 \(size 3\)"),
+        (torch.zeros(8, 4), ("batch",), r"unknown mesh axis 'batch'; use one of \['data', 'model'\]"),
+    ],
+)
+def test_shard_batch_errors(mesh_dm, batch, spec, match):
+    with pytest.raises(ShardingError, match=match):
+        torchshard.shard_batch(batch, mesh_dm, spec)

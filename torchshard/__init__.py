@@ -12,7 +12,7 @@ from torchshard._checkpoint import (
 )
 from torchshard._errors import ShardingError, UnusedRuleWarning
 from torchshard._mesh import make_mesh, use_cpu_devices
-from torchshard._placement import constrain, init_sharded, shard
+from torchshard._placement import constrain, init_sharded, shard, shard_batch
 from torchshard._plan import PlanEntry, ShardingPlan, plan
 from torchshard._rules import Rule, Rules, TensorInfo
 from torchshard._trainer import Trainer, TrainState
@@ -43,6 +43,7 @@ __all__ = [
     "save",
     "save_safetensors",
     "shard",
+    "shard_batch",
     "to_torch_state_dict",
     "use_cpu_devices",
     "visualize",

@@ -148,6 +148,39 @@ def shard(model: torch.nn.Module, plan: ShardingPlan) -> torch.nn.Module:
     return assign(model, arrays, plan)
 
 
+def batch_leaf_spec(leaf: Any, spec: PartitionSpec) -> PartitionSpec:
+    """``spec`` for batch leaves of at least its rank; lower-rank leaves (scalars) are replicated."""
+    return spec if len(getattr(leaf, "shape", ())) >= len(spec) else PartitionSpec()
+
+
+def shard_batch(batch: Any, mesh: Mesh, spec: SpecLike = ("data",)) -> Any:
+    """Places every tensor of ``batch`` on ``mesh`` (leading dim over ``"data"`` by default), for inference.
+
+    Args:
+        batch: a pytree (tensor, tuple, dict...) of CPU torch tensors, torchax tensors or arrays.
+        mesh: the device mesh.
+        spec: the spec of each leaf; leaves of lower rank are replicated.
+
+    Returns:
+        The same pytree of torchax tensors, ready for ``model(...)`` inside ``torchax.default_env()``.
+
+    Raises:
+        ShardingError: every leaf whose sharded dims do not divide by the mesh axes.
+
+    Example:
+        >>> x = shard_batch(torch.randn(64, 784), mesh)  # doctest: +SKIP
+        >>> with torchax.default_env():  # doctest: +SKIP
+        ...     logits = model(x)
+    """
+    spec = to_spec(spec)
+    problems = []
+    for i, leaf in enumerate(jax.tree.leaves(batch)):
+        info = TensorInfo(f"batch leaf #{i}", tuple(leaf.shape), getattr(leaf, "dtype", None), None, mesh)
+        problems += _spec_problems(info, batch_leaf_spec(leaf, spec))
+    raise_if_any(problems, header=f"batch does not fit {spec} on {describe_mesh(mesh)}")
+    return jax.tree.map(lambda x: wrap(put(x, NamedSharding(mesh, batch_leaf_spec(x, spec)))), batch)
+
+
 def _ambient_mesh(mesh: Mesh | None, *, tracing: bool) -> Mesh | AbstractMesh:
     if mesh is not None:
         return mesh

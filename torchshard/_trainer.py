@@ -16,7 +16,7 @@ from torch.nn.utils.stateless import _reparametrize_module
 
 from torchshard._errors import ShardingError, raise_if_any
 from torchshard._mesh import describe_mesh
-from torchshard._placement import env, is_jax_tensor, put, rebind, shard, wrap
+from torchshard._placement import batch_leaf_spec, env, is_jax_tensor, put, rebind, shard, wrap
 from torchshard._plan import ShardingPlan, named_tensors
 from torchshard._rules import SpecLike, to_spec
 from torchshard.distributed import global_shape
@@ -228,7 +228,7 @@ class Trainer:
         return put(x, NamedSharding(self.plan.mesh, self._leaf_spec(x)))
 
     def _leaf_spec(self, x: Any) -> PartitionSpec:
-        return self.batch_spec if len(getattr(x, "shape", ())) >= len(self.batch_spec) else PartitionSpec()
+        return batch_leaf_spec(x, self.batch_spec)
 
     def place_batch(self, batch: Any, *, local: bool = False) -> Any:
         """Places every leaf of ``batch`` (torch CPU/torchax tensors, numpy, jax) with ``batch_spec``.
