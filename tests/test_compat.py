@@ -45,6 +45,36 @@ OPS = [
         (0,),
     ),
     (
+        "batched_matmul",
+        lambda q, k: (q @ k.transpose(-2, -1)).tanh().sum(),
+        _inputs(8, (2, 3, 4, 5), (2, 3, 6, 5)),
+        (0, 1),
+    ),
+    (
+        "attention_causal",
+        lambda q, k, v: F.scaled_dot_product_attention(q, k, v, is_causal=True).sin().sum(),
+        _inputs(9, (2, 4, 6, 8), (2, 4, 6, 8), (2, 4, 6, 8)),
+        (0, 1, 2),
+    ),
+    (
+        "attention_gqa_scale",
+        lambda q, k, v: F.scaled_dot_product_attention(q, k, v, scale=0.3, enable_gqa=True).sin().sum(),
+        _inputs(10, (2, 4, 6, 8), (2, 2, 5, 8), (2, 2, 5, 8)),
+        (0, 1, 2),
+    ),
+    (
+        "attention_float_mask",
+        lambda q, k, v, m: F.scaled_dot_product_attention(q, k, v, attn_mask=m).sin().sum(),
+        _inputs(11, (2, 4, 6, 8), (2, 4, 5, 8), (2, 4, 5, 8), (6, 5)),
+        (0, 1, 2),
+    ),
+    (
+        "attention_bool_mask",
+        lambda q, k, v, m: F.scaled_dot_product_attention(q, k, v, attn_mask=m > -0.5).sin().sum(),
+        _inputs(12, (2, 4, 6, 8), (2, 4, 5, 8), (2, 4, 5, 8), (2, 1, 6, 5)),
+        (0, 1, 2),
+    ),
+    (
         "gather_dim1_smaller_index",
         lambda x, idx: torch.gather(x, 1, idx).pow(2).sum(),
         [*_inputs(5, (6, 5)), _ids(4 * 3, 5).reshape(4, 3)],

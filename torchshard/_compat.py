@@ -143,17 +143,76 @@ def _gather_along_axis(input, dim, index, *, sparse_grad=False):
     return jnp.take_along_axis(input[corner], index, axis=dim)
 
 
+def _matmul(x, y):
+    import jax.numpy as jnp
+
+    return jnp.matmul(x, y)
+
+
+def _jax_ops() -> dict[object, object]:
+    """torch callables → jax implementations that keep shardings where torchax's do not.
+
+    ``torch.matmul`` on batched (e.g. [batch, heads, seq, dim]) operands otherwise decomposes
+    into reshapes around ``bmm`` that merge the batch and head dims, and GSPMD then gathers the
+    heads a tensor-parallel attention had split.
+    """
+    return {
+        torch.ops.aten.gather: _gather_along_axis,
+        torch.matmul: _matmul,
+        torch.Tensor.matmul: _matmul,
+        torch.Tensor.__matmul__: _matmul,
+    }
+
+
+def _attention_jax(query, key, value, attn_mask, is_causal, scale):
+    """[batch, heads, seq, dim] attention by ``jax.nn.dot_product_attention`` (grouped KV heads too)."""
+    import jax
+    import jax.numpy as jnp
+
+    q, k, v = (jnp.swapaxes(t, 1, 2) for t in (query, key, value))
+    mask = jnp.tril(jnp.ones((q.shape[1], k.shape[1]), bool))[None, None] if is_causal else None
+    bias = None
+    if attn_mask is not None:
+        attn_mask = attn_mask.reshape((1,) * (4 - attn_mask.ndim) + attn_mask.shape)
+        if attn_mask.dtype == jnp.bool_:
+            mask = attn_mask if mask is None else mask & attn_mask
+        else:
+            bias = attn_mask.astype(q.dtype)
+    out = jax.nn.dot_product_attention(q, k, v, bias=bias, mask=mask, scale=scale)
+    return jnp.swapaxes(out, 1, 2)
+
+
+def _attention(reference):
+    """``scaled_dot_product_attention`` that keeps heads sharded; dropout and odd ranks use ``reference``.
+
+    torchax's version repeats grouped KV heads and multiplies through reshapes that make GSPMD
+    gather the heads a tensor-parallel attention had split over the mesh.
+    """
+
+    def attention(
+        query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False, env=None
+    ):
+        if dropout_p > 0 or query.ndim != 4 or (query.shape[1] != key.shape[1] and not enable_gqa):
+            return reference(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa, env=env)
+        from torchax.interop import call_jax
+
+        return call_jax(_attention_jax, query, key, value, attn_mask, is_causal, scale)
+
+    return attention
+
+
 def fix_environment(env: object) -> None:
     """Applies the op fixes this torchax release needs to a torchax environment."""
     if needs_batch_norm_fix():
         env.override_op_definition(torch.ops.aten.native_batch_norm, _batch_norm_updating_stats)
     from torchax.ops import ops_registry
 
-    env._ops[torch.ops.aten.gather] = ops_registry.Operator(
-        torch.ops.aten.gather,
-        _gather_along_axis,
-        is_jax_function=True,
-        is_user_defined=True,
-        needs_env=False,
-        is_view_op=False,
-    )
+    for op, impl in _jax_ops().items():
+        env._ops[op] = ops_registry.Operator(
+            op, impl, is_jax_function=True, is_user_defined=True, needs_env=False, is_view_op=False
+        )
+    for op in (torch.nn.functional.scaled_dot_product_attention, torch.ops.aten.scaled_dot_product_attention):
+        reference = env._ops[op].func
+        env._ops[op] = ops_registry.Operator(
+            op, _attention(reference), is_jax_function=False, is_user_defined=True, needs_env=True, is_view_op=False
+        )
