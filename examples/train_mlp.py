@@ -22,9 +22,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--plans", default=",".join(PLANS), help=f"comma-separated subset of {PLANS}")
     parser.add_argument("--cpu-devices", type=int, default=8, help="simulated CPU devices (0: leave JAX as is)")
     parser.add_argument("--no-torch", action="store_true", help="skip the eager torch baseline")
-    # Adam divides each gradient by its own magnitude, so summation-order differences in
-    # near-zero gradients grow to ~1e-4 over a few steps at this size; the plans agree far closer.
-    parser.add_argument("--rtol", type=float, default=1e-3, help="loss tolerance against eager torch")
+    # At lr 1e-3 Adam, which divides each gradient by its own size, amplifies summation-order
+    # differences to ~1e-3 within 10 steps; at the default 1e-4 the plans stay within ~1e-6 of torch.
+    parser.add_argument("--rtol", type=float, default=1e-4, help="loss tolerance against eager torch")
     parser.add_argument("--checkpoint-dir", default=None, help="save each plan's trainer to DIR/<plan>/step_<N>")
     parser.add_argument("--checkpoint-every", type=int, default=5, help="steps between checkpoints")
     parser.add_argument("--resume", action="store_true", help="continue each plan from its latest checkpoint")
