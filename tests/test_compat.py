@@ -75,6 +75,30 @@ OPS = [
         (0, 1, 2),
     ),
     (
+        "cross_entropy_weight_ignore_index",
+        lambda logits, w, target: F.cross_entropy(logits, target.masked_fill(target == 3, -100), weight=w.exp()),
+        [*_inputs(13, (8, 10), (10,)), _ids(8, 10)],
+        (0,),  # torch has no gradient for the class weights
+    ),
+    (
+        "nll_loss_sum",
+        lambda logits, target: F.nll_loss(F.log_softmax(logits, -1), target, reduction="sum"),
+        [*_inputs(14, (8, 10)), _ids(8, 10)],
+        (0,),
+    ),
+    (
+        "nll_loss_none",
+        lambda logits, target: F.nll_loss(F.log_softmax(logits, -1), target, reduction="none").sin().sum(),
+        [*_inputs(15, (8, 10)), _ids(8, 10)],
+        (0,),
+    ),
+    (
+        "nll_loss_unbatched",
+        lambda logits, target: F.nll_loss(F.log_softmax(logits, -1), target),
+        [*_inputs(16, (10,)), _ids(8, 10)[3]],
+        (0,),
+    ),
+    (
         "gather_dim1_smaller_index",
         lambda x, idx: torch.gather(x, 1, idx).pow(2).sum(),
         [*_inputs(5, (6, 5)), _ids(4 * 3, 5).reshape(4, 3)],

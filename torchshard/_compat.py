@@ -143,6 +143,27 @@ def _gather_along_axis(input, dim, index, *, sparse_grad=False):
     return jnp.take_along_axis(input[corner], index, axis=dim)
 
 
+def _nll_loss_forward(input, target, weight, reduction, ignore_index):
+    """``aten.nll_loss_forward`` as one fused pick-and-reduce.
+
+    torch's decomposition (what torchax runs) adds a separate integer reduction of the valid
+    targets and a scatter in the backward: about 8 % of a data-parallel MLP step here.
+    """
+    import jax.numpy as jnp
+
+    batched = input.ndim == 2
+    input, target = (input, target) if batched else (input[None], target[None])
+    valid = target != ignore_index
+    safe = jnp.where(valid, target, 0)
+    picked = jnp.take_along_axis(input, safe[:, None], axis=1)[:, 0]
+    w = valid.astype(input.dtype) if weight is None else jnp.where(valid, weight[safe], 0).astype(input.dtype)
+    losses = -picked * w
+    total = w.sum()
+    if reduction == 0:
+        return (losses if batched else losses[0]), total
+    return (losses.sum() / total if reduction == 1 else losses.sum()), total
+
+
 def _matmul(x, y):
     import jax.numpy as jnp
 
@@ -158,6 +179,7 @@ def _jax_ops() -> dict[object, object]:
     """
     return {
         torch.ops.aten.gather: _gather_along_axis,
+        torch.ops.aten.nll_loss_forward: _nll_loss_forward,
         torch.matmul: _matmul,
         torch.Tensor.matmul: _matmul,
         torch.Tensor.__matmul__: _matmul,
