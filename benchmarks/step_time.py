@@ -159,8 +159,12 @@ def tutorial_step(name: str, b):
         with torchax.default_env():
             value, grads = grad_fn(holder["w"], xy)
             updates, holder["state"] = interop.call_jax(opt.update, grads, holder["state"], holder["w"])
+            # the eager update is ~100 small dispatches; on simulated CPU devices too many queued
+            # collectives abort XLA ("rendezvous ... Termination timeout"), so settle them here
+            jax.block_until_ready(interop.jax_view(updates))
             holder["w"] = interop.call_jax(optax.apply_updates, holder["w"], updates)
-        return value.jax()
+        # wait for the eager optimizer work too, or it would run into the next timed step
+        return value.jax(), [w.jax() for w in holder["w"].values()]
 
     return run
 

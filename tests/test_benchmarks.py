@@ -29,3 +29,15 @@ def test_collectives_benchmark_runs(tmp_path):
         assert float(micros) > 0 and float(algbw) > 0
         assert abs(float(busbw) - float(algbw) * factor) <= 2e-3 * float(algbw), (op, algbw, busbw)
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_step_time_benchmark_runs():
+    script = SCRIPT.parent / "step_time.py"
+    args = ["--batch", "64", "--steps", "2", "--warmup", "1", "--configs", "tp,fsdp"]
+    done = subprocess.run([sys.executable, str(script), *args], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr
+    rows = [line.split("|")[1:-1] for line in done.stdout.splitlines() if line.startswith("| ") and "---" not in line]
+    assert [r[0].strip() for r in rows[1:]] == ["tp", "fsdp"]
+    assert "Trainer / hand-written JAX" in rows[0][3]
+    per_device = {r[0].strip(): float(r[-1]) for r in rows[1:]}
+    assert per_device["fsdp"] < per_device["tp"]  # FSDP holds a fraction of the state on each device
