@@ -14,7 +14,7 @@ from jax.sharding import AbstractMesh, Mesh, NamedSharding, PartitionSpec
 
 from torchshard._errors import ShardingError, UnusedRuleWarning, raise_if_any
 from torchshard._mesh import describe_mesh
-from torchshard._rules import Rule, Rules, TensorInfo, annotation_rules, as_rules
+from torchshard._rules import Rule, Rules, TensorInfo, annotation_rules, as_rules, entry_axes
 
 
 @dataclasses.dataclass(frozen=True)
@@ -198,7 +198,7 @@ def _spec_problems(info: TensorInfo, spec: PartitionSpec) -> list[str]:
         ]
     problems, seen = [], set()
     for dim, entry in enumerate(spec):
-        axes = () if entry is None else (entry,) if isinstance(entry, str) else tuple(entry)
+        axes = entry_axes(entry)
         unknown = [a for a in axes if a not in mesh.shape]
         problems += [f"{where}: unknown mesh axis {a!r}; use one of {list(mesh.shape)}" for a in unknown]
         for a in axes:  # one at a time, so ('data', 'data') in a single entry counts too

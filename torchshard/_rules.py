@@ -41,6 +41,13 @@ class SpecTransform:
         return []
 
 
+def entry_axes(entry: str | Sequence[str] | None) -> tuple[str, ...]:
+    """The mesh axes one spec entry shards over: ``None`` → (), ``"data"`` → ("data",), tuples as they are."""
+    if entry is None:
+        return ()
+    return (entry,) if isinstance(entry, str) else tuple(entry)
+
+
 def _entry_ok(entry: Any) -> bool:
     if entry is None or isinstance(entry, str):
         return True

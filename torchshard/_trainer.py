@@ -18,7 +18,7 @@ from torchshard._errors import ShardingError, raise_if_any
 from torchshard._mesh import describe_mesh
 from torchshard._placement import batch_leaf_spec, env, is_jax_tensor, put, rebind, shard, wrap
 from torchshard._plan import ShardingPlan, named_tensors
-from torchshard._rules import SpecLike, to_spec
+from torchshard._rules import SpecLike, entry_axes, to_spec
 from torchshard.distributed import global_shape
 
 LossFn = Callable[[torch.nn.Module, Any], Any]
@@ -258,7 +258,7 @@ class Trainer:
         spec = self._leaf_spec(leaf)
         problems = []
         for dim, entry in enumerate(spec):
-            axes = () if entry is None else (entry,) if isinstance(entry, str) else tuple(entry)
+            axes = entry_axes(entry)
             size = math.prod(self.mesh.shape[a] for a in axes) * (self.grad_accum_steps if dim == 0 else 1)
             if size and shape[dim] % size:
                 accum = f" × grad_accum_steps {self.grad_accum_steps}" if dim == 0 and self.grad_accum_steps > 1 else ""
@@ -347,6 +347,6 @@ def _check_args(plan: ShardingPlan, batch_spec: SpecLike, grad_accum_steps: int,
         problems.append(f"batch_spec={batch_spec!r} is not a PartitionSpec or tuple of axis names / None")
     else:
         if isinstance(plan, ShardingPlan):
-            unknown = [a for e in spec if e for a in ((e,) if isinstance(e, str) else e) if a not in plan.mesh.shape]
+            unknown = [a for e in spec for a in entry_axes(e) if a not in plan.mesh.shape]
             problems += [f"batch_spec axis {a!r} is not in the mesh {list(plan.mesh.shape)}" for a in unknown]
     raise_if_any(problems, header="invalid Trainer arguments")

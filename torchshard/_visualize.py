@@ -16,12 +16,9 @@ from torchshard._errors import ShardingError
 from torchshard._mesh import describe_mesh
 from torchshard._placement import is_jax_tensor
 from torchshard._plan import PlanEntry, ShardingPlan, _fmt_bytes
+from torchshard._rules import entry_axes
 
 Blocks = dict[tuple[int, int], list[int]]  # (row block, column block) → ids of the devices holding it
-
-
-def _axes(entry: str | tuple[str, ...] | None) -> tuple[str, ...]:
-    return () if entry is None else (entry,) if isinstance(entry, str) else tuple(entry)
 
 
 def _blocks_from_indices(shape: Sequence[int], sharding: Sharding) -> Blocks:
@@ -42,7 +39,7 @@ def _blocks_from_spec(shape: Sequence[int], spec: PartitionSpec, mesh: Mesh | Ab
     blocks: Blocks = {}
     for device, coords in zip(ids, np.ndindex(*sizes), strict=True):
         at = dict(zip(names, coords, strict=True))
-        pos = [_block_index(_axes(e), at, mesh) for e in entries]
+        pos = [_block_index(entry_axes(e), at, mesh) for e in entries]
         key = (0, pos[0]) if len(shape) == 1 else (pos[0], pos[1])
         blocks.setdefault(key, []).append(device)
     return blocks
@@ -134,7 +131,7 @@ def visualize(tensor: torch.Tensor, *, file: TextIO | None = None) -> None:
 
 def replicated_over(spec: PartitionSpec, mesh: Mesh | AbstractMesh) -> list[str]:
     """The mesh axes (of size > 1) that ``spec`` does not use: each block has one copy per device along them."""
-    used = {a for e in spec for a in _axes(e)}
+    used = {a for e in spec for a in entry_axes(e)}
     return [a for a, n in mesh.shape.items() if a not in used and n > 1]
 
 
@@ -167,7 +164,7 @@ def _columns(rows: Sequence[tuple[str, ...]]) -> list[str]:
 
 
 def _summary(plan: ShardingPlan) -> str:
-    replicated = [e for e in plan.unique_entries() if not any(_axes(entry) for entry in e.spec)]
+    replicated = [e for e in plan.unique_entries() if not any(entry_axes(entry) for entry in e.spec)]
     per_device = plan.bytes_per_device()
     return (
         f"{len(plan.unique_entries())} tensors, {_fmt_bytes(per_device)} per device of {_fmt_bytes(plan.total_bytes())}"

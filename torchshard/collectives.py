@@ -16,7 +16,7 @@ from torchshard._errors import ShardingError, raise_if_any
 from torchshard._mesh import describe_mesh
 from torchshard._placement import env, is_jax_tensor, put, wrap
 from torchshard._plan import _spec_problems
-from torchshard._rules import TensorInfo, to_spec
+from torchshard._rules import TensorInfo, entry_axes, to_spec
 
 _compat.import_torchax()
 from torchax import interop  # noqa: E402
@@ -68,7 +68,7 @@ def _per_item(specs: Specs, count: int | None, what: str) -> tuple[PartitionSpec
 def _axis_problems(specs: Sequence[PartitionSpec], mesh: Mesh, what: str) -> list[str]:
     problems = []
     for i, spec in enumerate(specs):
-        axes = [a for e in spec if e is not None for a in ((e,) if isinstance(e, str) else e)]
+        axes = [a for e in spec for a in entry_axes(e)]
         where = f"{what}[{i}] {spec} on {describe_mesh(mesh)}"
         problems += [
             f"{where}: unknown mesh axis {a!r}; use one of {list(mesh.shape)}" for a in axes if a not in mesh.shape

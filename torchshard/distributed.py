@@ -14,7 +14,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from torchshard._errors import ShardingError, raise_if_any
 from torchshard._mesh import _backend_started, describe_mesh, use_cpu_devices
-from torchshard._rules import SpecLike, to_spec
+from torchshard._rules import SpecLike, entry_axes, to_spec
 
 logger = logging.getLogger(__name__)
 
@@ -293,7 +293,7 @@ def is_main_process() -> bool:
 def _process_shards(sharding: NamedSharding, ndim: int) -> list[tuple[int, int]]:
     """Per dim: (number of shards, how many distinct ones this process's devices hold)."""
     mesh, spec = sharding.mesh, tuple(sharding.spec) + (None,) * ndim
-    axes = [() if e is None else (e,) if isinstance(e, str) else tuple(e) for e in spec[:ndim]]
+    axes = [entry_axes(e) for e in spec[:ndim]]
     counts = tuple(int(np.prod([mesh.shape[a] for a in names], dtype=int)) for names in axes)
     held = sharding.addressable_devices_indices_map(counts).values()
     return [(n, len({index[d].start or 0 for index in held})) for d, n in enumerate(counts)]

@@ -13,7 +13,7 @@ from jax.sharding import AbstractMesh, Mesh, PartitionSpec
 
 from torchshard._errors import ShardingError, raise_if_any
 from torchshard._mesh import describe_mesh
-from torchshard._rules import Rule, Rules, SpecTransform, TensorInfo
+from torchshard._rules import Rule, Rules, SpecTransform, TensorInfo, entry_axes
 
 __all__ = [
     "data_parallel",
@@ -48,12 +48,8 @@ def data_parallel() -> Rules:
     return Rules([(r".*", PartitionSpec())], source="data_parallel")
 
 
-def _axes(axis: AxisName) -> tuple[str, ...]:
-    return (axis,) if isinstance(axis, str) else tuple(axis)
-
-
 def _used_axes(spec: PartitionSpec) -> set[str]:
-    return {a for entry in spec if entry is not None for a in _axes(entry)}
+    return {a for entry in spec for a in entry_axes(entry)}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -68,7 +64,7 @@ class FSDP(SpecTransform):
         return f"+fsdp({self.axis!r})"
 
     def __call__(self, info: TensorInfo, spec: PartitionSpec) -> PartitionSpec:
-        axes = _axes(self.axis)
+        axes = entry_axes(self.axis)
         if math.prod(info.shape) < self.min_size or _used_axes(spec) & set(axes):
             return spec
         if any(a not in info.mesh.shape for a in axes) or len(spec) > len(info.shape):
@@ -83,7 +79,7 @@ class FSDP(SpecTransform):
         return PartitionSpec(*entries)
 
     def problems(self, mesh: Mesh | AbstractMesh) -> list[str]:
-        unknown = [a for a in _axes(self.axis) if a not in mesh.shape]
+        unknown = [a for a in entry_axes(self.axis) if a not in mesh.shape]
         where = describe_mesh(mesh)
         return [f"fsdp axis {a!r} is not an axis of {where}; use one of {list(mesh.shape)}" for a in unknown]
 
@@ -244,7 +240,7 @@ def _head_counts(config: Any) -> tuple[tuple[str, int], ...]:
 
 
 def _head_problems(counts: Sequence[tuple[str, int]], axis: AxisName, mesh: Mesh | AbstractMesh) -> list[str]:
-    axes = _axes(axis)
+    axes = entry_axes(axis)
     if not counts or any(a not in mesh.shape for a in axes):
         return []  # an unknown axis is reported by the TP rules' own validation
     size = math.prod(mesh.shape[a] for a in axes)
@@ -318,12 +314,12 @@ class VocabFSDP(SpecTransform):
         return f"+fsdp({self.axis!r}, vocabulary dim)"
 
     def __call__(self, info: TensorInfo, spec: PartitionSpec) -> PartitionSpec:
-        axes = _axes(self.axis)
+        axes = entry_axes(self.axis)
         if info.name not in self.names or len(info.shape) != 2 or math.prod(info.shape) < self.min_size:
             return spec
         if _used_axes(spec) & set(axes) or any(a not in info.mesh.shape for a in axes) or len(spec) > 2:
             return spec
-        first = () if not spec or spec[0] is None else _axes(spec[0])
+        first = entry_axes(spec[0]) if spec else ()
         merged = first + axes
         if info.shape[0] % math.prod(info.mesh.shape[a] for a in merged):
             return spec  # the plain FSDP transform picks another dim
