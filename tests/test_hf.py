@@ -11,12 +11,11 @@ import optax
 import pytest
 import torch
 from helpers import assert_close, torch_losses
-from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import torchshard as ts
 from torchshard import ShardingError, presets
-from torchshard._placement import env, put, wrap
+from torchshard._placement import env
 
 transformers = pytest.importorskip("transformers")
 
@@ -189,7 +188,7 @@ def eager_losses(model, data):
 
 def sharded_logits(model, ids, mesh):
     with env(), jax.set_mesh(mesh):
-        return model(input_ids=wrap(put(ids, NamedSharding(mesh, P("data"))))).logits
+        return model(input_ids=ts.shard_batch(ids, mesh)).logits
 
 
 @pytest.mark.parametrize("tied", [False, True], ids=["untied", "tied"])

@@ -41,7 +41,7 @@ def _tensors(model):
 
 
 def _batch(x, mesh):
-    return wrap(put(x, NamedSharding(mesh, P("data"))))
+    return torchshard.shard_batch(x, mesh)
 
 
 def _jit_forward(model):
