@@ -233,18 +233,14 @@ def _materialise(model_fn: Callable[[], torch.nn.Module], p: ShardingPlan, seed:
     tx = env()
 
     def build(key: jax.Array) -> list[jax.Array]:
-        saved = tx._property.content  # torch init consumes torchax's RNG; keep its tracers inside
-        try:
-            with tx, warnings.catch_warnings():
-                # 64-bit tensors are narrowed unless x64 is on, as `shard` does; JAX would warn per tensor
-                warnings.filterwarnings("ignore", "Explicitly requested dtype int64", UserWarning)
-                tx.manual_seed(wrap(key))
-                with torch.device("jax"):
-                    model = model_fn()
-                tensors = named_tensors(model)
-                return [tensors[n].jax() for n in names]
-        finally:
-            tx._property.content = saved
+        # torch init consumes torchax's RNG: seed it for this trace only, so its tracers stay inside
+        with tx.override_property(prng=jax.random.PRNGKey(key)), tx, warnings.catch_warnings():
+            # 64-bit tensors are narrowed unless x64 is on, as `shard` does; JAX would warn per tensor
+            warnings.filterwarnings("ignore", "Explicitly requested dtype int64", UserWarning)
+            with torch.device("jax"):
+                model = model_fn()
+            tensors = named_tensors(model)
+            return [tensors[n].jax() for n in names]
 
     arrays = jax.jit(build, out_shardings=shardings)(np.uint32(seed))
     return dict(zip(names, arrays, strict=True))

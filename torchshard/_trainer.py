@@ -70,9 +70,8 @@ class _Runtime:
 
     def loss(self, params: Arrays, buffers: Arrays, frozen: Arrays, batch: Any, key: jax.Array):
         tx = env()
-        saved = tx._property.content  # torch randomness draws from torchax's key: give it this step's
-        try:
-            tx._property.content = type(saved).override(saved, prng=key)
+        # torch randomness (dropout) draws from torchax's key: give it this step's, for this trace only
+        with tx.override_property(prng=key):
             with tx:
                 values = {k: wrap(v) for k, v in {**params, **frozen, **buffers}.items()}
                 torch_batch = jax.tree.map(wrap, batch)
@@ -82,8 +81,6 @@ class _Runtime:
             new_buffers = {k: values[k].jax() for k in buffers}
             aux = {k: v.jax() if is_jax_tensor(v) else jnp.asarray(v) for k, v in aux.items()}
             return _scalar(loss), (new_buffers, aux)
-        finally:
-            tx._property.content = saved
 
 
 def _scalar(loss: Any) -> jax.Array:
