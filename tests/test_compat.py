@@ -1,159 +1,18 @@
-"""The torchax import shim: torchax works afterwards, and the shim leaves torch as it found it."""
+"""Version-gated shims: each gate, its tripwire (the upstream bug is still there), and what the shims leave alone."""
 
 import importlib.metadata
 import subprocess
 import sys
 
-import jax
 import jax.numpy as jnp
+import numpy as np
 import pytest
 import torch
 import torch._ops
 import torchax
-import torchax.interop
-from helpers import assert_close
-from torch.nn import functional as F
 
 from torchshard import _compat
-from torchshard._placement import wrap
-
-
-def _inputs(seed: int, *shapes) -> list[torch.Tensor]:
-    gen = torch.Generator().manual_seed(seed)
-    return [torch.randn(*s, generator=gen) for s in shapes]
-
-
-def _ids(n: int, high: int, seed: int = 1) -> torch.Tensor:
-    return torch.randint(0, high, (n,), generator=torch.Generator().manual_seed(seed))
-
-
-# name, scalar torch function, inputs, indices of the float inputs to differentiate
-OPS = [
-    ("matmul", lambda x, w: (x @ w).tanh().sum(), _inputs(0, (8, 16), (16, 4)), (0, 1)),
-    ("softmax", lambda x, c: (F.softmax(x, dim=-1) * c).sum(), _inputs(1, (8, 16), (8, 16)), (0,)),
-    (
-        "layer_norm",
-        lambda x, w, b, c: (F.layer_norm(x, (16,), w, b) * c).sum(),
-        _inputs(2, (8, 16), (16,), (16,), (8, 16)),
-        (0, 1, 2),
-    ),
-    ("embedding", lambda ids, w: F.embedding(ids, w).pow(2).sum(), [_ids(12, 10), *_inputs(3, (10, 6))], (1,)),
-    (
-        "cross_entropy",
-        lambda logits, target: F.cross_entropy(logits, target),
-        [*_inputs(4, (8, 10)), _ids(8, 10)],
-        (0,),
-    ),
-    (
-        "batched_matmul",
-        lambda q, k: (q @ k.transpose(-2, -1)).tanh().sum(),
-        _inputs(8, (2, 3, 4, 5), (2, 3, 6, 5)),
-        (0, 1),
-    ),
-    (
-        "attention_causal",
-        lambda q, k, v: F.scaled_dot_product_attention(q, k, v, is_causal=True).sin().sum(),
-        _inputs(9, (2, 4, 6, 8), (2, 4, 6, 8), (2, 4, 6, 8)),
-        (0, 1, 2),
-    ),
-    (
-        "attention_gqa_scale",
-        lambda q, k, v: F.scaled_dot_product_attention(q, k, v, scale=0.3, enable_gqa=True).sin().sum(),
-        _inputs(10, (2, 4, 6, 8), (2, 2, 5, 8), (2, 2, 5, 8)),
-        (0, 1, 2),
-    ),
-    (
-        "attention_float_mask",
-        lambda q, k, v, m: F.scaled_dot_product_attention(q, k, v, attn_mask=m).sin().sum(),
-        _inputs(11, (2, 4, 6, 8), (2, 4, 5, 8), (2, 4, 5, 8), (6, 5)),
-        (0, 1, 2),
-    ),
-    (
-        "attention_bool_mask",
-        lambda q, k, v, m: F.scaled_dot_product_attention(q, k, v, attn_mask=m > -0.5).sin().sum(),
-        _inputs(12, (2, 4, 6, 8), (2, 4, 5, 8), (2, 4, 5, 8), (2, 1, 6, 5)),
-        (0, 1, 2),
-    ),
-    (
-        "cross_entropy_weight_ignore_index",
-        lambda logits, w, target: F.cross_entropy(logits, target.masked_fill(target == 3, -100), weight=w.exp()),
-        [*_inputs(13, (8, 10), (10,)), _ids(8, 10)],
-        (0,),  # torch has no gradient for the class weights
-    ),
-    (
-        "nll_loss_sum",
-        lambda logits, target: F.nll_loss(F.log_softmax(logits, -1), target, reduction="sum"),
-        [*_inputs(14, (8, 10)), _ids(8, 10)],
-        (0,),
-    ),
-    (
-        "nll_loss_none",
-        lambda logits, target: F.nll_loss(F.log_softmax(logits, -1), target, reduction="none").sin().sum(),
-        [*_inputs(15, (8, 10)), _ids(8, 10)],
-        (0,),
-    ),
-    (
-        "nll_loss_unbatched",
-        lambda logits, target: F.nll_loss(F.log_softmax(logits, -1), target),
-        [*_inputs(16, (10,)), _ids(8, 10)[3]],
-        (0,),
-    ),
-    (
-        "gather_dim1_smaller_index",
-        lambda x, idx: torch.gather(x, 1, idx).pow(2).sum(),
-        [*_inputs(5, (6, 5)), _ids(4 * 3, 5).reshape(4, 3)],
-        (0,),
-    ),
-    (
-        "gather_dim0",
-        lambda x, idx: torch.gather(x, 0, idx).sin().sum(),
-        [*_inputs(6, (5, 4)), _ids(7 * 4, 5).reshape(7, 4)],
-        (0,),
-    ),
-    (
-        "gather_3d_negative_dim",
-        lambda x, idx: torch.gather(x, -1, idx).sum(),
-        [*_inputs(7, (2, 3, 6)), _ids(2 * 3 * 2, 6).reshape(2, 3, 2)],
-        (0,),
-    ),
-]
-
-
-def _eager(fn, inputs, argnums):
-    leaves = [t.clone().requires_grad_(i in argnums) for i, t in enumerate(inputs)]
-    value = fn(*leaves)
-    value.backward()
-    return value.detach(), [leaves[i].grad for i in argnums]
-
-
-def _on_jax(inputs):
-    return [wrap(jnp.asarray(t.numpy())) for t in inputs]
-
-
-@pytest.mark.parametrize(("name", "fn", "inputs", "argnums"), OPS, ids=[op[0] for op in OPS])
-def test_op_in_torchax_env_matches_eager_torch(name, fn, inputs, argnums):
-    expected, _ = _eager(fn, inputs, argnums)
-    with torchax.default_env():
-        value = fn(*_on_jax(inputs))
-    assert_close(value, expected, what=name)
-
-
-@pytest.mark.parametrize(("name", "fn", "inputs", "argnums"), OPS, ids=[op[0] for op in OPS])
-def test_op_value_and_grad_matches_eager_torch(name, fn, inputs, argnums):
-    expected, expected_grads = _eager(fn, inputs, argnums)
-    value, grads = torchax.interop.jax_value_and_grad(fn, {"argnums": argnums})(*_on_jax(inputs))
-    assert_close(value, expected, what=name)
-    for i, grad, want in zip(argnums, grads, expected_grads, strict=True):
-        assert_close(grad, want, what=f"{name} grad {i}")
-
-
-@pytest.mark.parametrize(("name", "fn", "inputs", "argnums"), OPS, ids=[op[0] for op in OPS])
-def test_jax_grad_of_torch_function_matches_eager_torch(name, fn, inputs, argnums):
-    _, expected_grads = _eager(fn, inputs, argnums)
-    arrays = [jnp.asarray(t.numpy()) for t in inputs]
-    grads = jax.jit(jax.grad(torchax.interop.jax_view(fn), argnums=argnums))(*arrays)
-    for i, grad, want in zip(argnums, grads, expected_grads, strict=True):
-        assert_close(grad, want, what=f"{name} grad {i}")
+from torchshard._torchax import env, wrap
 
 
 def test_shim_is_needed_on_this_torch_torchax_pair():
@@ -204,7 +63,7 @@ def test_getattr_is_restored_after_import():
 def test_shim_window_fakes_only_named_overloads_and_restores(monkeypatch):
     monkeypatch.setattr(_compat, "_faked", [])
     original = torch._ops.OpOverloadPacket.__getattr__
-    with pytest.raises(RuntimeError, match="boom"), _compat._placeholder_named_overloads():
+    with pytest.raises(RuntimeError, match="boom"), _compat.placeholder_named_overloads():
         placeholder = torch.ops.aten.sum.dim_Dimname
         assert isinstance(placeholder, _compat.MissingOverload)
         with pytest.raises(AttributeError):
@@ -219,15 +78,38 @@ def test_shim_window_fakes_only_named_overloads_and_restores(monkeypatch):
 def test_missing_overload_raises_when_called():
     placeholder = _compat.MissingOverload("aten::prod.dim_Dimname")
     assert not isinstance(placeholder, torch._ops.OperatorBase)
-    assert hash(placeholder) == hash(placeholder)
+    assert placeholder in {placeholder}  # torchax keeps overloads in dicts and sets
     assert repr(placeholder) == "MissingOverload('aten::prod.dim_Dimname')"
     with pytest.raises(NotImplementedError, match=r"aten::prod\.dim_Dimname was removed"):
         placeholder(torch.ones(2), "x")
 
 
-def test_import_prints_nothing_and_leaves_the_backend_alone():
-    code = "import torchshard\nfrom jax._src import xla_bridge\nassert not xla_bridge._backends, xla_bridge._backends\n"
-    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
-    assert done.returncode == 0, done.stderr
-    assert done.stdout == ""
-    assert done.stderr == ""
+def test_tripwire_torchax_still_needs_the_named_overload_shim():
+    """When this fails, google/torchax#101 is fixed in the pinned torchax: delete NAMED_OVERLOADS and its shim."""
+    done = subprocess.run([sys.executable, "-c", "import torchax"], capture_output=True, text=True, timeout=120)
+    assert done.returncode != 0 and "dim_Dimname" in done.stderr, (
+        f"torchax now imports without the shim ({_compat.NAMED_OVERLOADS.bug}); remove it"
+    )
+
+
+def test_tripwire_torchax_batch_norm_still_drops_running_stats():
+    """When this fails, google/torchax#22 is fixed in the pinned torchax: delete BATCH_NORM_STATS and its fix."""
+    plain = torchax.tensor.Environment()  # torchax's own lowerings, without torchshard's
+    x = torch.randn(8, 3, generator=torch.Generator().manual_seed(0))
+    with plain:
+        mean = plain.j2t_iso(jnp.zeros(3))
+        var = plain.j2t_iso(jnp.ones(3))
+        torch.nn.functional.batch_norm(plain.j2t_iso(jnp.asarray(x.numpy())), mean, var, training=True)
+    assert float(abs(mean.jax()).max()) == 0.0, f"torchax now updates running stats ({_compat.BATCH_NORM_STATS.bug})"
+    assert _compat.needs_batch_norm_fix()
+
+
+def test_batch_norm_fix_updates_running_stats_like_torch():
+    x = torch.randn(8, 3, generator=torch.Generator().manual_seed(0))
+    mean, var = torch.zeros(3), torch.ones(3)
+    torch.nn.functional.batch_norm(x, mean, var, training=True)
+    jmean, jvar = wrap(jnp.zeros(3)), wrap(jnp.ones(3))
+    with env():
+        torch.nn.functional.batch_norm(wrap(jnp.asarray(x.numpy())), jmean, jvar, training=True)
+    torch.testing.assert_close(torch.from_numpy(np.asarray(jmean.jax())), mean)
+    torch.testing.assert_close(torch.from_numpy(np.asarray(jvar.jax())), var)

@@ -18,11 +18,32 @@ class ShardingError(ValueError):
         super().__init__(message)
 
 
+class CheckpointError(ShardingError):
+    """A checkpoint that cannot be written or read: missing, incomplete, truncated, corrupted or unwritable."""
+
+
+class ArgumentError(ShardingError, TypeError):
+    """Arguments of a public function that are of the wrong type or value; lists every one, each with its fix.
+
+    It is both a `ShardingError` (so a ``ValueError``) and a ``TypeError``: catch whichever your code expects.
+    """
+
+
 class UnusedRuleWarning(UserWarning):
     """A sharding rule matched no tensor of the model (usually a typo in its pattern)."""
 
 
-def raise_if_any(problems: Sequence[str], *, header: str) -> None:
-    """Raises one `ShardingError` with every problem, or returns if there are none."""
+def raise_if_any(problems: Sequence[str], *, header: str, error: type[ShardingError] = ShardingError) -> None:
+    """Raises one ``error`` listing every problem, or returns if there are none.
+
+    Example:
+        >>> raise_if_any([], header="nothing wrong")
+        >>> raise_if_any(["a is bad; use b"], header="bad input")
+        Traceback (most recent call last):
+        ...
+        torchshard._errors.ShardingError: bad input (1 problem):
+          - a is bad; use b
+    """
     if problems:
-        raise ShardingError(problems, header=f"{header} ({len(problems)} problem{'s' if len(problems) > 1 else ''})")
+        count = f"{len(problems)} problem{'s' if len(problems) > 1 else ''}"
+        raise error(problems, header=f"{header} ({count})")
