@@ -9,13 +9,10 @@ import torch
 from helpers import assert_close, to_numpy
 from jax.sharding import AbstractMesh, AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
+from torchax import interop
 
 import torchshard as ts
 from torchshard import collectives as C
-from torchshard._compat import import_torchax
-
-import_torchax()
-from torchax import interop  # noqa: E402
 
 
 def _fsdp_matmul(x, w):

@@ -18,7 +18,7 @@ from helpers import assert_close, assert_trees_close
 from jax.sharding import NamedSharding, PartitionSpec
 
 import torchshard
-from torchshard import ShardingError, distributed, launch
+from torchshard import ShardingError, _distributed, distributed, launch
 
 TESTS = Path(__file__).parent
 ROOT = TESTS.parent
@@ -127,9 +127,9 @@ def fake_jax(monkeypatch):
     for name in ENV_NAMES:
         monkeypatch.delenv(name, raising=False)
     calls = []
-    monkeypatch.setattr(distributed, "_current", None)
-    monkeypatch.setattr(distributed, "_backend_started", lambda: False)
-    monkeypatch.setattr(distributed, "_configure_runtime", lambda cpus: calls.append(("configure", cpus)))
+    monkeypatch.setattr(_distributed, "_current", None)
+    monkeypatch.setattr(_distributed, "backend_started", lambda: False)
+    monkeypatch.setattr(_distributed, "_configure_runtime", lambda cpus: calls.append(("configure", cpus)))
     monkeypatch.setattr(jax.distributed, "initialize", lambda *a: calls.append(("initialize", *a)))
     monkeypatch.setattr(jax.distributed, "is_initialized", lambda: any(c[0] == "initialize" for c in calls))
     return calls
@@ -137,7 +137,7 @@ def fake_jax(monkeypatch):
 
 def test_initialize_after_jax_distributed_initialize(fake_jax, monkeypatch):
     monkeypatch.setattr(jax.distributed, "is_initialized", lambda: True)
-    monkeypatch.setattr(distributed, "_backend_started", lambda: True)
+    monkeypatch.setattr(_distributed, "backend_started", lambda: True)
     assert distributed.initialize("h:1", 2, 0).source == "arguments"
     assert fake_jax == [("configure", None)]
 
@@ -172,7 +172,7 @@ def test_initialize_twice_differently(fake_jax):
 
 
 def test_initialize_after_backend_started(fake_jax, monkeypatch):
-    monkeypatch.setattr(distributed, "_backend_started", lambda: True)
+    monkeypatch.setattr(_distributed, "backend_started", lambda: True)
     with pytest.raises(ShardingError, match=r"after JAX started its backend; call it first thing"):
         distributed.initialize("h:1", 2, 0)
     assert fake_jax == []

@@ -16,7 +16,8 @@ from torch import nn
 
 import torchshard
 from torchshard import ShardingError, presets
-from torchshard._placement import put, wrap
+from torchshard._placement import put
+from torchshard._torchax import wrap
 
 MODELS = {
     "mlp": (lambda: MLP((32, 64, 64, 16)), lambda g: torch.randn(8, 32, generator=g)),
@@ -126,14 +127,15 @@ def test_reshard_a_placed_model(mesh_dm, mesh_fsdp):
         (
             Block,
             lambda mesh: torchshard.plan(MLP(), mesh),
-            r"(?s)plan does not fit Block \(12 problems\).*layers\.0\.weight: in the plan but not in the model.*"
-            r"norm\.weight: in the model but not in the plan; re-run plan\(\) on this model",
+            r"(?s)plan does not fit Block; re-run plan\(\) on this model after changing it \(12 problems\).*"
+            r"missing layers\.0\.weight \(64, 32\): in the plan, not in the model.*"
+            r"unexpected norm\.weight \(32,\): in the model, not in the plan",
         ),
         (
             lambda: MLP((32, 64, 64, 8)),
             lambda mesh: torchshard.plan(MLP((32, 64, 64, 16)), mesh),
-            r"(?s)plan does not fit MLP \(2 problems\).*layers\.2\.weight: model shape \(8, 64\) but plan shape "
-            r"\(16, 64\).*layers\.2\.bias: model shape \(8,\) but plan shape \(16,\)",
+            r"(?s)plan does not fit MLP.*\(2 problems\).*mis-shaped layers\.2\.weight: model \(8, 64\), plan "
+            r"\(16, 64\).*mis-shaped layers\.2\.bias: model \(8,\), plan \(16,\)",
         ),
     ],
     ids=["other-model", "other-shapes"],

@@ -212,7 +212,7 @@ ERRORS = [
         [(r"layers\.0\.bias", ("data", None))],
         {},
         rf"layers\.0\.bias \(64,\) spec P\('data', None\) {WHERE}: spec has 2 entries but the tensor has rank 1; "
-        r"give at most 1 entries",
+        r"give at most 1",
     ),
     (
         "not-divisible",
@@ -260,7 +260,13 @@ ERRORS = [
         rf"tied tensor embed\.weight = head\.weight {WHERE} gets conflicting specs: embed\.weight → "
         r"P\('model', None\) .*, head\.weight → P\(None, 'model'\) .*; a tied tensor has one sharding",
     ),
-    ("bad-default", _mlp10, [], {"default": "raise"}, r"plan\(default='raise'\): use 'replicate' or 'error'"),
+    (
+        "bad-default",
+        _mlp10,
+        [],
+        {"default": "raise"},
+        r"(?s)invalid plan\(\) arguments.*default='raise' must be 'replicate' or 'error'",
+    ),
     (
         "bad-rules",
         _mlp10,

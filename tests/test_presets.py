@@ -97,7 +97,7 @@ def test_fsdp_ties_on_the_first_of_equal_dims(mesh_dm):
 
 @pytest.mark.parametrize("min_size", [-1, 1.5, "big"])
 def test_fsdp_bad_min_size(min_size):
-    with pytest.raises(ShardingError, match=r"fsdp\(min_size=.*\): min_size must be a non-negative int"):
+    with pytest.raises(ShardingError, match=r"(?s)invalid fsdp\(\) arguments.*min_size=.* must be an int ≥ 0"):
         presets.fsdp(min_size=min_size)
 
 
@@ -132,20 +132,15 @@ class Embedder(nn.Module):
         self.proj = nn.Linear(32, 64)
 
 
-class Conv1D(nn.Module):
-    """Like transformers' GPT-2 Conv1D: weight stored as [in, out]."""
-
-    def __init__(self, n_in=32, n_out=64):
-        super().__init__()
-        self.weight = nn.Parameter(torch.zeros(n_in, n_out))
-        self.bias = nn.Parameter(torch.zeros(n_out))
-
-
 class WithConv1D(nn.Module):
+    """transformers' GPT-2 Conv1D stores its weight as [in, out]."""
+
     def __init__(self):
         super().__init__()
-        self.c_fc = Conv1D(32, 64)
-        self.c_proj = Conv1D(64, 32)
+        from transformers.pytorch_utils import Conv1D
+
+        self.c_fc = Conv1D(64, 32)  # nf=out, nx=in: weight [32, 64]
+        self.c_proj = Conv1D(32, 64)
 
 
 @pytest.mark.parametrize(

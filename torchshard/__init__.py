@@ -1,24 +1,25 @@
 """Shard ordinary torch.nn.Modules over a JAX device mesh with regex rules, and train them."""
 
-from torchshard import collectives, distributed, inspect, presets
-from torchshard._checkpoint import (
-    CheckpointError,
-    checkpoint_steps,
-    from_torch_state_dict,
-    load,
-    save,
-    save_safetensors,
-    to_torch_state_dict,
-)
-from torchshard._errors import ShardingError, UnusedRuleWarning
+from torchshard import collectives, distributed, presets
+from torchshard import inspect as inspect
+from torchshard._checkpoint import load, save
+from torchshard._errors import ArgumentError, CheckpointError, ShardingError, UnusedRuleWarning
+from torchshard._export import from_torch_state_dict, to_torch_state_dict
+from torchshard._init import init_sharded
 from torchshard._mesh import make_mesh, use_cpu_devices
-from torchshard._placement import constrain, init_sharded, shard, shard_batch
+from torchshard._placement import constrain, shard, shard_batch
 from torchshard._plan import PlanEntry, ShardingPlan, plan
 from torchshard._rules import Rule, Rules, TensorInfo
-from torchshard._trainer import Trainer, TrainState
+from torchshard._safetensors import save_safetensors
+from torchshard._step import TrainState
+from torchshard._stepdir import checkpoint_steps
+from torchshard._trainer import Trainer
 from torchshard._visualize import visualize, visualize_plan
 
+# `inspect` stays an attribute (ts.inspect.collectives) but is left out of __all__: under
+# `from torchshard import *` it would shadow the standard library's inspect module.
 __all__ = [
+    "ArgumentError",
     "CheckpointError",
     "PlanEntry",
     "Rule",
@@ -35,7 +36,6 @@ __all__ = [
     "distributed",
     "from_torch_state_dict",
     "init_sharded",
-    "inspect",
     "load",
     "make_mesh",
     "plan",

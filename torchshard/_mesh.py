@@ -6,15 +6,11 @@ import math
 from collections.abc import Mapping, Sequence
 
 import jax
+import numpy as np
 from jax.sharding import AxisType, Mesh
 
-from torchshard._errors import ShardingError
-
-
-def _backend_started() -> bool:
-    from jax._src import xla_bridge
-
-    return bool(xla_bridge._backends)
+from torchshard._errors import ArgumentError, ShardingError
+from torchshard._torchax import backend_started
 
 
 def use_cpu_devices(n: int) -> None:
@@ -28,11 +24,11 @@ def use_cpu_devices(n: int) -> None:
 
     Example:
         >>> import torchshard as ts
-        >>> ts.use_cpu_devices(8)  # doctest: +SKIP
+        >>> ts.use_cpu_devices(8)  # first thing in the program (a repeat with the same count is a no-op)
     """
     if not isinstance(n, int) or isinstance(n, bool) or n < 1:
-        raise ShardingError(f"use_cpu_devices(n={n!r}): n must be a positive int.")
-    if _backend_started():
+        raise ArgumentError(f"use_cpu_devices(n={n!r}): n must be a positive int.")
+    if backend_started():
         have = len(jax.local_devices(backend="cpu"))  # this process's, in a multi-process run too
         if have != n:
             raise ShardingError(
@@ -72,6 +68,22 @@ def _resolve_sizes(axes: Mapping[str, int], n_devices: int) -> tuple[int, ...]:
     return tuple(axes.values())
 
 
+def _checked_devices(devices: Sequence[jax.Device]) -> list[jax.Device]:
+    if isinstance(devices, str | bytes) or not isinstance(devices, Sequence | np.ndarray):
+        raise ArgumentError(f"make_mesh(devices={devices!r}): pass a list of jax devices, e.g. jax.devices()[:4]")
+    flat = list(np.asarray(devices, dtype=object).reshape(-1))
+    problems = [f"devices[{i}] is a {type(d).__name__}, not a jax.Device" for i, d in enumerate(flat)]
+    problems = [p for p, d in zip(problems, flat, strict=True) if not isinstance(d, jax.Device)]
+    if not flat:
+        problems.append("devices= is empty; pass None for all devices, or a non-empty list such as jax.devices()[:4]")
+    twice = sorted({str(d) for d in flat if flat.count(d) > 1})
+    if twice:
+        problems.append(f"devices {twice} are listed more than once; each device may appear once in a mesh")
+    if problems:
+        raise ArgumentError(problems, header=f"invalid make_mesh(devices=...) ({len(problems)} problem(s))")
+    return flat
+
+
 def make_mesh(axes: Mapping[str, int], devices: Sequence[jax.Device] | None = None) -> Mesh:
     """Builds a device mesh whose axes are Auto, so GSPMD propagates shardings through torch ops.
 
@@ -86,8 +98,8 @@ def make_mesh(axes: Mapping[str, int], devices: Sequence[jax.Device] | None = No
         ShardingError: empty or non-string axis names, bad sizes, or sizes that do not use the devices.
 
     Example:
-        >>> mesh = make_mesh({"data": -1, "model": 2})  # doctest: +SKIP
-        >>> dict(mesh.shape)  # doctest: +SKIP
+        >>> mesh = make_mesh({"data": -1, "model": 2})  # on 8 devices
+        >>> dict(mesh.shape)
         {'data': 4, 'model': 2}
     """
     if not isinstance(axes, Mapping) or not axes or not all(isinstance(k, str) and k for k in axes):
@@ -95,11 +107,6 @@ def make_mesh(axes: Mapping[str, int], devices: Sequence[jax.Device] | None = No
             f"make_mesh(axes={axes!r}): axes must be a non-empty dict of axis name → size, "
             f'e.g. {{"data": 4, "model": 2}}.'
         )
-    devices = list(jax.devices() if devices is None else devices)
+    devices = list(jax.devices() if devices is None else _checked_devices(devices))
     shape = _resolve_sizes(axes, len(devices))
     return jax.make_mesh(shape, tuple(axes), axis_types=(AxisType.Auto,) * len(shape), devices=devices)
-
-
-def describe_mesh(mesh: Mesh) -> str:
-    """``Mesh(data=4, model=2)``: the short form used in error messages."""
-    return "Mesh(" + ", ".join(f"{k}={v}" for k, v in mesh.shape.items()) + ")"

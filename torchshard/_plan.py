@@ -12,9 +12,11 @@ from typing import Any, Literal
 import torch
 from jax.sharding import AbstractMesh, Mesh, NamedSharding, PartitionSpec
 
-from torchshard._errors import ShardingError, UnusedRuleWarning, raise_if_any
-from torchshard._mesh import describe_mesh
-from torchshard._rules import Rule, Rules, TensorInfo, annotation_rules, as_rules, entry_axes
+from torchshard._errors import UnusedRuleWarning, raise_if_any
+from torchshard._format import fmt_bytes, fmt_shape, table
+from torchshard._module_tensors import Kind, ModuleTensor, model_tensors, tie_groups
+from torchshard._rules import Rule, Rules, TensorInfo, annotation_rules, as_rules
+from torchshard._validate import describe_mesh, instance_problems, raise_for_arguments, spec_problems
 
 
 @dataclasses.dataclass(frozen=True)
@@ -27,7 +29,7 @@ class PlanEntry:
     spec: PartitionSpec
     sharding: NamedSharding
     rule: str
-    kind: Literal["param", "buffer"]
+    kind: Kind
     tied_to: str | None = None
 
     @property
@@ -43,53 +45,20 @@ class PlanEntry:
         return math.prod(self.shape) * self.dtype.itemsize
 
 
-@dataclasses.dataclass(frozen=True)
-class _Tensor:
-    name: str
-    tensor: torch.Tensor
-    module_type: type
-    kind: Literal["param", "buffer"]
-
-
-def model_tensors(model: torch.nn.Module) -> list[_Tensor]:
-    """Params and buffers (persistent or not) under every name, tied names included."""
-    found: dict[str, _Tensor] = {}
-    for prefix, module in model.named_modules(remove_duplicate=False):
-        head = prefix + "." if prefix else ""
-        for leaf, t in module._parameters.items():
-            if t is not None:
-                found.setdefault(head + leaf, _Tensor(head + leaf, t, type(module), "param"))
-        for leaf, t in module._buffers.items():
-            if t is not None:
-                found.setdefault(head + leaf, _Tensor(head + leaf, t, type(module), "buffer"))
-    return list(found.values())
-
-
-def named_tensors(model: torch.nn.Module) -> dict[str, torch.Tensor]:
-    """name → tensor for every param and buffer name (tied aliases map to the same object)."""
-    return {t.name: t.tensor for t in model_tensors(model)}
-
-
-def tie_groups(tensors: Iterable[_Tensor]) -> dict[str, str]:
-    """name → canonical name (the first name the tensor appears under)."""
-    first: dict[int, str] = {}
-    return {t.name: first.setdefault(id(t.tensor), t.name) for t in tensors}
-
-
-def _fmt_bytes(n: float) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if abs(n) < 1024 or unit == "TiB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.2f} {unit}"
-        n /= 1024
-    return f"{n} B"
-
-
 class ShardingPlan(Mapping[str, NamedSharding]):
     """A read-only mapping ``state_dict name → NamedSharding`` with the details behind each choice.
 
     Example:
-        >>> p = plan(model, mesh, presets.fsdp())  # doctest: +SKIP
-        >>> print(p.table())  # doctest: +SKIP
+        >>> model = torch.nn.Sequential(torch.nn.Linear(16, 64), torch.nn.ReLU(), torch.nn.Linear(64, 4))
+        >>> p = plan(model, ts.make_mesh({"data": 8}), ts.presets.fsdp(min_size=1024))
+        >>> print(p.table())
+        name      shape  dtype    spec             rule                              shard/device  bytes/device
+        --------  -----  -------  ---------------  --------------------------------  ------------  ------------
+        0.weight  64×16  float32  P('data', None)  default: replicate +fsdp('data')  8×16          512 B
+        0.bias    64     float32  P()              default: replicate                64            256 B
+        2.weight  4×64   float32  P()              default: replicate                4×64          1.00 KiB
+        2.bias    4      float32  P()              default: replicate                4             16 B
+        Mesh(data=8): 4 tensors, 5.27 KiB in all, 1.77 KiB per device (33.5% of the model)
     """
 
     def __init__(self, mesh: Mesh | AbstractMesh, entries: Iterable[PlanEntry]) -> None:
@@ -124,7 +93,7 @@ class ShardingPlan(Mapping[str, NamedSharding]):
         """One entry per distinct tensor (tied aliases left out)."""
         return [e for e in self._entries.values() if e.tied_to is None]
 
-    def bytes_per_device(self, kind: Literal["param", "buffer"] | None = None) -> int:
+    def bytes_per_device(self, kind: Kind | None = None) -> int:
         """Bytes each device holds for this plan's tensors (tied tensors counted once)."""
         return sum(e.bytes_per_device for e in self.unique_entries() if kind in (None, e.kind))
 
@@ -161,60 +130,29 @@ class ShardingPlan(Mapping[str, NamedSharding]):
         body = [
             (
                 r["name"],
-                "×".join(map(str, r["shape"])) or "()",
+                fmt_shape(r["shape"]),
                 r["dtype"],
                 r["spec"],
                 f"tied to {r['tied_to']}" if r["tied_to"] else r["rule"],
-                "×".join(map(str, r["shard_shape"])) or "()",
-                _fmt_bytes(r["bytes_per_device"]),
+                fmt_shape(r["shard_shape"]),
+                fmt_bytes(r["bytes_per_device"]),
             )
             for r in self.rows()
         ]
-        widths = [max(len(row[i]) for row in [head, *body]) for i in range(len(head))]
-        line = lambda row: "  ".join(c.ljust(w) for c, w in zip(row, widths, strict=True)).rstrip()  # noqa: E731
         total = self.total_bytes()
         per_device = self.bytes_per_device()
         foot = (
             f"{describe_mesh(self._mesh)}: {len(self.unique_entries())} tensors, "
-            f"{_fmt_bytes(total)} in all, {_fmt_bytes(per_device)} per device "
+            f"{fmt_bytes(total)} in all, {fmt_bytes(per_device)} per device "
             f"({per_device / max(total, 1):.1%} of the model)"
         )
-        return "\n".join([line(head), line(tuple("-" * w for w in widths)), *map(line, body), foot])
+        return table(head, body, foot)
 
     def __str__(self) -> str:
         return self.table()
 
     def __repr__(self) -> str:
         return f"ShardingPlan({describe_mesh(self._mesh)}, {len(self)} tensors)"
-
-
-def _spec_problems(info: TensorInfo, spec: PartitionSpec) -> list[str]:
-    mesh = info.mesh
-    where = f"{info.name} {tuple(info.shape)} spec {spec} on {describe_mesh(mesh)}"
-    if len(spec) > len(info.shape):
-        return [
-            f"{where}: spec has {len(spec)} entries but the tensor has rank {len(info.shape)}; "
-            f"give at most {len(info.shape)} entries"
-        ]
-    problems, seen = [], set()
-    for dim, entry in enumerate(spec):
-        axes = entry_axes(entry)
-        unknown = [a for a in axes if a not in mesh.shape]
-        problems += [f"{where}: unknown mesh axis {a!r}; use one of {list(mesh.shape)}" for a in unknown]
-        for a in axes:  # one at a time, so ('data', 'data') in a single entry counts too
-            if a in seen:
-                problems.append(f"{where}: mesh axis {a!r} is used twice; each axis may shard one dim only")
-            seen.add(a)
-        if unknown or not axes:
-            continue
-        size = math.prod(mesh.shape[a] for a in axes)
-        if info.shape[dim] % size:
-            problems.append(
-                f"{where}: dim {dim} (size {info.shape[dim]}) is not divisible by "
-                f"{' × '.join(axes)} (size {size}); pad the dim to a multiple of {size}, shard another dim, "
-                f"or replicate it"
-            )
-    return problems
 
 
 @dataclasses.dataclass(frozen=True)
@@ -300,10 +238,17 @@ def plan(
             unmatched names, conflicting specs of a tied tensor).
 
     Example:
-        >>> p = plan(model, make_mesh({"data": 4, "model": 2}), [(r"fc1\\.weight", ("model", None))])  # doctest: +SKIP
+        >>> model = torch.nn.Sequential(torch.nn.Linear(16, 64), torch.nn.ReLU(), torch.nn.Linear(64, 4))
+        >>> p = plan(model, ts.make_mesh({"data": 4, "model": 2}), [(r"0\\.weight", ("model", None))])
+        >>> p.spec("0.weight"), p.spec("2.weight")
+        (P('model', None), P())
+        >>> plan(model, ts.make_mesh({"data": 8}), [(r"2\\.weight", ("data", None))])
+        Traceback (most recent call last):
+        ...
+        torchshard._errors.ShardingError: invalid sharding plan for Sequential on Mesh(data=8) (1 problem):
+          - 2.weight (4, 64) spec P('data', None) on Mesh(data=8): dim 0 (size 4) is not divisible by data (size 8); ...
     """
-    if default not in ("replicate", "error"):
-        raise ShardingError(f"plan(default={default!r}): use 'replicate' or 'error'.")
+    _check_plan_args(model, mesh, default)
     rules = as_rules(rules)
     table = list(rules) + list(annotation_rules(model))
     tensors = model_tensors(model)
@@ -319,14 +264,22 @@ def plan(
             )
         else:
             resolved[t.name] = got
-            problems += _spec_problems(info, got.spec)
+            problems += spec_problems(t.name, info.shape, got.spec, mesh)
     problems += _tie_problems(resolved, ties, mesh)
     raise_if_any(problems, header=f"invalid sharding plan for {type(model).__name__} on {describe_mesh(mesh)}")
     _warn_unused(table, [t.name for t in tensors])
     return ShardingPlan(mesh, _entries(tensors, ties, resolved, mesh))
 
 
-def _entries(tensors: list[_Tensor], ties: Mapping[str, str], resolved: Mapping[str, _Resolved], mesh: Any):
+def _check_plan_args(model: Any, mesh: Any, default: Any) -> None:
+    problems = instance_problems("model", model, torch.nn.Module, "a torch.nn.Module (not its state_dict)")
+    problems += instance_problems("mesh", mesh, (Mesh, AbstractMesh), "a jax Mesh, e.g. make_mesh({'data': 8})")
+    if default not in ("replicate", "error"):
+        problems.append(f"default={default!r} must be 'replicate' or 'error'")
+    raise_for_arguments(problems, header="invalid plan() arguments")
+
+
+def _entries(tensors: list[ModuleTensor], ties: Mapping[str, str], resolved: Mapping[str, _Resolved], mesh: Any):
     groups: dict[str, list[str]] = {}
     for name, canon in ties.items():
         groups.setdefault(canon, []).append(name)

@@ -4,13 +4,14 @@ from __future__ import annotations
 
 import dataclasses
 import re
-from collections.abc import Callable, Iterable, Iterator, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from typing import Any
 
 import torch
-from jax.sharding import Mesh, PartitionSpec
+from jax.sharding import AbstractMesh, Mesh, PartitionSpec
 
-from torchshard._errors import raise_if_any
+from torchshard._errors import ArgumentError, raise_if_any
+from torchshard._specs import SPEC_HINT, RuleSpecLike, SpecFn, as_rule_spec
 
 
 @dataclasses.dataclass(frozen=True)
@@ -21,50 +22,23 @@ class TensorInfo:
     shape: tuple[int, ...]
     dtype: torch.dtype
     module_type: type | None
-    mesh: Mesh
-
-
-SpecFn = Callable[[TensorInfo], PartitionSpec]
-SpecLike = PartitionSpec | Sequence[Any] | SpecFn | None
+    mesh: Mesh | AbstractMesh
 
 
 class SpecTransform:
     """Rewrites a resolved spec (e.g. adds an FSDP axis); subclasses implement `__call__`."""
 
-    label: str = "transform"
+    @property
+    def label(self) -> str:
+        """How plan tables name this transform."""
+        return "transform"
 
     def __call__(self, info: TensorInfo, spec: PartitionSpec) -> PartitionSpec:
         raise NotImplementedError
 
-    def problems(self, mesh: Mesh) -> list[str]:
+    def problems(self, mesh: Mesh | AbstractMesh) -> list[str]:
         """What makes this transform unusable on ``mesh`` (e.g. an unknown axis); empty if nothing."""
         return []
-
-
-def entry_axes(entry: str | Sequence[str] | None) -> tuple[str, ...]:
-    """The mesh axes one spec entry shards over: ``None`` → (), ``"data"`` → ("data",), tuples as they are."""
-    if entry is None:
-        return ()
-    return (entry,) if isinstance(entry, str) else tuple(entry)
-
-
-def _entry_ok(entry: Any) -> bool:
-    if entry is None or isinstance(entry, str):
-        return True
-    return isinstance(entry, tuple | list) and all(isinstance(a, str) for a in entry)
-
-
-def to_spec(spec: SpecLike) -> PartitionSpec | SpecFn:
-    """Normalises a rule's spec: tuples/lists/None become a `PartitionSpec`; callables stay as they are."""
-    if spec is None:
-        return PartitionSpec()
-    if isinstance(spec, PartitionSpec) or callable(spec):
-        return spec
-    if isinstance(spec, str):
-        return PartitionSpec(spec)
-    if isinstance(spec, tuple | list) and all(_entry_ok(e) for e in spec):
-        return PartitionSpec(*(tuple(e) if isinstance(e, list) else e for e in spec))
-    raise TypeError(spec)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -84,7 +58,7 @@ class Rule:
         return self.regex.fullmatch(name) is not None
 
     def resolve(self, info: TensorInfo) -> PartitionSpec:
-        return self.spec(info) if callable(self.spec) else self.spec
+        return self.spec(info) if callable(self.spec) and not isinstance(self.spec, PartitionSpec) else self.spec
 
     def describe(self) -> str:
         spec = getattr(self.spec, "label", None) or str(self.spec)
@@ -100,32 +74,43 @@ def _check_row(row: Any, index: int) -> str | None:
         re.compile(row[0])
     except re.error as err:
         return f"rule #{index} pattern {row[0]!r} is not a valid regex ({err}); escape dots and brackets"
-    try:
-        to_spec(row[1])
-    except TypeError:
-        return (
-            f"rule #{index} ({row[0]!r}) spec {row[1]!r} is not a PartitionSpec or a tuple of axis names / "
-            f"None / tuples of names; write e.g. ('data', None) or P(('data', 'model'))"
-        )
+    if as_rule_spec(row[1]) is None:
+        return f"rule #{index} ({row[0]!r}) spec {row[1]!r} is not {SPEC_HINT} or P(('data', 'model'))"
     return None
 
 
+def _row_list(rows: Any) -> list[Any]:
+    if isinstance(rows, Mapping):
+        return list(rows.items())
+    if isinstance(rows, str | bytes) or not isinstance(rows, Iterable):
+        raise ArgumentError(
+            f"rules must be a list of (pattern, spec) pairs (or a dict pattern → spec), got {type(rows).__name__} "
+            f"{rows!r:.60}; write e.g. Rules([(r'.*\\.weight', ('data', None))])"
+        )
+    return list(rows)
+
+
 def _to_rule(row: Any, source: str) -> Rule:
-    return row if isinstance(row, Rule) else Rule(row[0], to_spec(row[1]), source)
+    if isinstance(row, Rule):
+        return row
+    spec = as_rule_spec(row[1])
+    assert spec is not None  # _check_row rejected the rest
+    return Rule(row[0], spec, source)
 
 
 class Rules:
     """An ordered table of ``(regex, spec)`` rules; the first ``re.fullmatch`` wins.
 
     Args:
-        rows: ``(pattern, spec)`` pairs; ``spec`` is a ``PartitionSpec``, a tuple of mesh-axis
-            names / ``None`` / tuples of names, ``None`` (replicated), or a callable
-            ``TensorInfo -> PartitionSpec``.
+        rows: ``(pattern, spec)`` pairs (or a dict pattern → spec); ``spec`` is a ``PartitionSpec``,
+            a tuple of mesh-axis names / ``None`` / tuples of names, ``None`` (replicated), or a
+            callable ``TensorInfo -> PartitionSpec``.
         transforms: spec rewrites applied after matching (e.g. FSDP adding its axis).
         source: label shown in plan tables for these rules.
 
     Raises:
         ShardingError: every malformed row, at once.
+        ArgumentError: ``rows`` is not a list of rows (e.g. one string).
 
     Example:
         >>> rules = Rules([(r".*\\.weight", ("model", None)), (r".*", ())])
@@ -135,12 +120,12 @@ class Rules:
 
     def __init__(
         self,
-        rows: Iterable[Any] = (),
+        rows: Iterable[Rule | tuple[str, RuleSpecLike]] = (),
         *,
         transforms: Sequence[SpecTransform] = (),
         source: str = "rules",
     ) -> None:
-        rows = list(rows)
+        rows = _row_list(rows)
         problems = [p for i, row in enumerate(rows) if (p := _check_row(row, i)) is not None]
         raise_if_any(problems, header="invalid rule table")
         self._rules = tuple(_to_rule(row, source) for row in rows)
@@ -183,7 +168,7 @@ class Rules:
 
 
 def as_rules(rules: Rules | Iterable[Any] | None) -> Rules:
-    """Accepts a `Rules`, a list of pairs, or None."""
+    """Accepts a `Rules`, a list of pairs, a dict pattern → spec, or None."""
     if rules is None:
         return Rules()
     return rules if isinstance(rules, Rules) else Rules(rules)

@@ -13,10 +13,11 @@ import torch
 from jax.sharding import AbstractMesh, Mesh, NamedSharding, PartitionSpec, Sharding
 
 from torchshard._errors import ShardingError
-from torchshard._mesh import describe_mesh
-from torchshard._placement import is_jax_tensor
-from torchshard._plan import PlanEntry, ShardingPlan, _fmt_bytes
-from torchshard._rules import entry_axes
+from torchshard._format import columns, fmt_bytes, fmt_shape
+from torchshard._plan import PlanEntry, ShardingPlan
+from torchshard._specs import entry_axes, spec_axes
+from torchshard._torchax import is_jax_tensor, unwrap
+from torchshard._validate import describe_mesh
 
 Blocks = dict[tuple[int, int], list[int]]  # (row block, column block) → ids of the devices holding it
 
@@ -27,7 +28,7 @@ def _blocks_from_indices(shape: Sequence[int], sharding: Sharding) -> Blocks:
     for device, index in sharding.devices_indices_map(tuple(shape)).items():
         starts = [(s.start or 0) // max(1, (s.stop or n) - (s.start or 0)) for s, n in zip(index, shape, strict=True)]
         key = (0, starts[0]) if len(shape) == 1 else (starts[0], starts[1])
-        blocks.setdefault(key, []).append(device.id)
+        blocks.setdefault(key, []).append(device.id)  # type: ignore[attr-defined]
     return blocks
 
 
@@ -77,10 +78,6 @@ def render_blocks(blocks: Blocks) -> str:
     return "\n".join(lines)
 
 
-def _dims(shape: Sequence[int]) -> str:
-    return "×".join(map(str, shape)) or "()"
-
-
 def _drawable(shape: Sequence[int], what: str) -> None:
     if len(shape) not in (1, 2):
         fix = "t.reshape(1)" if not shape else f"t.reshape({shape[0]}, -1)"
@@ -105,12 +102,15 @@ def visualize(tensor: torch.Tensor, *, file: TextIO | None = None) -> None:
         ShardingError: the tensor is a plain torch tensor, or its rank is not 1 or 2.
 
     Example:
-        >>> visualize(model.fc.weight)  # doctest: +SKIP
-        8×4 float32, P('data', None) on Mesh(data=4, model=2): 2×4 per device
-        ┌───────┐
-        │  0,1  │
-        ├───────┤
-        ...
+        >>> model = torch.nn.Linear(8, 4)
+        >>> _ = ts.shard(model, ts.plan(model, ts.make_mesh({"data": 4, "model": 2}), [("weight", ("model", None))]))
+        >>> visualize(model.weight)
+        4×8 float32, P('model', None) on Mesh(data=4, model=2): 2×8 per device
+        ┌─────────┐
+        │ 0,2,4,6 │
+        ├─────────┤
+        │ 1,3,5,7 │
+        └─────────┘
     """
     if not is_jax_tensor(tensor):
         device = tensor.device.type if isinstance(tensor, torch.Tensor) else type(tensor).__name__
@@ -118,20 +118,20 @@ def visualize(tensor: torch.Tensor, *, file: TextIO | None = None) -> None:
             f"visualize(): got a plain {device} tensor, which lives on no mesh; place it first "
             f"(torchshard.shard, init_sharded or collectives.shard_map)"
         )
-    array = tensor.jax()
+    array = unwrap(tensor)
     _drawable(array.shape, f"the {str(tensor.dtype).removeprefix('torch.')} tensor")
     sharding = array.sharding
     where = f"{sharding.spec} on {describe_mesh(sharding.mesh)}" if isinstance(sharding, NamedSharding) else sharding
     head = (
-        f"{_dims(array.shape)} {str(tensor.dtype).removeprefix('torch.')}, {where}: "
-        f"{_dims(sharding.shard_shape(array.shape))} per device"
+        f"{fmt_shape(array.shape)} {str(tensor.dtype).removeprefix('torch.')}, {where}: "
+        f"{fmt_shape(sharding.shard_shape(array.shape))} per device"
     )
     _write(head + "\n" + render_blocks(_blocks_from_indices(array.shape, sharding)), file)
 
 
 def replicated_over(spec: PartitionSpec, mesh: Mesh | AbstractMesh) -> list[str]:
     """The mesh axes (of size > 1) that ``spec`` does not use: each block has one copy per device along them."""
-    used = {a for e in spec for a in entry_axes(e)}
+    used = set(spec_axes(spec))
     return [a for a, n in mesh.shape.items() if a not in used and n > 1]
 
 
@@ -148,27 +148,22 @@ def _plan_rows(plan: ShardingPlan, pattern: str | None) -> list[tuple[str, ...]]
     aliases: dict[str, list[str]] = {}
     for name, entry in plan.entries.items():
         aliases.setdefault(entry.tied_to or name, []).append(name)
-    rows = []
+    rows: list[tuple[str, ...]] = []
     for entry in plan.unique_entries():
         names = aliases[entry.name]
         if pattern is not None and not any(re.search(pattern, n) for n in names):
             continue
-        cells = (_dims(entry.shape), _pieces(entry), _dims(entry.shard_shape), _copies(entry.spec, plan.mesh))
-        rows.append((" = ".join(names), *cells, _fmt_bytes(entry.bytes_per_device)))
+        cells = (fmt_shape(entry.shape), _pieces(entry), fmt_shape(entry.shard_shape), _copies(entry.spec, plan.mesh))
+        rows.append((" = ".join(names), *cells, fmt_bytes(entry.bytes_per_device)))
     return rows
-
-
-def _columns(rows: Sequence[tuple[str, ...]]) -> list[str]:
-    widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
-    return ["  ".join(cell.ljust(w) for cell, w in zip(row, widths, strict=True)).rstrip() for row in rows]
 
 
 def _summary(plan: ShardingPlan) -> str:
     replicated = [e for e in plan.unique_entries() if not any(entry_axes(entry) for entry in e.spec)]
     per_device = plan.bytes_per_device()
     return (
-        f"{len(plan.unique_entries())} tensors, {_fmt_bytes(per_device)} per device of {_fmt_bytes(plan.total_bytes())}"
-        f"; {len(replicated)} fully replicated ({_fmt_bytes(sum(e.total_bytes for e in replicated))} on every device)"
+        f"{len(plan.unique_entries())} tensors, {fmt_bytes(per_device)} per device of {fmt_bytes(plan.total_bytes())}"
+        f"; {len(replicated)} fully replicated ({fmt_bytes(sum(e.total_bytes for e in replicated))} on every device)"
     )
 
 
@@ -189,17 +184,18 @@ def visualize_plan(
         file: where to write; defaults to ``sys.stdout``.
 
     Example:
-        >>> p = plan(MLP(), make_mesh({"data": 8}), presets.fsdp())  # doctest: +SKIP
-        >>> visualize_plan(p, names=r"layers\\.1\\.")  # doctest: +SKIP
+        >>> layers = torch.nn.Sequential(torch.nn.Linear(32, 64), torch.nn.Linear(64, 64), torch.nn.Linear(64, 16))
+        >>> p = ts.plan(layers, ts.make_mesh({"data": 8}), [(r"1\\.weight", ("data", None))])
+        >>> visualize_plan(p, names=r"^1\\.")
         Mesh(data=8): 2 of 6 tensors shown
-        tensor           shape  pieces  shard  copies    bytes/device
-        layers.1.weight  64×64  8×1     8×64   1         2.00 KiB
-        layers.1.bias    64     1       64     8 (data)  256 B
+        tensor    shape  pieces  shard  copies    bytes/device
+        1.weight  64×64  8×1     8×64   1         2.00 KiB
+        1.bias    64     1       64     8 (data)  256 B
         6 tensors, 14.56 KiB per device of 28.56 KiB; 5 fully replicated (12.56 KiB on every device)
     """
     rows = _plan_rows(plan, names)
     head = f"{describe_mesh(plan.mesh)}: {len(rows)} of {len(plan.unique_entries())} tensors shown"
-    lines = _columns([("tensor", "shape", "pieces", "shard", "copies", "bytes/device"), *rows])
+    lines = columns([("tensor", "shape", "pieces", "shard", "copies", "bytes/device"), *rows])
     if grids:
         lines = [lines[0], *(_with_grid(line, row[0], plan) for line, row in zip(lines[1:], rows, strict=True))]
     _write("\n".join([head, *lines, _summary(plan)]), file)

@@ -1,0 +1,55 @@
+"""What a checkpoint or export holds: a module's placed arrays and a trainer's optimizer state, step and key."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+import torch
+
+from torchshard._errors import raise_if_any
+from torchshard._module_tensors import canonical_names, model_tensors, named_tensors
+from torchshard._torchax import is_jax_tensor, unwrap
+from torchshard._trainer import Trainer
+
+Target = Trainer | torch.nn.Module
+
+
+def model_of(target: Target) -> torch.nn.Module:
+    """The module of a Trainer, or the module itself."""
+    return target.model if isinstance(target, Trainer) else target
+
+
+def placed_arrays(model: torch.nn.Module, *, doing: str) -> dict[str, jax.Array]:
+    """Canonical name → the ``jax.Array`` behind each placed tensor (tied tensors once)."""
+    tensors = named_tensors(model)
+    canonical = list(dict.fromkeys(canonical_names(model).values()))
+    unplaced = [n for n in canonical if not is_jax_tensor(tensors[n])]
+    raise_if_any(
+        [f"{n} {tuple(tensors[n].shape)}: a plain torch tensor on {tensors[n].device}" for n in unplaced],
+        header=f"{doing}: {type(model).__name__} is not sharded; place it with torchshard.shard(model, plan) first",
+    )
+    return {n: unwrap(tensors[n]) for n in canonical}
+
+
+def trainer_tree(trainer: Trainer) -> dict[str, Any]:
+    """The non-module part of a trainer: optimizer state, step counter and RNG base key."""
+    state = trainer.state
+    return {"opt_state": state.opt_state, "step": state.step, "rng": trainer.rng_key}
+
+
+def state_tree(target: Target, *, doing: str) -> dict[str, Any]:
+    """``{"model": name → array}`` plus ``"trainer"`` for a Trainer: everything a checkpoint stores."""
+    arrays = placed_arrays(model_of(target), doing=doing)
+    if not isinstance(target, Trainer):
+        return {"model": arrays}
+    state = target.state
+    return {"model": {**arrays, **state.params, **state.buffers}, "trainer": trainer_tree(target)}
+
+
+def torch_dtypes(target: Target) -> dict[str, torch.dtype]:
+    """The dtype each tensor had in torch (a Trainer's plan remembers e.g. int64 buffers JAX holds as int32)."""
+    tensors = {t.name: t.tensor.dtype for t in model_tensors(model_of(target))}
+    if isinstance(target, Trainer):
+        tensors |= {n: e.dtype for n, e in target.plan.entries.items()}
+    return tensors

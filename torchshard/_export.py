@@ -1,0 +1,126 @@
+"""Plain torch state_dicts out of and into sharded modules."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+import jax
+import numpy as np
+import torch
+from jax.experimental import multihost_utils
+
+from torchshard._checkpoint import Destination, plan_destination
+from torchshard._ckpt_state import Target, model_of, state_tree, torch_dtypes
+from torchshard._errors import raise_if_any
+from torchshard._module_tensors import canonical_names, named_tensors, state_dict_names
+from torchshard._placement import assign, put
+from torchshard._plan import ShardingPlan
+from torchshard._torchax import to_torch
+from torchshard._validate import mismatch_problems
+
+
+def host_array(array: jax.Array) -> np.ndarray:
+    """The whole array on this host (gathered from the other processes when not addressable here)."""
+    if array.is_fully_addressable:
+        return np.asarray(array)
+    return np.asarray(multihost_utils.process_allgather(array, tiled=True))
+
+
+def torch_tensor(array: jax.Array, dtype: torch.dtype) -> torch.Tensor:
+    """A placed array as a CPU torch tensor of ``dtype`` (a collective when it spans processes)."""
+    return to_torch(host_array(array), dtype)
+
+
+def to_torch_state_dict(target: Target) -> dict[str, torch.Tensor]:
+    """Gathers a sharded module's (or Trainer's) tensors into a plain CPU torch ``state_dict``.
+
+    The result is what ``model.state_dict()`` of the unsharded torch module would be: the same
+    keys in the same order, CPU tensors in the original dtypes, tied names sharing one tensor
+    object. It loads with ``load_state_dict`` in a process that never imports JAX. With several
+    processes every process must call it (arrays are gathered with a collective).
+
+    Args:
+        target: a `Trainer` or a sharded module.
+
+    Returns:
+        ``{name: torch.Tensor}``.
+
+    Raises:
+        ShardingError: the module's tensors are not placed.
+
+    Example:
+        >>> model = torch.nn.Linear(16, 4)
+        >>> expected = {k: v.clone() for k, v in model.state_dict().items()}
+        >>> ts.shard(model, ts.plan(model, ts.make_mesh({"data": 8}), [("weight", (None, "data"))]))
+        Linear(in_features=16, out_features=4, bias=True)
+        >>> state = to_torch_state_dict(model)
+        >>> torch.nn.Linear(16, 4).load_state_dict(state)
+        <All keys matched successfully>
+        >>> all(torch.equal(state[k], expected[k]) for k in expected)
+        True
+    """
+    model = model_of(target)
+    arrays = state_tree(target, doing="to_torch_state_dict()")["model"]
+    canonical = canonical_names(model)
+    dtypes = torch_dtypes(target)
+    made: dict[str, torch.Tensor] = {}
+    for name in state_dict_names(model):
+        canon = canonical[name]
+        if canon not in made:
+            made[canon] = torch_tensor(arrays[canon], dtypes[canon])
+    return {name: made[canonical[name]] for name in state_dict_names(model)}
+
+
+def from_torch_state_dict(
+    model: torch.nn.Module, state_dict: Mapping[str, torch.Tensor], plan: ShardingPlan
+) -> torch.nn.Module:
+    """Places a plain torch ``state_dict`` onto ``plan`` and binds it into ``model``.
+
+    The reverse of `to_torch_state_dict`: each process places only its own shards. Names and
+    shapes are checked like torch's strict ``load_state_dict``; non-persistent buffers (not in a
+    ``state_dict``) keep the model's own values. ``model`` may be on ``meta`` (no memory).
+
+    Args:
+        model: the module (any device).
+        state_dict: ``{name: tensor}``, e.g. from ``torch.load``.
+        plan: the `ShardingPlan` of ``model``.
+
+    Returns:
+        ``model``, its tensors now sharded torchax tensors; ties stay tied.
+
+    Raises:
+        ShardingError: every missing, unexpected and mis-shaped tensor.
+
+    Example:
+        >>> with torch.device("meta"):
+        ...     model = torch.nn.Linear(16, 4)
+        >>> state = torch.nn.Linear(16, 4).state_dict()
+        >>> p = ts.plan(model, ts.make_mesh({"data": 8}), [("weight", (None, "data"))])
+        >>> model = from_torch_state_dict(model, state, p)
+        >>> model.weight.jax().sharding.spec, torch.equal(ts.to_torch_state_dict(model)["bias"], state["bias"])
+        (P(None, 'data'), True)
+    """
+    dest = plan_destination(model, plan)
+    tensors = named_tensors(model)
+    values = {c: _value_for(c, dest, state_dict, tensors) for c in dest.arrays}
+    expected = {n: tuple(tensors[n].shape) for n in state_dict_names(model)}
+    problems = mismatch_problems(expected, {n: tuple(v.shape) for n, v in state_dict.items()}, expected_in="model",
+                                 found_in="state_dict")  # fmt: skip
+    problems += [
+        f"{c} {tuple(tensors[c].shape)}: a non-persistent buffer on meta" for c, v in values.items() if v is None
+    ]
+    raise_if_any(
+        problems, header=f"state_dict does not fit {type(model).__name__}; load it into the model it came from"
+    )
+    return assign(model, {c: put(v, dest.arrays[c].sharding) for c, v in values.items()}, plan)
+
+
+def _value_for(
+    canon: str, dest: Destination, state_dict: Mapping[str, torch.Tensor], tensors: Mapping[str, torch.Tensor]
+) -> torch.Tensor | None:
+    """The state_dict value of a tensor under any of its tied names, else the model's own (None on meta)."""
+    for name, c in dest.names.items():
+        if c == canon and name in state_dict:
+            return state_dict[name]
+    own = tensors[canon]
+    return None if own.device.type == "meta" else own
