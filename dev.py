@@ -13,11 +13,18 @@ ROOT = Path(__file__).resolve().parent
 VENV = ROOT / ".venv"
 PY = VENV / "bin" / "python"
 STAMP = VENV / ".torchshard-installed"
+# each command is a list of steps; a step that fails stops the command
+CHECKS = [
+    ["-m", "ruff", "check", "."],
+    ["-m", "ruff", "format", "--check", "."],
+    ["-m", "mypy"],
+]
 COMMANDS = {
-    "demo": ["examples/train_mlp.py"],
-    "test": ["-m", "pytest"],
-    "lint": ["-m", "ruff", "check", "."],
-    "bench": ["benchmarks/step_time.py"],
+    "demo": [["examples/train_mlp.py"]],
+    # lint, format, types, then the docstring examples and the tests on two workers
+    "test": [*CHECKS, ["-m", "pytest", "-n", "2"]],
+    "lint": CHECKS,
+    "bench": [["benchmarks/step_time.py"]],
 }
 
 
@@ -37,7 +44,7 @@ def ensure_venv() -> None:
         venv.create(VENV, with_pip=True)
     print("dev.py: installing pinned dependencies (first run only)", flush=True)
     pip = [str(PY), "-m", "pip", "install", "--disable-pip-version-check", "-q"]
-    subprocess.run([*pip, "-c", "constraints.txt", "-e", ".[test,hf]"], cwd=ROOT, check=True)
+    subprocess.run([*pip, "-c", "constraints.txt", "-e", ".[test,examples,hf]"], cwd=ROOT, check=True)
     STAMP.write_text(_fingerprint())
 
 
@@ -46,9 +53,16 @@ def main(argv: list[str]) -> int:
         print(f"usage: python3 dev.py {{{'|'.join(COMMANDS)}}} [extra args]", file=sys.stderr)
         return 2
     ensure_venv()
-    cmd = [str(PY), *COMMANDS[argv[0]], *argv[1:]]
     os.chdir(ROOT)
-    return subprocess.call(cmd)
+    steps = COMMANDS[argv[0]]
+    for i, step in enumerate(steps):
+        last = i == len(steps) - 1
+        cmd = [str(PY), *step, *(argv[1:] if last else [])]  # extra arguments go to the last step
+        print(f"dev.py: {' '.join(step)}", flush=True)
+        code = subprocess.call(cmd)
+        if code:
+            return code
+    return 0
 
 
 if __name__ == "__main__":
