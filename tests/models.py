@@ -24,16 +24,20 @@ class MLP(nn.Module):
 
 
 class Block(nn.Module):
-    """Pre-norm residual MLP block: LayerNorm, GELU, residual."""
+    """Pre-norm residual MLP block: LayerNorm, GELU, optional dropout, residual."""
 
-    def __init__(self, dim=32, hidden=64):
+    def __init__(self, dim=32, hidden=64, dropout=0.0):
         super().__init__()
         self.norm = nn.LayerNorm(dim)
         self.up = nn.Linear(dim, hidden)
         self.down = nn.Linear(hidden, dim)
+        self.dropout = dropout
 
     def forward(self, x):
-        return x + self.down(nn.functional.gelu(self.up(self.norm(x))))
+        h = nn.functional.gelu(self.up(self.norm(x)))
+        if self.dropout:
+            h = nn.functional.dropout(h, self.dropout, self.training)
+        return x + self.down(h)
 
 
 class TiedLM(nn.Module):
@@ -51,3 +55,38 @@ class TiedLM(nn.Module):
     def forward(self, ids):
         h = self.embed(ids) + self.pos[: ids.shape[-1]]
         return self.head(self.norm(self.block(h)))
+
+
+class BlockStack(nn.Module):
+    """Embedding → a ModuleList of identical pre-norm blocks (dropout inside them optional) → LayerNorm → head."""
+
+    def __init__(self, vocab=64, dim=32, depth=4, dropout=0.0):
+        super().__init__()
+        self.embed = nn.Embedding(vocab, dim)
+        self.blocks = nn.ModuleList(Block(dim, 2 * dim, dropout) for _ in range(depth))
+        self.norm = nn.LayerNorm(dim)
+        self.head = nn.Linear(dim, vocab)
+
+    def forward(self, ids):
+        h = self.embed(ids)
+        for block in self.blocks:
+            h = block(h)
+        return self.head(self.norm(h))
+
+
+def tiny_llama(*, layers=2, seed=0, meta=False, **overrides):
+    """A small transformers Llama built from a config (no download), KV cache off for training."""
+    import transformers
+
+    config = dict(
+        hidden_size=64,
+        num_hidden_layers=layers,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        intermediate_size=128,
+        vocab_size=128,
+        use_cache=False,
+    )
+    torch.manual_seed(seed)
+    with torch.device("meta" if meta else "cpu"):
+        return transformers.LlamaForCausalLM(transformers.LlamaConfig(**(config | overrides)))

@@ -11,6 +11,7 @@ import pytest
 import torch
 import torchax
 from helpers import assert_close, assert_trees_close, to_numpy, torch_losses
+from jax.sharding import PartitionSpec as P
 from models import MLP, Block, TiedLM
 from torch import nn
 
@@ -266,17 +267,138 @@ def test_bad_batch_sizes_raise(batch, kwargs, match):
 
 
 @pytest.mark.parametrize(
-    ("kwargs", "match"),
+    ("args", "kwargs", "match"),
     [
-        ({"grad_accum_steps": 0}, r"grad_accum_steps=0 must be an int ≥ 1"),
-        ({"batch_spec": ("batch",)}, r"batch_spec axis 'batch' is not in the mesh \['data'\]"),
-        ({"max_in_flight": 0}, r"max_in_flight=0"),
+        ((), {"grad_accum_steps": 0}, r"grad_accum_steps=0 must be an int ≥ 1"),
+        ((), {"grad_accum_steps": True}, r"grad_accum_steps=True must be an int ≥ 1"),
+        ((), {"batch_spec": ("batch",)}, r"batch_spec axis 'batch' is not in the mesh \['data'\]"),
+        ((), {"batch_spec": lambda info: P()}, r"batch_spec=<function .*> is not a PartitionSpec"),
+        ((), {"max_in_flight": 0}, r"max_in_flight=0"),
+        ((), {"max_in_flight": 32}, r"max_in_flight=32: XLA on CPU aborts with ~30 steps queued; use at most 16"),
+        ((), {"donate": "yes", "seed": -1}, r"(?s)seed=-1 must be an int ≥ 0.*donate='yes' must be True or False"),
+        ((mse, torch.optim.SGD([torch.zeros(1)], lr=0.1)), {}, r"optimizer is a torch SGD; pass its optax"),
+        ((mse, optax.adam), {}, r"optimizer is the function adam, not a GradientTransformation; call it"),
+        (("mse", optax.sgd(0.1)), {}, r"loss_fn must be a function loss_fn\(model, batch\), got 'mse'"),
+        ((mse, optax.sgd(0.1)), {"remat": 3}, r"remat=3 must be a module-name regex"),
     ],
-)
-def test_bad_trainer_arguments_raise(kwargs, match):
+    ids=["accum-0", "accum-bool", "batch-axis", "batch-spec-fn", "in-flight-0", "in-flight-cpu", "flags",
+         "torch-optimizer", "uncalled-optax", "loss-not-callable", "remat-type"],
+)  # fmt: skip
+def test_bad_trainer_arguments_raise_before_anything_moves(args, kwargs, match):
     _, model = pair(MLP)
+    loss_fn, opt = args or (mse, optax.sgd(0.1))
+    with pytest.raises(ts.ArgumentError, match=match):
+        make_trainer(model, loss_fn, opt, MESHES["data8"], None, **kwargs)
+    assert all(type(t) is torch.Tensor for t in model.state_dict().values())
+
+
+@pytest.mark.parametrize(
+    ("loss_fn", "match"),
+    [
+        (lambda m, b: 3, r"loss_fn returned a int \(3\) as the loss; return the loss tensor"),
+        (lambda m, b: 0.5, r"loss_fn returned a float \(0\.5\) as the loss"),
+        (lambda m, b: None, r"loss_fn returned a NoneType \(None\) as the loss"),
+        (
+            lambda m, b: mse(m, b).item(),
+            r"loss_fn: loss_fn turns a traced tensor into a Python value \(if/while on a tensor, bool\(\), int",
+        ),
+        (lambda m, b: (mse(m, b), 1.0), r"loss_fn returned a tuple of 2; return the loss tensor, or \(loss, \{name"),
+        (lambda m, b: (mse(m, b), {"loss": mse(m, b)}), r"metric 'loss' would replace the step's own 'loss'"),
+        (lambda m, b: (mse(m, b), {"x": m(b[0])}), r"metric 'x' has shape \(16, 16\); metrics are scalars"),
+        (lambda m, b: (mse(m, b), {"x": "high"}), r"metric 'x' is a str \('high'\); metrics are scalar tensors"),
+        (lambda m, b: m(b[0]).sum().int(), r"must return a floating scalar loss, got a int32 tensor"),
+    ],
+    ids=["int", "float", "none", "item", "tuple-no-dict", "aux-loss", "aux-not-scalar", "aux-str", "int-loss"],
+)
+def test_loss_functions_that_return_no_loss_tensor_raise(loss_fn, match):
+    _, model = pair(MLP)
+    trainer = make_trainer(model, loss_fn, optax.sgd(0.1), MESHES["data8"], None)
     with pytest.raises(ts.ShardingError, match=match):
-        make_trainer(model, mse, optax.sgd(0.1), MESHES["data8"], None, **kwargs)
+        trainer.step(mlp_batches(1)[0])
+
+
+@pytest.mark.parametrize(
+    ("batch", "error", "match"),
+    [
+        ("some text", ts.ArgumentError, r"batch leaf #0 is a str \('some text'\); batches hold tensors or arrays"),
+        ((torch.zeros(0, 32), torch.zeros(0, 16)), ts.ArgumentError, r"batch leaf #0 \(0, 32\) has no rows"),
+        ((torch.empty(16, 32, device="meta"), torch.zeros(16, 16)), ts.ArgumentError, r"#0 \(16, 32\) is on the meta"),
+        ((torch.randn(16, 31), torch.randn(16, 16)), ts.ShardingError,
+         r"loss_fn failed in Linear 'layers\.0' on batch leaves #0 float32\[16, 31\], #1 float32\[16, 16\]: "
+         r"ValueError: Size of label 'a'.*; check the batch's shapes and dtypes against the model"),
+    ],
+    ids=["string", "no-rows", "meta", "wrong-features"],
+)  # fmt: skip
+def test_bad_batches_name_the_leaf(batch, error, match):
+    _, model = pair(MLP)
+    trainer = make_trainer(model, mse, optax.sgd(0.1), MESHES["data8"], None)
+    with pytest.raises(error, match=match):
+        trainer.step(batch)
+
+
+def test_skip_nonfinite_leaves_the_state_alone_and_says_so():
+    _, model = pair(MLP)
+    trainer = make_trainer(model, mse, optax.adamw(1e-2), MESHES["data8"], None, skip_nonfinite=True)
+    (x, y), good = mlp_batches(2)
+    trainer.step(good)
+    before = jax.tree.map(np.asarray, trainer.state._replace(step=0))
+    x[3, 5] = float("nan")
+    metrics = trainer.step((x, y))
+    assert float(metrics["skipped"]) == 1.0 and not np.isfinite(float(metrics["loss"]))
+    jax.tree.map(np.testing.assert_array_equal, jax.tree.map(np.asarray, trainer.state._replace(step=0)), before)
+    assert float(trainer.step(good)["skipped"]) == 0.0 and trainer.step_count == 3
+    assert not np.array_equal(np.asarray(trainer.state.params["layers.0.weight"]), before.params["layers.0.weight"])
+
+
+@pytest.mark.parametrize("donate", [True, False])
+def test_steps_from_several_threads_run_one_at_a_time_and_none_is_lost(donate):
+    import threading
+
+    _, model = pair(MLP)
+    trainer = make_trainer(model, mse, optax.sgd(0.01), MESHES["data8"], None, donate=donate)
+    batch = mlp_batches(1)[0]
+    trainer.step(batch)
+    threads = [threading.Thread(target=lambda: [trainer.step(batch) for _ in range(5)]) for _ in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert trainer.step_count == 21
+    assert np.isfinite(float(trainer.step(batch)["loss"]))
+
+
+def test_a_second_trainer_takes_the_module_over():
+    ref, model = pair(MLP)
+    first = make_trainer(model, mse, optax.sgd(0.1), MESHES["data8"], None)
+    batches = mlp_batches(2)
+    first.step(batches[0])
+    second = make_trainer(first.model, mse, optax.sgd(0.1), MESHES["data4_model2"], TP_MLP)
+    second.step(batches[1])
+    torch_losses(ref, mse, torch.optim.SGD(ref.parameters(), lr=0.1), batches)
+    assert_trees_close(state_of(second.model), state_of(ref), tol=1e-5)
+    with pytest.raises(ts.ShardingError, match=r"another Trainer has been built on this Trainer's module since"):
+        first.step(batches[0])
+
+
+class LayerDrop(nn.Module):
+    """Skips its block at random, as LayerDrop does: a Python decision on a random tensor."""
+
+    def __init__(self):
+        super().__init__()
+        self.block = Block()
+
+    def forward(self, x):
+        if torch.rand([]) < 0.5:
+            return x
+        return self.block(x)
+
+
+def test_python_decisions_on_random_tensors_are_not_frozen_silently(mesh_fsdp):
+    model = nn.Sequential(LayerDrop())
+    trainer = ts.Trainer(model, lambda m, x: m(x).sum(), optax.sgd(0.1), ts.plan(model, mesh_fsdp))
+    with pytest.raises(ts.ShardingError, match=r"loss_fn: LayerDrop '0' turns a traced tensor into a Python value.*"
+                                               r"torch\.where.*layerdrop=0"):  # fmt: skip
+        trainer.step(torch.randn(8, 4, 32))
 
 
 def test_non_scalar_loss_raises():

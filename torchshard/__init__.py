@@ -9,8 +9,11 @@ from torchshard._init import init_sharded
 from torchshard._mesh import make_mesh, use_cpu_devices
 from torchshard._placement import constrain, shard, shard_batch
 from torchshard._plan import PlanEntry, ShardingPlan, plan
+from torchshard._precision import MixedPrecision
+from torchshard._remat import Remat
 from torchshard._rules import Rule, Rules, TensorInfo
 from torchshard._safetensors import save_safetensors
+from torchshard._scan import ScanLayersWarning
 from torchshard._step import TrainState
 from torchshard._stepdir import checkpoint_steps
 from torchshard._trainer import Trainer
@@ -21,9 +24,12 @@ from torchshard._visualize import visualize, visualize_plan
 __all__ = [
     "ArgumentError",
     "CheckpointError",
+    "MixedPrecision",
     "PlanEntry",
+    "Remat",
     "Rule",
     "Rules",
+    "ScanLayersWarning",
     "ShardingError",
     "ShardingPlan",
     "TensorInfo",

@@ -39,17 +39,18 @@ def trainer_tree(trainer: Trainer) -> dict[str, Any]:
 
 
 def state_tree(target: Target, *, doing: str) -> dict[str, Any]:
-    """``{"model": name → array}`` plus ``"trainer"`` for a Trainer: everything a checkpoint stores."""
-    arrays = placed_arrays(model_of(target), doing=doing)
+    """``{"model": key → array}`` plus ``"trainer"`` for a Trainer: everything a checkpoint stores.
+
+    A Trainer's arrays are keyed as its train state keys them (scanned layers stacked).
+    """
     if not isinstance(target, Trainer):
-        return {"model": arrays}
-    state = target.state
-    return {"model": {**arrays, **state.params, **state.buffers}, "trainer": trainer_tree(target)}
+        return {"model": placed_arrays(target, doing=doing)}
+    return {"model": target.physical_arrays(), "trainer": trainer_tree(target)}
 
 
 def torch_dtypes(target: Target) -> dict[str, torch.dtype]:
-    """The dtype each tensor had in torch (a Trainer's plan remembers e.g. int64 buffers JAX holds as int32)."""
+    """The torch dtype of each tensor (a Trainer remembers e.g. int64 buffers JAX holds as int32, and master dtypes)."""
     tensors = {t.name: t.tensor.dtype for t in model_tensors(model_of(target))}
     if isinstance(target, Trainer):
-        tensors |= {n: e.dtype for n, e in target.plan.entries.items()}
+        tensors |= target.tensor_dtypes()
     return tensors

@@ -21,8 +21,8 @@ with _compat.import_shim():
         importlib.import_module(_name)
 
 import torchax
-from torchax import interop
-from torchax.ops import ops_registry
+from torchax import amp, interop
+from torchax.ops import mappings, ops_registry
 from torchax.tensor import Environment, Tensor
 
 _fixed_envs: set[int] = set()
@@ -57,6 +57,16 @@ def _install_lowerings(tx: Environment) -> None:
 
 
 _AUTOCAST_DEVICES = ("cpu", "cuda")
+# torch-level functions torchax lowers whole, so its aten-level autocast table never sees them
+_AUTOCAST_LOWER = (
+    torch.nn.functional.linear,
+    torch.nn.functional.scaled_dot_product_attention,
+    torch.matmul,
+    torch.Tensor.matmul,
+    torch.Tensor.__matmul__,
+    torch.bmm,
+    torch.mm,
+)
 
 
 def torch_autocast_dtype() -> torch.dtype | None:
@@ -75,9 +85,12 @@ def _honouring_torch_autocast(tx: Environment, dispatch: Callable[..., Any]) -> 
     """
 
     def autocast_dispatch(func: Any, types: Any, args: Any, kwargs: Any) -> Any:
-        dtype = torch_autocast_dtype()
-        if dtype is None or tx.param.autocast_dtype is not None:
+        dtype = torch_autocast_dtype() if tx.param.autocast_dtype is None else None
+        if dtype is None:
             return dispatch(func, types, args, kwargs)
+        if func in _AUTOCAST_LOWER:
+            with tx:
+                args, kwargs = amp.execute_policy(amp.CastPolicy.LOWER_PRECISION_FP, args, kwargs or {}, dtype)
         with tx.override_property(autocast_dtype=dtype):
             return dispatch(func, types, args, kwargs)
 
@@ -144,18 +157,14 @@ class StackedArray:
 
     def __init__(self, array: jax.Array) -> None:
         self.array = array
-        self._layers: dict[int, jax.Array] = {}
 
     def replace(self, array: jax.Array) -> None:
         """Points every view at a new stacked array (after a training step)."""
         self.array = array
-        self._layers.clear()
 
     def layer(self, index: int) -> jax.Array:
-        """Layer ``index``, sliced on first read after each `replace`."""
-        if index not in self._layers:
-            self._layers[index] = self.array[index]
-        return self._layers[index]
+        """Layer ``index`` of the current array (a fresh slice: nothing is kept, so memory stays bounded)."""
+        return self.array[index]
 
 
 class LayerView(Tensor):
@@ -176,7 +185,7 @@ class LayerView(Tensor):
         if param:
             self._is_param = True  # what makes isinstance(view, torch.nn.Parameter) true, as for torchax params
 
-    @property  # type: ignore[override]
+    @property
     def _elem(self) -> jax.Array:  # private: torchax reads the wrapped array from this attribute
         return self._stack.layer(self._index)
 
@@ -193,6 +202,16 @@ def seeded(key: jax.Array) -> Iterator[None]:
     """Inside the block, torch random ops under torchax draw from ``key`` (a raw uint32 key)."""
     with env().override_property(prng=key):
         yield
+
+
+def current_key() -> jax.Array:
+    """The key torch random ops under torchax draw from next."""
+    return env().param.prng
+
+
+def continue_from(key: jax.Array) -> None:
+    """Torch random ops draw from ``key`` next (inside a `seeded` block: the block still restores the old key)."""
+    env().param.prng = key
 
 
 def backend_started() -> bool:
@@ -216,7 +235,9 @@ def host_array(t: torch.Tensor) -> np.ndarray:
 
 def jax_dtype(dtype: torch.dtype) -> np.dtype:
     """The dtype JAX holds a torch tensor of ``dtype`` in (int64 → int32 unless x64 is on)."""
-    return host_array(torch.empty(0, dtype=dtype)).dtype
+    held = np.dtype(mappings.t2j_dtype(dtype))
+    x64 = jax.config.jax_enable_x64  # type: ignore[attr-defined]
+    return np.dtype(held.kind + "4") if not x64 and held.itemsize == 8 and held.kind in "iuf" else held
 
 
 def to_torch(host: np.ndarray, dtype: torch.dtype) -> torch.Tensor:

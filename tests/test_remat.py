@@ -1,0 +1,139 @@
+"""Activation checkpointing: the same losses and buffers as without it, less memory inside scans, clear errors."""
+
+from __future__ import annotations
+
+import numpy as np
+import optax
+import pytest
+import torch
+from helpers import assert_trees_close, to_numpy
+from models import BlockStack, tiny_llama
+from torch import nn
+
+import torchshard as ts
+from torchshard import ShardingError, presets
+
+
+def blocks_loss(model, ids):
+    logits = model(ids[:, :-1])
+    return nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), ids[:, 1:].reshape(-1))
+
+
+def batches(n=3, vocab=64):
+    g = torch.Generator().manual_seed(5)
+    return [torch.randint(0, vocab, (8, 12), generator=g) for _ in range(n)]
+
+
+def trained(model, loss_fn=blocks_loss, data=None, **kwargs):
+    plan = ts.plan(model, ts.make_mesh({"data": 4, "model": 2}), presets.fsdp(min_size=256))
+    trainer = ts.Trainer(model, loss_fn, optax.adamw(1e-2), plan, seed=3, **kwargs)
+    losses = [float(trainer.step(b)["loss"]) for b in data or batches()]
+    return trainer, np.array(losses)
+
+
+def state_of(module):
+    return {k: to_numpy(v) for k, v in module.state_dict().items()}
+
+
+@pytest.mark.parametrize(
+    ("remat", "scan"),
+    [
+        (r"blocks\.\d+", False),
+        ([r"blocks\.\d+\.up", r"head"], False),
+        (ts.Remat(r"blocks\.\d+", policy="dots_saveable"), False),
+        (ts.Remat(r"blocks\.\d+", policy="dots_with_no_batch_dims_saveable"), True),
+        (r"blocks\.\d+", True),
+        (r"blocks\.\d+\.up", True),
+    ],
+    ids=["blocks", "submodules", "dots", "scan-body-policy", "scan-body", "inside-scan"],
+)
+def test_remat_changes_no_loss_even_with_dropout(remat, scan):
+    torch.manual_seed(0)
+    _, expected = trained(BlockStack(depth=3, dropout=0.2), scan_layers=scan)
+    torch.manual_seed(0)
+    _, got = trained(BlockStack(depth=3, dropout=0.2), remat=remat, scan_layers=scan)
+    np.testing.assert_allclose(got, expected, rtol=1e-6)
+
+
+class Normed(nn.Module):
+    """BatchNorm inside a checkpointed module: its running stats must still be written back."""
+
+    def __init__(self):
+        super().__init__()
+        self.embed = nn.Embedding(64, 32)
+        self.body = nn.Sequential(nn.Linear(32, 32), nn.BatchNorm1d(11), nn.ReLU())
+        self.head = nn.Linear(32, 64)
+
+    def forward(self, ids):
+        return self.head(self.body(self.embed(ids)))
+
+
+def test_buffers_updated_inside_a_checkpoint_are_kept():
+    torch.manual_seed(0)
+    plain, expected = trained(Normed())
+    torch.manual_seed(0)
+    checkpointed, got = trained(Normed(), remat="body")
+    np.testing.assert_allclose(got, expected, rtol=1e-6)
+    assert_trees_close(state_of(checkpointed.model), state_of(plain.model), tol=1e-6)
+    assert float(checkpointed.model.body[1].running_var.jax().min()) != 1.0
+
+
+def test_remat_inside_a_scan_halves_the_compiled_temp_memory_of_an_8_layer_llama():
+    def temp(**kwargs):
+        model = tiny_llama(layers=8)
+        plan = ts.plan(model, ts.make_mesh({"data": 8}), presets.fsdp(min_size=1024))
+        trainer = ts.Trainer(model, lambda m, b: m(input_ids=b, labels=b).loss, optax.sgd(0.1), plan, **kwargs)
+        return trainer.lower(batches(vocab=128)[0]).compile().memory_analysis().temp_size_in_bytes
+
+    without, remat = temp(scan_layers=True), temp(scan_layers=True, remat=r"model\.layers\.\d+")
+    assert remat <= 0.5 * without, f"temp memory {remat} B with remat vs {without} B without"
+
+
+@pytest.mark.parametrize(
+    ("remat", "error", "match"),
+    [
+        (r"layers\.\d+", ShardingError, r"remat pattern 'layers\\\\.\\\\d\+' matches no module of BlockStack.*closest"),
+        ("(", TypeError, r"remat pattern '\(' is not a valid regex"),
+        (None, None, None),
+        (3, TypeError, r"remat=3 must be a module-name regex, a list of them, or torchshard\.Remat"),
+    ],
+    ids=["no-match", "bad-regex", "none", "bad-type"],
+)
+def test_bad_remat_arguments(mesh_fsdp, remat, error, match):
+    model = BlockStack(depth=2)
+    plan = ts.plan(model, mesh_fsdp)
+    if error is None:
+        ts.Trainer(model, blocks_loss, optax.sgd(0.1), plan, remat=remat)
+        return
+    with pytest.raises(error, match=match):
+        ts.Trainer(model, blocks_loss, optax.sgd(0.1), plan, remat=remat)
+
+
+@pytest.mark.parametrize(
+    ("make", "match"),
+    [
+        (lambda: ts.Remat("x", policy="sometimes"), r"remat policy 'sometimes' is not one of \[.*'nothing_saveable'"),
+        (lambda: ts.Remat([]), r"remat names no module pattern"),
+        (lambda: ts.Remat([3]), r"remat pattern 3 is not a string"),
+    ],
+    ids=["policy", "empty", "not-a-string"],
+)
+def test_bad_remat_specs(make, match):
+    with pytest.raises(TypeError, match=match):
+        make()
+
+
+def test_remat_must_treat_every_scanned_block_alike(mesh_fsdp):
+    model = BlockStack(depth=3)
+    plan = ts.plan(model, mesh_fsdp)
+    with pytest.raises(ShardingError, match=r"remat names \['blocks\.1'\] but not every block of the scanned blocks"):
+        ts.Trainer(model, blocks_loss, optax.sgd(0.1), plan, remat=r"blocks\.1", scan_layers=True)
+    with pytest.raises(ShardingError, match=r"remat names blocks\.0\.up but not the same module of every block"):
+        ts.Trainer(model, blocks_loss, optax.sgd(0.1), plan, remat=r"blocks\.0\.up", scan_layers=True)
+
+
+def test_the_outermost_match_is_checkpointed(mesh_fsdp):
+    from torchshard._remat import remat_targets
+
+    targets = remat_targets(BlockStack(depth=2), ts.Remat([r"blocks\.\d+", r"blocks\.\d+\.up"]))
+    assert targets == ["blocks.0", "blocks.1"]
