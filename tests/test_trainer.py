@@ -326,8 +326,10 @@ def test_loss_functions_that_return_no_loss_tensor_raise(loss_fn, match):
         ((torch.randn(16, 31), torch.randn(16, 16)), ts.ShardingError,
          r"loss_fn failed in Linear 'layers\.0' on batch leaves #0 float32\[16, 31\], #1 float32\[16, 16\]: "
          r"ValueError: Size of label 'a'.*; check the batch's shapes and dtypes against the model"),
+        ((torch.ones(16, 32, dtype=torch.int64), torch.randn(16, 16)), ts.ShardingError,
+         r"F\.linear of a int32\[16, 32\] and a float32\[64, 32\] operand: torch refuses mixed integer/floating"),
     ],
-    ids=["string", "no-rows", "meta", "wrong-features"],
+    ids=["string", "no-rows", "meta", "wrong-features", "int-into-float"],
 )  # fmt: skip
 def test_bad_batches_name_the_leaf(batch, error, match):
     _, model = pair(MLP)

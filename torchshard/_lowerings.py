@@ -9,6 +9,8 @@ import jax
 import jax.numpy as jnp
 import torch
 
+from torchshard._errors import ShardingError
+
 
 def gather_along_axis(input, dim, index, *, sparse_grad=False):
     """``aten.gather`` as ``take_along_axis``: a batched gather that GSPMD keeps sharded.
@@ -99,3 +101,31 @@ def attention(reference: Callable[..., Any], call_jax: Callable[..., Any]) -> Ca
         return call_jax(attention_jax, query, key, value, attn_mask, is_causal, scale)
 
     return sdpa
+
+
+# matrix products whose operands torch requires to share a dtype; torchax would silently promote an
+# integer batch fed to a float model (positions of the two matrix operands in the op's arguments)
+SAME_DTYPE = {
+    torch.nn.functional.linear: ("F.linear", (0, 1)),
+    torch.ops.aten.mm: ("mm", (0, 1)),
+    torch.ops.aten.bmm: ("bmm", (0, 1)),
+    torch.ops.aten.addmm: ("addmm", (1, 2)),
+    torch.matmul: ("matmul", (0, 1)),
+    torch.Tensor.matmul: ("matmul", (0, 1)),
+    torch.Tensor.__matmul__: ("@", (0, 1)),
+}
+
+
+def same_dtype_kind(name: str, positions: tuple[int, int], impl: Callable[..., Any]) -> Callable[..., Any]:
+    """``impl`` (a JAX lowering) that refuses an integer operand next to a floating one, as torch does."""
+
+    def guarded(*args: Any, **kwargs: Any) -> Any:
+        a, b = (args[i] for i in positions)
+        if jnp.issubdtype(a.dtype, jnp.floating) != jnp.issubdtype(b.dtype, jnp.floating):
+            raise ShardingError(
+                f"{name} of a {a.dtype}{list(a.shape)} and a {b.dtype}{list(b.shape)} operand: torch refuses mixed "
+                f"integer/floating matrix products (JAX would promote silently); cast the batch, e.g. x.float()"
+            )
+        return impl(*args, **kwargs)
+
+    return guarded
