@@ -10,6 +10,7 @@ from torchshard._mesh import make_mesh, use_cpu_devices
 from torchshard._placement import constrain, shard, shard_batch
 from torchshard._plan import PlanEntry, ShardingPlan, plan
 from torchshard._precision import MixedPrecision
+from torchshard._prefetch import prefetch
 from torchshard._remat import Remat
 from torchshard._rules import Rule, Rules, TensorInfo
 from torchshard._safetensors import save_safetensors
@@ -45,6 +46,7 @@ __all__ = [
     "load",
     "make_mesh",
     "plan",
+    "prefetch",
     "presets",
     "save",
     "save_safetensors",
