@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 from pathlib import Path
@@ -41,3 +42,18 @@ def test_step_time_benchmark_runs():
     assert "Trainer / hand-written JAX" in rows[0][3]
     per_device = {r[0].strip(): float(r[-1]) for r in rows[1:]}
     assert per_device["fsdp"] < per_device["tp"]  # FSDP holds a fraction of the state on each device
+
+
+def test_llama_train_benchmark_runs(tmp_path):
+    script = SCRIPT.parent / "llama_train.py"
+    out = tmp_path / "llama.json"
+    args = ["--preset", "tiny", "--layers", "2", "--variants", "fsdp_tp+bf16+scan+remat", "--steps", "1",
+            "--warmup", "0", "--torch", "--compile-layers", "2,4", "--json", str(out)]  # fmt: skip
+    done = subprocess.run([sys.executable, str(script), *args], capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr
+    assert "| fsdp_tp+bf16+scan+remat | data=4×model=2 |" in done.stdout
+    assert "eager torch (cpu, own process)" in done.stdout and "scanned first-step trace+compile" in done.stdout
+    result = json.loads(out.read_text())
+    (row,) = result["rows"]
+    assert row["tokens_per_s"] > 0 and row["temp_mib"] > 0 and 0 < row["tflops"] < result["peak"][0]
+    assert [c["layers"] for c in result["compile"]] == [2, 4]
