@@ -89,3 +89,19 @@ def test_make_mesh_lists_every_bad_size():
 def test_make_mesh_bad_axes(axes):
     with pytest.raises(ShardingError, match=r"axes must be a non-empty dict of axis name → size"):
         torchshard.make_mesh(axes)
+
+
+@pytest.mark.parametrize(
+    ("devices", "match"),
+    [
+        (lambda d: [d[0]] * 8, r"devices \['cpu:0'\] are listed more than once; each device may appear once"),
+        (lambda d: [], r"devices= is empty; pass None for all devices, or a non-empty list"),
+        (lambda d: [1, "cpu"], r"(?s)\(2 problems\).*devices\[0\] is a int, not a jax\.Device.*devices\[1\] is a str"),
+        (lambda d: "cpu", r"make_mesh\(devices='cpu'\): pass a list of jax devices"),
+        (lambda d: (x for x in d), r"make_mesh\(devices=<generator .*>\): pass a list of jax devices"),
+    ],
+    ids=["device_twice", "no_devices", "not_devices", "string", "generator"],
+)
+def test_make_mesh_bad_devices(devices, match):
+    with pytest.raises(torchshard.ArgumentError, match=match):
+        torchshard.make_mesh({"data": 8}, devices=devices(jax.devices()))

@@ -1,6 +1,7 @@
 """Placement: sharded forward equals eager torch; shardings follow the plan; constrain; sharded init."""
 
 import copy
+import re
 
 import jax
 import numpy as np
@@ -328,3 +329,233 @@ def test_shard_batch_places_every_leaf_and_runs_the_model(mesh_dm):
 def test_shard_batch_errors(mesh_dm, batch, spec, match):
     with pytest.raises(ShardingError, match=match):
         torchshard.shard_batch(batch, mesh_dm, spec)
+
+
+@pytest.mark.parametrize(
+    ("batch", "match"),
+    [
+        ("abc", r"batch leaf #0 is a str; pass torch tensors, numpy or jax arrays"),
+        ([1, 2.0], r"(?s)\(2 problems\).*batch leaf #0 is a int.*batch leaf #1 is a float"),
+        (torch.zeros(8, 4, device="meta"), r"batch leaf #0 \(8, 4\) is on the meta device \(no values\)"),
+    ],
+    ids=["str", "python_numbers", "meta"],
+)
+def test_shard_batch_rejects_what_is_not_an_array(mesh_dm, batch, match):
+    with pytest.raises(torchshard.ArgumentError, match=r"invalid shard_batch\(\) arguments"):
+        torchshard.shard_batch(batch, mesh_dm)
+    with pytest.raises(torchshard.ArgumentError, match=match):
+        torchshard.shard_batch(batch, mesh_dm)
+
+
+def test_constrain_rejects_a_mesh_that_is_not_a_mesh(mesh_dm):
+    with pytest.raises(torchshard.ArgumentError, match=r"mesh must be a jax Mesh, e\.g\. make_mesh.*got dict"):
+        torchshard.constrain(_batch(torch.ones(8, 4), mesh_dm), ("data",), mesh={"data": 8})
+
+
+# --- 64-bit integers JAX holds in 32 bits --------------------------------------------------------
+
+INT32_MAX = 2**31 - 1
+
+
+@pytest.mark.parametrize(
+    ("value", "problem"),
+    [
+        (torch.tensor([0, INT32_MAX]), None),
+        (torch.tensor([-(2**31)]), None),
+        (
+            torch.tensor([INT32_MAX + 1]),
+            r"x \(1,\) torch\.int64: values in \[2147483648, 2147483648\] do not fit int32",
+        ),
+        (torch.tensor([-(2**40), 3]), r"values in \[-1099511627776, 3\] do not fit int32"),
+        (np.array([2**33], dtype=np.int64), r"x \(1,\) int64: values in \[8589934592, 8589934592\] do not fit int32"),
+        (np.array([2**32], dtype=np.uint64), r"do not fit uint32.*keep the values within \[0, 4294967295\]"),
+        (torch.tensor([2.0**40]), None),  # floats narrow with rounding, as torch users expect
+        (torch.zeros(0, dtype=torch.int64), None),
+        (torch.zeros(2, dtype=torch.int64, device="meta"), None),
+    ],
+)
+def test_range_problems(value, problem):
+    from torchshard._placement import range_problems
+
+    found = range_problems("x", value)
+    if problem is None:
+        assert found == []
+    else:
+        assert len(found) == 1 and re.search(problem, found[0]), found
+        assert found[0].endswith("call jax.config.update('jax_enable_x64', True) first thing in the program")
+
+
+class Counter(nn.Module):
+    """A module with an int64 buffer whose value needs 64 bits (a token count, say)."""
+
+    def __init__(self, count: int = 2**40):
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+        self.register_buffer("count", torch.tensor([count, 1]))
+
+
+def test_shard_refuses_an_int64_that_32_bits_cannot_hold_and_moves_nothing(mesh_dm):
+    model = Counter()
+    before = {n: t for n, t in _tensors(model).items()}
+    with pytest.raises(ShardingError, match=r"shard\(\): Counter holds values JAX cannot; nothing was moved") as info:
+        torchshard.shard(model, torchshard.plan(model, mesh_dm))
+    assert info.value.problems[0].startswith("count (2,) torch.int64: values in [1, 1099511627776] do not fit int32")
+    assert all(_tensors(model)[n] is t and t.device.type == "cpu" for n, t in before.items())
+
+
+def test_from_torch_state_dict_refuses_an_int64_value_that_32_bits_cannot_hold(mesh_dm):
+    model = Counter(count=5)
+    state = {**model.state_dict(), "count": torch.tensor([-(2**35), 0])}
+    before = {n: t for n, t in _tensors(model).items()}
+    with pytest.raises(ShardingError, match=r"state_dict values JAX cannot hold \(1 problem\):\n  - count \(2,\)"):
+        torchshard.from_torch_state_dict(model, state, torchshard.plan(model, mesh_dm))
+    assert all(_tensors(model)[n] is t and t.device.type == "cpu" for n, t in before.items())
+
+
+def test_from_torch_state_dict_takes_the_models_dtypes_like_load_state_dict(mesh_dm):
+    model = MLP()
+    state = {k: (v * 4).round().long() for k, v in MLP().state_dict().items()}  # integers into a float model
+    torchshard.from_torch_state_dict(model, state, torchshard.plan(model, mesh_dm))
+    reference = MLP()
+    reference.load_state_dict(state)
+    assert all(t.dtype == torch.float32 for t in model.state_dict().values())
+    assert_trees_close(model.state_dict(), reference.state_dict(), tol=0)
+
+
+# --- init_sharded's front door and failures ------------------------------------------------------
+
+
+def _erfinv_init():
+    model = nn.Linear(4, 4)
+    with torch.no_grad():
+        model.weight.erfinv_()  # no torchax lowering
+    return model
+
+
+class _ShapesChange:
+    """Builds Linear(4, 4) and Linear(8, 4) in turn, as a model_fn reading a changing global would."""
+
+    calls = 0
+
+    def __call__(self) -> nn.Module:
+        self.calls += 1
+        return nn.Linear(4 if self.calls % 2 else 8, 4)
+
+
+@pytest.mark.parametrize(
+    ("model_fn", "mesh", "kwargs", "error", "match"),
+    [
+        (lambda: None, "dm", {}, torchshard.ArgumentError, r"model_fn\(\) must be a torch\.nn\.Module .*got NoneType"),
+        (lambda: (MLP(), 1), "dm", {}, torchshard.ArgumentError, r"model_fn\(\) must be a torch\.nn\.Module"),
+        (MLP(), "dm", {}, torchshard.ArgumentError, r"model_fn is a built MLP; pass a function that builds it"),
+        (lambda n: MLP(), "dm", {}, torchshard.ArgumentError, r"no arguments \(missing a required argument: 'n'\)"),
+        (MLP, {"data": 8}, {}, torchshard.ArgumentError, r"mesh must be a jax Mesh of devices.*got dict"),
+        (MLP, "abstract", {}, torchshard.ArgumentError, r"mesh must be a jax Mesh of devices.*got AbstractMesh"),
+        (MLP, "dm", {"default": "x", "seed": -1}, torchshard.ArgumentError, r"(?s)\(2 problems\).*default='x'.*seed"),
+        (MLP, "dm", {"rules": "fsdp"}, torchshard.ArgumentError, r"rules must be a list of \(pattern, spec\) pairs"),
+        (
+            lambda: 1 / 0,
+            "dm",
+            {},
+            ShardingError,
+            r"model_fn\(\) raised ZeroDivisionError while building .* on the meta",
+        ),
+        (
+            lambda: nn.Linear(4, 4, device="cpu"),
+            "dm",
+            {},
+            torchshard.ArgumentError,
+            r"model_fn\(\) creates 2 tensor\(s\) on cpu itself \(weight, bias\); drop the device= arguments",
+        ),
+        (_ShapesChange(), "dm", {}, ShardingError, r"(?s)built a different model the second time.*mis-shaped weight"),
+        (Counter, "dm", {}, ShardingError, r"creates a 64-bit integer that does not fit .* tensors: \['count'\]"),
+        (_erfinv_init, "dm", {}, ShardingError, r"failed while building under torchax.*aten::erfinv_ has no lowering"),
+    ],
+    ids=[
+        "returns_none",
+        "returns_tuple",
+        "module_instance",
+        "needs_arguments",
+        "dict_mesh",
+        "abstract_mesh",
+        "default_and_seed",
+        "rules_string",
+        "raises",
+        "device_inside",
+        "nondeterministic",
+        "int64_overflow",
+        "no_lowering",
+    ],
+)
+def test_init_sharded_errors(mesh_dm, model_fn, mesh, kwargs, error, match):
+    meshes = {"dm": mesh_dm, "abstract": mesh_dm.abstract_mesh}
+    with pytest.raises(error, match=match):
+        torchshard.init_sharded(model_fn, meshes[mesh] if isinstance(mesh, str) else mesh, **kwargs)
+
+
+# --- init_sharded of models whose init calls torch.nn.init.normal_ (transformers' _init_weights) --------
+
+
+@pytest.fixture
+def normal_lowering():
+    """torchax's env with torchshard._init_ops.normal_ for aten.normal_ (torchax's own fails on every call)."""
+    from torchshard import _init_ops, _torchax
+
+    tx = _torchax.env()
+    previous = tx._ops.get(torch.ops.aten.normal_)
+    tx.override_op_definition(torch.ops.aten.normal_, _init_ops.normal_)
+    yield
+    tx._ops[torch.ops.aten.normal_] = previous
+
+
+class NormalInit(nn.Module):
+    """Keyword-argument normal_ inits, as transformers writes them; std=0 ones are deterministic."""
+
+    def __init__(self):
+        super().__init__()
+        self.fixed = nn.Linear(16, 64)
+        self.random = nn.Linear(16, 64, bias=False)
+        nn.init.normal_(self.fixed.weight, mean=5.0, std=0.0)
+        nn.init.normal_(self.fixed.bias, mean=-1.0, std=0.0)
+        nn.init.normal_(self.random.weight, mean=0.0, std=0.02)
+
+
+def test_init_sharded_runs_keyword_normal_inits(mesh_fsdp, normal_lowering):
+    model = torchshard.init_sharded(NormalInit, mesh_fsdp, presets.fsdp(min_size=64), seed=0)
+    fixed = lambda m: {k: v for k, v in m.state_dict().items() if k.startswith("fixed")}  # noqa: E731
+    assert_trees_close(fixed(model), fixed(NormalInit()), tol=0)
+    weight = to_numpy(model.random.weight)
+    assert 0.015 < weight.std() < 0.025 and abs(weight.mean()) < 0.005  # N(0, 0.02²), 1024 samples
+    assert model.random.weight.jax().sharding.spec == P("data", None)
+
+
+def tiny_llama_config():
+    transformers = pytest.importorskip("transformers")
+    sizes = {"vocab_size": 64, "hidden_size": 32, "intermediate_size": 64, "max_position_embeddings": 32}
+    return transformers.LlamaConfig(**sizes, num_hidden_layers=1, num_attention_heads=4, num_key_value_heads=2)
+
+
+def test_init_sharded_builds_an_hf_llama_from_its_config_sharded_from_birth(mesh_fsdp, normal_lowering):
+    import transformers
+
+    config = tiny_llama_config()
+    model = torchshard.init_sharded(lambda: transformers.LlamaForCausalLM(config), mesh_fsdp, presets.fsdp(min_size=64))
+    torch.manual_seed(0)
+    eager = transformers.LlamaForCausalLM(config)
+    expected = _tensors(eager)
+    for name, tensor in _tensors(model).items():
+        array = tensor.jax()
+        if "data" in str(array.sharding.spec):  # each device holds 1/8 of every FSDP-sharded tensor
+            assert {s.data.size for s in array.addressable_shards} == {array.size // 8}, name
+        if name.endswith(("inv_freq", "norm.weight", "layernorm.weight")):  # deterministic: equal eager torch
+            assert_close(array, expected[name], tol=0, what=name)
+        else:  # transformers' normal_(mean=0, std=initializer_range)
+            values = to_numpy(array)
+            assert 0.5 * config.initializer_range < values.std() < 1.5 * config.initializer_range, name
+    eager.load_state_dict(torchshard.to_torch_state_dict(model))
+    ids = torch.randint(0, 64, (8, 16), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        logits = eager(input_ids=ids).logits
+    params = dict(model.named_parameters()) | dict(model.named_buffers())
+    forward = torchax.interop.jax_jit(lambda p, x: torch.func.functional_call(model, p, (), {"input_ids": x}).logits)
+    assert_close(forward(params, _batch(ids, mesh_fsdp)), logits, tol=1e-5, what="logits")

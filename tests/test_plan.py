@@ -274,6 +274,28 @@ ERRORS = [
         {},
         r"(?s)invalid rule table \(1 problem\).*rule #0 pattern 'layers\\\\\.\('",
     ),
+    (
+        "callable-spec-returns-no-spec",
+        _mlp10,
+        [(r"layers\.0\.weight", lambda info: 3)],
+        {},
+        r"layers\.0\.weight \(64, 32\): rule 'layers\\\\\.0\\\\\.weight' → <function .*> returned 3, not a "
+        r"PartitionSpec .*; write e\.g\. \('data', None\)",
+    ),
+    (
+        "callable-spec-raises",
+        _mlp10,
+        [(r".*\.bias", lambda info: info.shape[3])],
+        {},
+        r"layers\.0\.bias \(64,\): rule .* raised IndexError: tuple index out of range; fix the callable spec",
+    ),
+    (
+        "rules-as-a-set",
+        _mlp10,
+        {(r".*", ())},
+        {},
+        r"rules is a set of 1 rows, which has no order, but the first matching rule wins; pass a list",
+    ),
 ]
 
 
@@ -316,3 +338,26 @@ def test_unused_rule_warns_with_the_closest_names(mesh_dm):
 
 def test_no_warning_when_every_rule_matches(mesh_dm):
     torchshard.plan(_mlp10(), mesh_dm, [(r".*\.weight", (None, "model")), (r".*", ())])  # filterwarnings = error
+
+
+@pytest.mark.parametrize(
+    ("model", "mesh", "match"),
+    [
+        (lambda: _mlp10().state_dict(), "dm", r"model must be a torch\.nn\.Module \(not its state_dict\), got Ordered"),
+        (_mlp10, {"data": 8}, r"mesh must be a jax Mesh, e\.g\. make_mesh\(\{'data': 8\}\), got dict"),
+        (lambda: MLP, "dm", r"model must be a torch\.nn\.Module .*got type"),
+    ],
+    ids=["state_dict", "dict_mesh", "module_class"],
+)
+def test_plan_argument_errors(mesh_dm, model, mesh, match):
+    with pytest.raises(torchshard.ArgumentError, match=match):
+        torchshard.plan(model(), mesh_dm if mesh == "dm" else mesh)
+
+
+def test_a_failed_plan_leaves_the_model_as_it_was(mesh_dm):
+    model = TiedLM()
+    before = {n: (t, t.clone()) for n, t in model.state_dict(keep_vars=True).items()}
+    with pytest.raises(ShardingError):
+        torchshard.plan(model, mesh_dm, [(r"embed\.weight", ("data", "data")), (r"pos", lambda info: 1 / 0)])
+    after = model.state_dict(keep_vars=True)
+    assert all(after[n] is t and torch.equal(t, copy) and t.device.type == "cpu" for n, (t, copy) in before.items())

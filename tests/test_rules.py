@@ -243,3 +243,30 @@ def test_bad_annotation_is_a_sharding_error(mesh_dm):
 
     with pytest.raises(ShardingError, match=r"rule #0 pattern 'w\(' is not a valid regex"):
         torchshard.plan(Bad(), mesh_dm)
+
+
+@pytest.mark.parametrize(
+    ("make", "match"),
+    [
+        (lambda: Rules("fsdp"), r"rules must be a list of \(pattern, spec\) pairs .*got str 'fsdp'"),
+        (lambda: Rules(5), r"rules must be a list .*got int 5"),
+        (
+            lambda: Rules({(r"a", ())}),
+            r"rules is a set of 1 rows, which has no order, but the first matching rule wins",
+        ),
+        (lambda: Rules([], transforms=5), r"transforms=5 must be a list of SpecTransform \(e\.g\. presets\.fsdp\(\)\)"),
+        (
+            lambda: Rules([], transforms=["fsdp"], source=3),
+            r"(?s)\(2 problems\).*source=3 must be a str.*transforms\[0\] is a str, not a SpecTransform",
+        ),
+        (
+            lambda: Rules() + [(r"a", ())],  # noqa: RUF005
+            r"Rules can only be added to Rules, got list .*; wrap it: Rules\(\[\.\.\.\]\)",
+        ),
+        (lambda: [(r"a", ())] + Rules(), r"Rules can only be added to Rules, got list"),  # noqa: RUF005
+    ],
+    ids=["string", "int", "set", "transforms_int", "transforms_and_source", "plus_list", "list_plus"],
+)
+def test_bad_rules_arguments_are_argument_errors(make, match):
+    with pytest.raises(torchshard.ArgumentError, match=match):
+        make()

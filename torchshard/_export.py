@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Mapping
+from typing import Any
 
 import jax
 import numpy as np
@@ -13,10 +14,11 @@ from torchshard._checkpoint import Destination, plan_destination
 from torchshard._ckpt_state import Target, model_of, state_tree, torch_dtypes
 from torchshard._errors import raise_if_any
 from torchshard._module_tensors import canonical_names, named_tensors, state_dict_names
-from torchshard._placement import assign, put
+from torchshard._placement import assign, put, range_problems
 from torchshard._plan import ShardingPlan
 from torchshard._torchax import to_torch
-from torchshard._validate import mismatch_problems
+from torchshard._trainer import Trainer
+from torchshard._validate import instance_problems, mismatch_problems, raise_for_arguments
 
 
 def host_array(array: jax.Array) -> np.ndarray:
@@ -46,6 +48,7 @@ def to_torch_state_dict(target: Target) -> dict[str, torch.Tensor]:
         ``{name: torch.Tensor}``.
 
     Raises:
+        ArgumentError: ``target`` is not a Trainer or module.
         ShardingError: the module's tensors are not placed.
 
     Example:
@@ -59,6 +62,8 @@ def to_torch_state_dict(target: Target) -> dict[str, torch.Tensor]:
         >>> all(torch.equal(state[k], expected[k]) for k in expected)
         True
     """
+    problems = instance_problems("target", target, (Trainer, torch.nn.Module), "a Trainer or a sharded module")
+    raise_for_arguments(problems, header="invalid to_torch_state_dict() arguments")
     model = model_of(target)
     arrays = state_tree(target, doing="to_torch_state_dict()")["model"]
     canonical = canonical_names(model)
@@ -77,8 +82,9 @@ def from_torch_state_dict(
     """Places a plain torch ``state_dict`` onto ``plan`` and binds it into ``model``.
 
     The reverse of `to_torch_state_dict`: each process places only its own shards. Names and
-    shapes are checked like torch's strict ``load_state_dict``; non-persistent buffers (not in a
-    ``state_dict``) keep the model's own values. ``model`` may be on ``meta`` (no memory).
+    shapes are checked like torch's strict ``load_state_dict``, and values take the model's dtypes
+    as ``load_state_dict`` copies them; non-persistent buffers (not in a ``state_dict``) keep the
+    model's own values. ``model`` may be on ``meta`` (no memory).
 
     Args:
         model: the module (any device).
@@ -89,7 +95,9 @@ def from_torch_state_dict(
         ``model``, its tensors now sharded torchax tensors; ties stay tied.
 
     Raises:
-        ShardingError: every missing, unexpected and mis-shaped tensor.
+        ArgumentError: bad ``model``, ``state_dict`` (or a value that is not a tensor) or ``plan``.
+        ShardingError: every missing, unexpected, mis-shaped and meta tensor, or int64 values
+            that 32 bits cannot hold (``jax_enable_x64`` off); ``model`` is left as it was.
 
     Example:
         >>> with torch.device("meta"):
@@ -100,19 +108,42 @@ def from_torch_state_dict(
         >>> model.weight.jax().sharding.spec, torch.equal(ts.to_torch_state_dict(model)["bias"], state["bias"])
         (P(None, 'data'), True)
     """
+    _check_from_args(model, state_dict, plan)
     dest = plan_destination(model, plan)
     tensors = named_tensors(model)
     values = {c: _value_for(c, dest, state_dict, tensors) for c in dest.arrays}
     expected = {n: tuple(tensors[n].shape) for n in state_dict_names(model)}
     problems = mismatch_problems(expected, {n: tuple(v.shape) for n, v in state_dict.items()}, expected_in="model",
                                  found_in="state_dict")  # fmt: skip
-    problems += [
-        f"{c} {tuple(tensors[c].shape)}: a non-persistent buffer on meta" for c, v in values.items() if v is None
-    ]
+    problems += [p for c, v in values.items() for p in _value_problems(c, v, tensors[c])]
     raise_if_any(
         problems, header=f"state_dict does not fit {type(model).__name__}; load it into the model it came from"
     )
-    return assign(model, {c: put(v, dest.arrays[c].sharding) for c, v in values.items()}, plan)
+    # like torch's load_state_dict (which copies into the model's tensors), values take the model's dtypes
+    cast = {c: torch.as_tensor(v).to(plan.entries[c].dtype) for c, v in values.items() if v is not None}
+    raise_if_any([p for c, v in cast.items() for p in range_problems(c, v)], header="state_dict values JAX cannot hold")
+    return assign(model, {c: put(v, dest.arrays[c].sharding, what=c) for c, v in cast.items()}, plan)
+
+
+def _check_from_args(model: Any, state_dict: Any, plan: Any) -> None:
+    problems = instance_problems("model", model, torch.nn.Module, "a torch.nn.Module (any device, meta included)")
+    problems += instance_problems("state_dict", state_dict, Mapping, "a mapping name → tensor, e.g. torch.load(...)")
+    problems += instance_problems("plan", plan, ShardingPlan, "a ShardingPlan from torchshard.plan()")
+    if isinstance(state_dict, Mapping):
+        problems += [
+            f"state_dict[{n!r}] is a {type(v).__name__}; values must be torch tensors or numpy arrays"
+            for n, v in state_dict.items()
+            if not isinstance(v, torch.Tensor | np.ndarray)
+        ]
+    raise_for_arguments(problems, header="invalid from_torch_state_dict() arguments")
+
+
+def _value_problems(canon: str, value: torch.Tensor | np.ndarray | None, own: torch.Tensor) -> list[str]:
+    if value is None:
+        return [f"{canon} {tuple(own.shape)}: a non-persistent buffer on meta (not in a state_dict, no values)"]
+    if isinstance(value, torch.Tensor) and value.device.type == "meta":
+        return [f"{canon} {tuple(value.shape)}: the state_dict's tensor is on the meta device (no values)"]
+    return []
 
 
 def _value_for(

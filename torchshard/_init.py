@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import inspect
 import warnings
 from collections.abc import Callable, Iterable
 from typing import Any, Literal
@@ -11,17 +12,18 @@ import numpy as np
 import torch
 from jax.sharding import Mesh
 
+from torchshard._errors import ShardingError, raise_if_any
 from torchshard._module_tensors import named_tensors
 from torchshard._placement import assign
-from torchshard._plan import ShardingPlan, plan
-from torchshard._rules import Rules
-from torchshard._torchax import env, seeded, unwrap
-from torchshard._validate import instance_problems, int_problems, raise_for_arguments
+from torchshard._plan import PlanEntry, ShardingPlan, plan
+from torchshard._rules import Rules, as_rules
+from torchshard._torchax import env, is_jax_tensor, seeded, unwrap
+from torchshard._validate import instance_problems, int_problems, mismatch_problems, raise_for_arguments
 
 
 def _materialise(model_fn: Callable[[], torch.nn.Module], p: ShardingPlan, seed: int) -> dict[str, jax.Array]:
-    names = [e.name for e in p.unique_entries()]
-    shardings = [p[n] for n in names]
+    entries = p.unique_entries()
+    names = [e.name for e in entries]
     tx = env()
 
     def build(key: jax.Array) -> list[jax.Array]:
@@ -31,21 +33,102 @@ def _materialise(model_fn: Callable[[], torch.nn.Module], p: ShardingPlan, seed:
             warnings.filterwarnings("ignore", "Explicitly requested dtype int64", UserWarning)
             with torch.device("jax"):
                 model = model_fn()
-            tensors = named_tensors(model)
+            tensors = _checked_rebuild(model, p)
             return [unwrap(tensors[n]) for n in names]
 
-    arrays = jax.jit(build, out_shardings=shardings)(np.uint32(seed))
+    try:
+        arrays = jax.jit(build, out_shardings=[p[n] for n in names])(np.uint32(seed))
+    except ShardingError:
+        raise
+    except Exception as e:  # an init op torchax cannot run: name it, keep its traceback
+        raise _build_failure(e, entries) from e
     return dict(zip(names, arrays, strict=True))
 
 
-def _build_on_meta(model_fn: Callable[[], torch.nn.Module]) -> torch.nn.Module:
-    with torch.device("meta"):
-        model = model_fn()
-    raise_for_arguments(
-        instance_problems("model_fn()", model, torch.nn.Module, "a torch.nn.Module (model_fn builds the model)"),
-        header="invalid init_sharded() arguments",
+def _build_failure(error: Exception, entries: list[PlanEntry]) -> ShardingError:
+    if isinstance(error, OverflowError):
+        wide = [x.name for x in entries if x.dtype in (torch.int64, torch.uint64)]
+        return ShardingError(
+            f"model_fn() creates a 64-bit integer that does not fit the 32 bits JAX holds it in ({error}); 64-bit "
+            f"tensors: {wide}; keep their values within int32, or call jax.config.update('jax_enable_x64', True) "
+            f"first thing in the program"
+        )
+    first = (str(error).strip().splitlines() or [""])[0]
+    return ShardingError(
+        f"model_fn() failed while building under torchax, directly sharded ({type(error).__name__}: {first:.300}); "
+        f"it built on meta, so an init op has no working torchax lowering: build the model on CPU and place it "
+        f"with shard(model, plan), or replace that op in the model's init"
     )
+
+
+def _checked_rebuild(model: Any, p: ShardingPlan) -> dict[str, torch.Tensor]:
+    """The tensors of the traced build, which must be the meta build's, each a torchax tensor."""
+    tensors = named_tensors(model) if isinstance(model, torch.nn.Module) else {}
+    expected = {n: e.shape for n, e in p.entries.items()}
+    found = {n: tuple(t.shape) for n, t in tensors.items()}
+    problems = mismatch_problems(expected, found, expected_in="first (meta) build", found_in="second build")
+    problems += [f"{n}: a plain tensor on {t.device}" for n, t in tensors.items() if not is_jax_tensor(t)]
+    header = "model_fn() built a different model the second time; make every call build the same modules and shapes"
+    raise_if_any(problems, header=header)
+    return tensors
+
+
+def _model_fn_problems(model_fn: Any) -> list[str]:
+    if isinstance(model_fn, torch.nn.Module):
+        return [
+            f"model_fn is a built {type(model_fn).__name__}; pass a function that builds it "
+            f"(e.g. lambda: {type(model_fn).__name__}(...)), or place a built model with shard(model, plan)"
+        ]
+    if not callable(model_fn):
+        return [f"model_fn must be a callable that builds the model, got {type(model_fn).__name__} {model_fn!r:.60}"]
+    try:
+        inspect.signature(model_fn).bind()
+    except TypeError as e:
+        return [f"model_fn must build the model with no arguments ({e}); wrap it, e.g. lambda: model_fn(config)"]
+    except ValueError:  # no signature to inspect (some builtins): calling it will tell
+        pass
+    return []
+
+
+def _check_args(model_fn: Any, mesh: Any, default: Any, seed: Any) -> None:
+    problems = _model_fn_problems(model_fn)
+    problems += instance_problems(
+        "mesh", mesh, Mesh, "a jax Mesh of devices, e.g. make_mesh({'data': 8}) (values need real devices)"
+    )
+    if default not in ("replicate", "error"):
+        problems.append(f"default={default!r} must be 'replicate' or 'error'")
+    problems += int_problems("seed", seed, minimum=0, none="torch.initial_seed()")
+    raise_for_arguments(problems, header="invalid init_sharded() arguments")
+
+
+def _build_on_meta(model_fn: Callable[[], torch.nn.Module]) -> torch.nn.Module:
+    try:
+        with torch.device("meta"):
+            model = model_fn()
+    except Exception as e:  # the user's code: say where it ran, keep its traceback
+        raise ShardingError(
+            f"model_fn() raised {type(e).__name__} while building the model on the meta device (no values): {e}; "
+            f"make it build under torch.device('meta') (no .item() or data-dependent shapes), or build the model "
+            f"yourself and place it with shard(model, plan)"
+        ) from e
+    problems = instance_problems("model_fn()", model, torch.nn.Module, "a torch.nn.Module (model_fn builds the model)")
+    raise_for_arguments(problems + _placed_problems(model), header="invalid init_sharded() arguments")
     return model
+
+
+def _placed_problems(model: Any) -> list[str]:
+    """Tensors model_fn put on a device itself, which init_sharded could not create sharded."""
+    if not isinstance(model, torch.nn.Module):
+        return []
+    by_device: dict[str, list[str]] = {}
+    for name, t in named_tensors(model).items():
+        if t.device.type != "meta":
+            by_device.setdefault(str(t.device), []).append(name)
+    return [
+        f"model_fn() creates {len(names)} tensor(s) on {device} itself ({', '.join(names[:5])}"
+        f"{', ...' if len(names) > 5 else ''}); drop the device= arguments so init_sharded can create them sharded"
+        for device, names in by_device.items()
+    ]
 
 
 def init_sharded(
@@ -74,8 +157,12 @@ def init_sharded(
         The module (built on meta) whose tensors are sharded torchax tensors.
 
     Raises:
-        ArgumentError: ``model_fn`` is not callable or returns no module, or ``seed`` is not an int.
-        ShardingError: the plan is invalid (see `plan`).
+        ArgumentError: ``model_fn`` is not a no-argument callable (a built module is not), it
+            returns no module or creates tensors on a device itself; ``mesh`` is not a `Mesh`;
+            bad ``rules``, ``default`` or ``seed``. Checked before anything is built.
+        ShardingError: the plan is invalid (see `plan`); ``model_fn`` raised on ``meta`` or
+            built a different model the second time; an init op torchax cannot run; a 64-bit
+            integer that 32 bits cannot hold (``jax_enable_x64`` off). The cause is chained.
 
     Example:
         >>> build = lambda: torch.nn.Sequential(torch.nn.Linear(16, 64), torch.nn.LayerNorm(64))
@@ -85,9 +172,8 @@ def init_sharded(
         >>> float(model[1].weight.jax().sum())  # deterministic inits equal eager torch
         64.0
     """
-    problems = [] if callable(model_fn) else [f"model_fn must be a callable that builds the model, got {model_fn!r}"]
-    problems += int_problems("seed", seed, minimum=0, none="torch.initial_seed()")
-    raise_for_arguments(problems, header="invalid init_sharded() arguments")
+    _check_args(model_fn, mesh, default, seed)
+    rules = as_rules(rules)  # a malformed table fails before model_fn runs
     model = _build_on_meta(model_fn)
     p = plan(model, mesh, rules, default=default)
     seed = torch.initial_seed() % 2**32 if seed is None else seed

@@ -11,6 +11,7 @@ from jax.sharding import AxisType, Mesh
 
 from torchshard._errors import ArgumentError, ShardingError
 from torchshard._torchax import backend_started
+from torchshard._validate import raise_for_arguments
 
 
 def use_cpu_devices(n: int) -> None:
@@ -79,8 +80,7 @@ def _checked_devices(devices: Sequence[jax.Device]) -> list[jax.Device]:
     twice = sorted({str(d) for d in flat if flat.count(d) > 1})
     if twice:
         problems.append(f"devices {twice} are listed more than once; each device may appear once in a mesh")
-    if problems:
-        raise ArgumentError(problems, header=f"invalid make_mesh(devices=...) ({len(problems)} problem(s))")
+    raise_for_arguments(problems, header="invalid make_mesh(devices=...)")
     return flat
 
 
@@ -103,7 +103,7 @@ def make_mesh(axes: Mapping[str, int], devices: Sequence[jax.Device] | None = No
         {'data': 4, 'model': 2}
     """
     if not isinstance(axes, Mapping) or not axes or not all(isinstance(k, str) and k for k in axes):
-        raise ShardingError(
+        raise ArgumentError(
             f"make_mesh(axes={axes!r}): axes must be a non-empty dict of axis name → size, "
             f'e.g. {{"data": 4, "model": 2}}.'
         )

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping
 from typing import Any
 
@@ -24,27 +25,58 @@ from torchshard._validate import (
 )
 
 
-def put(value: Any, sharding: NamedSharding, *, process_local: bool = False) -> jax.Array:
+def put(value: Any, sharding: NamedSharding, *, process_local: bool = False, what: str = "a value") -> jax.Array:
     """Places ``value`` (CPU torch tensor, torchax tensor, numpy or jax array) with ``sharding``.
 
     Under tracing this is a sharding constraint; eagerly a transfer. Host data is read one
     addressable shard at a time, so each process only places its own shards. With
     ``process_local``, ``value`` is only this process's part of the global array (its rows of
     each sharded dim, concatenated in order), as when each host loads its own slice of a batch.
+    ``what`` names the value in the `ShardingError` for 64-bit integers that 32 bits cannot hold.
     """
     value = unwrap(value)
     if isinstance(value, jax.core.Tracer):
         return jax.lax.with_sharding_constraint(value, sharding)
     if process_local:
-        return jax.make_array_from_process_local_data(sharding, _host(value))
+        return jax.make_array_from_process_local_data(sharding, _host(value, what))
     if isinstance(value, jax.Array):
         return jax.device_put(value, sharding)
-    host = _host(value)
+    host = _host(value, what)
     return jax.make_array_from_callback(host.shape, sharding, lambda index: host[index])
 
 
-def _host(value: Any) -> np.ndarray:
+def _host(value: Any, what: str) -> np.ndarray:
+    raise_if_any(range_problems(what, value), header="64-bit integers that 32 bits cannot hold")
     return host_array(value) if isinstance(value, torch.Tensor) else np.asarray(value)
+
+
+_NARROWED: dict[Any, type[np.integer]] = {torch.int64: np.int32, torch.uint64: np.uint32}
+_NARROWED |= {np.dtype(np.int64): np.int32, np.dtype(np.uint64): np.uint32}
+
+
+def range_problems(name: str, value: Any) -> list[str]:
+    """A 64-bit integer host value with values outside the 32 bits JAX holds it in (``jax_enable_x64`` off).
+
+    JAX would silently wrap them; this names the value and the two fixes.
+
+    Example:
+        >>> print(*range_problems("step", torch.tensor([2**40])))
+        step (1,) torch.int64: values in [1099511627776, 1099511627776] do not fit int32, which JAX holds it in ...
+    """
+    narrow = _NARROWED.get(getattr(value, "dtype", None))
+    x64 = jax.config.jax_enable_x64  # type: ignore[attr-defined]
+    if narrow is None or x64 or getattr(value, "device", None) == torch.device("meta"):
+        return []
+    if not isinstance(value, torch.Tensor | np.ndarray) or math.prod(value.shape) == 0:
+        return []
+    low, high, limits = int(value.min()), int(value.max()), np.iinfo(narrow)
+    if limits.min <= low and high <= limits.max:
+        return []
+    return [
+        f"{name} {tuple(value.shape)} {value.dtype}: values in [{low}, {high}] do not fit {np.dtype(narrow)}, which "
+        f"JAX holds it in unless 64-bit mode is on; keep the values within [{limits.min}, {limits.max}], or call "
+        f"jax.config.update('jax_enable_x64', True) first thing in the program"
+    ]
 
 
 def _set(model: torch.nn.Module, name: str, value: torch.Tensor, kind: str) -> None:
@@ -98,7 +130,8 @@ def shard(model: torch.nn.Module, plan: ShardingPlan) -> torch.nn.Module:
     Raises:
         ArgumentError: ``model`` is not a module or ``plan`` not a `ShardingPlan`.
         ShardingError: the plan does not fit the model (every missing, extra, mis-shaped,
-            re-typed or meta tensor); nothing is moved.
+            re-typed or meta tensor), or an int64 tensor holds values 32 bits cannot
+            (``jax_enable_x64`` off); nothing is moved.
 
     Example:
         >>> model = torch.nn.Sequential(torch.nn.Linear(16, 64), torch.nn.ReLU(), torch.nn.Linear(64, 4))
@@ -108,7 +141,10 @@ def shard(model: torch.nn.Module, plan: ShardingPlan) -> torch.nn.Module:
     """
     check_model_and_plan(model, plan, doing="shard()")
     tensors = named_tensors(model)
-    arrays = {e.name: put(tensors[e.name], e.sharding) for e in plan.unique_entries()}
+    entries = plan.unique_entries()
+    problems = [p for e in entries for p in range_problems(e.name, tensors[e.name])]
+    raise_if_any(problems, header=f"shard(): {type(model).__name__} holds values JAX cannot; nothing was moved")
+    arrays = {e.name: put(tensors[e.name], e.sharding, what=e.name) for e in entries}
     return assign(model, arrays, plan)
 
 
@@ -138,8 +174,10 @@ def shard_batch(batch: Any, mesh: Mesh, spec: SpecLike = ("data",)) -> Any:
         The same pytree of torchax tensors, ready for ``model(...)`` inside ``torchax.default_env()``.
 
     Raises:
-        ArgumentError: ``spec`` is not a spec or ``mesh`` not a mesh.
-        ShardingError: every leaf whose sharded dims do not divide by the mesh axes.
+        ArgumentError: ``spec`` is not a spec, ``mesh`` not a mesh, or a leaf is not an array
+            with values (a str, a Python number, a meta tensor).
+        ShardingError: every leaf whose sharded dims do not divide by the mesh axes, or whose
+            int64 values 32 bits cannot hold.
 
     Example:
         >>> mesh = ts.make_mesh({"data": 8})
@@ -154,13 +192,29 @@ def shard_batch(batch: Any, mesh: Mesh, spec: SpecLike = ("data",)) -> Any:
     problems = instance_problems("mesh", mesh, Mesh, "a jax Mesh, e.g. make_mesh({'data': 8})")
     made = parse_spec(spec)
     problems += [] if made is not None else [f"spec={spec!r} is not {SPEC_HINT}"]
+    leaves = jax.tree.leaves(batch)
+    problems += [p for i, leaf in enumerate(leaves) for p in leaf_problems(f"batch leaf #{i}", leaf)]
     raise_for_arguments(problems, header="invalid shard_batch() arguments")
     assert made is not None
-    leaves = jax.tree.leaves(batch)
     problems = [p for i, leaf in enumerate(leaves) for p in spec_problems(f"batch leaf #{i}", leaf.shape,
                                                                         batch_leaf_spec(leaf, made), mesh)]  # fmt: skip
+    problems += [p for i, leaf in enumerate(leaves) for p in range_problems(f"batch leaf #{i}", leaf)]
     raise_if_any(problems, header=f"batch does not fit {made} on {describe_mesh(mesh)}")
     return jax.tree.map(lambda x: wrap(put(x, NamedSharding(mesh, batch_leaf_spec(x, made)))), batch)
+
+
+def leaf_problems(name: str, leaf: Any) -> list[str]:
+    """A batch leaf must be an array with values: a torch tensor (not on meta), a numpy or a jax array.
+
+    Example:
+        >>> leaf_problems("batch leaf #0", "abc")
+        ['batch leaf #0 is a str; pass torch tensors, numpy or jax arrays (e.g. torch.tensor(...))']
+    """
+    if isinstance(leaf, torch.Tensor) and leaf.device.type == "meta":
+        return [f"{name} {tuple(leaf.shape)} is on the meta device (no values); pass a tensor with data"]
+    if isinstance(leaf, torch.Tensor | np.ndarray | jax.Array):
+        return []
+    return [f"{name} is a {type(leaf).__name__}; pass torch tensors, numpy or jax arrays (e.g. torch.tensor(...))"]
 
 
 def _ambient_mesh(mesh: Mesh | None, *, tracing: bool) -> Mesh | AbstractMesh:
@@ -189,6 +243,7 @@ def constrain(tensor: torch.Tensor, spec: SpecLike, mesh: Mesh | None = None) ->
         The tensor with the requested sharding.
 
     Raises:
+        ArgumentError: ``mesh`` is not a mesh.
         ShardingError: no mesh is known, or the spec does not fit the tensor.
 
     Example:
@@ -196,6 +251,9 @@ def constrain(tensor: torch.Tensor, spec: SpecLike, mesh: Mesh | None = None) ->
         >>> constrain(h, ("data", None)) is h  # plain torch: unchanged, so forward still runs eagerly
         True
     """
+    if mesh is not None:
+        problems = instance_problems("mesh", mesh, (Mesh, AbstractMesh), "a jax Mesh, e.g. make_mesh({'data': 8})")
+        raise_for_arguments(problems, header="invalid constrain() arguments")
     if not is_jax_tensor(tensor):
         return tensor
     where = _ambient_mesh(mesh, tracing=isinstance(unwrap(tensor), jax.core.Tracer))

@@ -12,10 +12,11 @@ from typing import Any, Literal
 import torch
 from jax.sharding import AbstractMesh, Mesh, NamedSharding, PartitionSpec
 
-from torchshard._errors import UnusedRuleWarning, raise_if_any
+from torchshard._errors import ShardingError, UnusedRuleWarning, raise_if_any
 from torchshard._format import fmt_bytes, fmt_shape, table
 from torchshard._module_tensors import Kind, ModuleTensor, model_tensors, tie_groups
 from torchshard._rules import Rule, Rules, TensorInfo, annotation_rules, as_rules
+from torchshard._specs import SPEC_HINT, parse_spec
 from torchshard._validate import describe_mesh, instance_problems, raise_for_arguments, spec_problems
 
 
@@ -162,11 +163,24 @@ class _Resolved:
     explicit: bool
 
 
-def _resolve_one(info: TensorInfo, table: list[Rule], rules: Rules, default: str) -> _Resolved | None:
+def _rule_spec(rule: Rule, info: TensorInfo) -> PartitionSpec | str:
+    """The spec ``rule`` gives this tensor, or why its callable spec gave none."""
+    where = f"{info.name} {info.shape}: rule {rule.describe()}"
+    try:
+        spec = rule.resolve(info)
+    except Exception as e:  # the user's callable: say which rule and tensor it failed on, keep its traceback
+        raise ShardingError(f"{where} raised {type(e).__name__}: {e}; fix the callable spec") from e
+    made = parse_spec(spec)
+    return made if made is not None else f"{where} returned {spec!r:.60}, not {SPEC_HINT}"
+
+
+def _resolve_one(info: TensorInfo, table: list[Rule], rules: Rules, default: str) -> _Resolved | str | None:
     rule = next((r for r in table if r.matches(info.name)), None)
     if rule is None and default == "error":
         return None
-    spec = rule.resolve(info) if rule else PartitionSpec()
+    spec = _rule_spec(rule, info) if rule else PartitionSpec()
+    if isinstance(spec, str):
+        return spec
     label = rule.describe() if rule else "default: replicate"
     for transform in rules.transforms:
         new = transform(info, spec)
@@ -234,8 +248,12 @@ def plan(
         The `ShardingPlan`.
 
     Raises:
+        ArgumentError: ``model`` is not a module (e.g. its state_dict), ``mesh`` not a mesh, a
+            bad ``default``, or ``rules`` not a rule table (one string, a set: no order).
         ShardingError: every problem at once (unknown axis, rank, divisibility, repeated axis,
-            unmatched names, conflicting specs of a tied tensor).
+            unmatched names, conflicting specs of a tied tensor, a callable spec that returned
+            no spec); a callable spec that raised (its exception chained). ``model`` is never
+            changed.
 
     Example:
         >>> model = torch.nn.Sequential(torch.nn.Linear(16, 64), torch.nn.ReLU(), torch.nn.Linear(64, 4))
@@ -262,6 +280,8 @@ def plan(
                 f"{t.name} {tuple(t.tensor.shape)} on {describe_mesh(mesh)}: no rule matches and "
                 f"default='error'; add a rule for it (e.g. ({t.name!r}, ())) or use default='replicate'"
             )
+        elif isinstance(got, str):
+            problems.append(got)
         else:
             resolved[t.name] = got
             problems += spec_problems(t.name, info.shape, got.spec, mesh)

@@ -82,12 +82,28 @@ def _check_row(row: Any, index: int) -> str | None:
 def _row_list(rows: Any) -> list[Any]:
     if isinstance(rows, Mapping):
         return list(rows.items())
+    if isinstance(rows, set | frozenset):
+        raise ArgumentError(
+            f"rules is a {type(rows).__name__} of {len(rows)} rows, which has no order, but the first matching rule "
+            f"wins; pass a list of (pattern, spec) pairs in the order they should be tried"
+        )
     if isinstance(rows, str | bytes) or not isinstance(rows, Iterable):
         raise ArgumentError(
             f"rules must be a list of (pattern, spec) pairs (or a dict pattern → spec), got {type(rows).__name__} "
             f"{rows!r:.60}; write e.g. Rules([(r'.*\\.weight', ('data', None))])"
         )
     return list(rows)
+
+
+def _option_problems(transforms: Any, source: Any) -> list[str]:
+    problems = [] if isinstance(source, str) else [f"source={source!r} must be a str (the label plan tables show)"]
+    if isinstance(transforms, str | bytes) or not isinstance(transforms, Iterable):
+        return [*problems, f"transforms={transforms!r:.60} must be a list of SpecTransform (e.g. presets.fsdp())"]
+    return problems + [
+        f"transforms[{i}] is a {type(t).__name__}, not a SpecTransform; use e.g. presets.fsdp().transforms"
+        for i, t in enumerate(transforms)
+        if not isinstance(t, SpecTransform)
+    ]
 
 
 def _to_rule(row: Any, source: str) -> Rule:
@@ -125,6 +141,7 @@ class Rules:
         transforms: Sequence[SpecTransform] = (),
         source: str = "rules",
     ) -> None:
+        raise_if_any(_option_problems(transforms, source), header="invalid Rules() arguments", error=ArgumentError)
         rows = _row_list(rows)
         problems = [p for i, row in enumerate(rows) if (p := _check_row(row, i)) is not None]
         raise_if_any(problems, header="invalid rule table")
@@ -141,8 +158,11 @@ class Rules:
 
     def __add__(self, other: Rules) -> Rules:
         if not isinstance(other, Rules):
-            return NotImplemented
+            raise _addition_error(other)
         return Rules(self._rules + other._rules, transforms=self._transforms + other._transforms)
+
+    def __radd__(self, other: Any) -> Rules:
+        raise _addition_error(other)
 
     def __iter__(self) -> Iterator[Rule]:
         return iter(self._rules)
@@ -165,6 +185,12 @@ class Rules:
         if rule is None:
             return None
         return rule.resolve(info) if info is not None else rule.spec
+
+
+def _addition_error(other: Any) -> ArgumentError:
+    return ArgumentError(
+        f"Rules can only be added to Rules, got {type(other).__name__} {other!r:.60}; wrap it: Rules([...]) + rules"
+    )
 
 
 def as_rules(rules: Rules | Iterable[Any] | None) -> Rules:
