@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import os
 import pathlib
@@ -16,13 +17,26 @@ from jax.experimental import multihost_utils
 
 from torchshard._ckpt_meta import checksum_problems, flat, metadata, read_meta, write_meta
 from torchshard._ckpt_state import Target, model_of, placed_arrays, state_tree, trainer_tree
-from torchshard._errors import CheckpointError, raise_if_any
+from torchshard._errors import CheckpointError, ShardingError, raise_if_any
 from torchshard._module_tensors import canonical_names, named_tensors
 from torchshard._orbax import read_state, write_state
 from torchshard._placement import assign, put
 from torchshard._plan import ShardingPlan
 from torchshard._step import TrainState
-from torchshard._stepdir import STATE, TMP, check_files, commit, file_sizes, prune, remove, resolve, step_name
+from torchshard._stepdir import (
+    STATE,
+    TMP,
+    begin,
+    check_files,
+    commit,
+    discard,
+    file_sizes,
+    path_problems,
+    prune,
+    resolve,
+    step_name,
+    write_failure,
+)
 from torchshard._torchax import jax_dtype, rebind
 from torchshard._trainer import Trainer
 from torchshard._validate import instance_problems, int_problems, mismatch_problems, raise_for_arguments
@@ -45,10 +59,50 @@ def _target_problems(target: Any) -> list[str]:
     return instance_problems("target", target, (Trainer, torch.nn.Module), "a Trainer or a sharded torch.nn.Module")
 
 
-def _check_save_args(target: Any, step: Any, keep_last: Any) -> None:
+def _check_save_args(path: Any, target: Any, step: Any, keep_last: Any) -> pathlib.Path:
     problems = _target_problems(target) + int_problems("step", step, minimum=0, none="the Trainer's step count")
     problems += int_problems("keep_last", keep_last, minimum=1, none="keep every step")
-    raise_for_arguments(problems, header="invalid save() arguments")
+    raise_for_arguments(path_problems("path", path) + problems, header="invalid save() arguments")
+    return pathlib.Path(path)
+
+
+def _begin(final: pathlib.Path) -> pathlib.Path:
+    """The primary's hidden directory for this save (after recovering the root); every process's path of it."""
+    if not primary():
+        return final.with_name(TMP + final.name)
+    try:
+        return begin(final)
+    except OSError as e:
+        raise write_failure(final.parent, e, cleanup="nothing was written; earlier steps are intact") from e
+
+
+def _write(tmp: pathlib.Path, final: pathlib.Path, tree: dict[str, Any], meta: dict[str, Any]) -> None:
+    """Arrays (every process its shards), then the metadata (the commit marker, last); a failed write is undone."""
+    try:
+        write_state(tmp / STATE, tree)
+        if primary():
+            write_meta(tmp, meta | {"files": file_sizes(tmp / STATE)})
+    except (OSError, ValueError) as e:  # orbax reports a full disk as ValueError("RESOURCE_EXHAUSTED: ...")
+        if isinstance(e, ShardingError):
+            raise
+        if primary():
+            with contextlib.suppress(OSError):  # best effort: the next save removes what is left
+                discard(tmp)
+        raise write_failure(final, e, cleanup="the partial save was removed; earlier steps are intact") from e
+
+
+def _finish(tmp: pathlib.Path, final: pathlib.Path, keep_last: int | None, step: int) -> None:
+    try:
+        old = commit(tmp, final)
+    except OSError as e:
+        with contextlib.suppress(OSError):
+            discard(tmp)
+        raise write_failure(final, e, cleanup="the save was not committed; earlier steps are intact") from e
+    try:
+        discard(old)
+        prune(final.parent, keep_last, saved=step)
+    except OSError as e:
+        raise write_failure(final.parent, e, cleanup=f"step {step} was saved, but deleting older copies failed") from e
 
 
 def save(path: PathLike, target: Target, *, step: int | None = None, keep_last: int | None = None) -> pathlib.Path:
@@ -56,10 +110,13 @@ def save(path: PathLike, target: Target, *, step: int | None = None, keep_last: 
 
     A Trainer's checkpoint holds every parameter and buffer keyed by ``state_dict`` name (tied
     tensors once), the optimizer state, the step counter and the RNG base key; a module's holds
-    its tensors. Each process writes its own shards (orbax). The save is atomic: everything goes
-    to a hidden temporary directory, ``torchshard.json`` (names, shapes, dtypes and a checksum
-    of every array) is written last, and only then is the directory renamed to ``step_<N>``. An
-    interrupted save never looks like a checkpoint; the next save deletes its leftovers.
+    its tensors. Each process writes its own shards (orbax). The save is crash-safe: everything
+    goes to a hidden temporary directory, ``torchshard.json`` (names, shapes, dtypes and a
+    checksum of every array, the size of every file) is written last, and only then is the
+    directory renamed to ``step_<N>``. Saving a step again renames the old copy aside and deletes
+    it only after the new one is in place; ``keep_last`` deletes a step by renaming it out of
+    sight first. A kill at any point leaves only complete steps listed (`checkpoint_steps`), and
+    the next save puts the leftovers right (a complete old copy is renamed back, never lost).
 
     Layout::
 
@@ -80,6 +137,8 @@ def save(path: PathLike, target: Target, *, step: int | None = None, keep_last: 
     Raises:
         ArgumentError: bad arguments.
         ShardingError: a module whose tensors are not placed.
+        CheckpointError: the disk is full, ``path`` is a file or not writable, or another OS
+            error; the partial save is removed and earlier steps are intact.
 
     Example:
         >>> import tempfile, optax
@@ -91,24 +150,17 @@ def save(path: PathLike, target: Target, *, step: int | None = None, keep_last: 
         >>> save(root, trainer, keep_last=3).name
         'step_00000001'
     """
-    _check_save_args(target, step, keep_last)
-    root = pathlib.Path(path)
+    root = _check_save_args(path, target, step, keep_last)
     step = (target.step_count if isinstance(target, Trainer) else 0) if step is None else step
     tree = state_tree(target, doing="save()")
     model = model_of(target)
     meta = metadata(type(model).__name__, canonical_names(model), tree, step)
     final = root / step_name(step)
-    tmp = root / (TMP + final.name)
-    if primary():
-        root.mkdir(parents=True, exist_ok=True)
-        remove(tmp)
-        tmp.mkdir()
+    tmp = _begin(final)
     sync("torchshard-save-begin")
-    write_state(tmp / STATE, tree)
+    _write(tmp, final, tree, meta)
     if primary():
-        write_meta(tmp, meta | {"files": file_sizes(tmp / STATE)})
-        commit(tmp, final)
-        prune(root, keep_last, saved=step)
+        _finish(tmp, final, keep_last, step)
     sync("torchshard-save-end")
     return final
 

@@ -2,20 +2,22 @@
 
 from __future__ import annotations
 
+import hashlib
 import json
 import pathlib
 from collections.abc import Mapping
 from typing import Any
 
 import jax
+import numpy as np
 
 from torchshard._checksum import checksums, is_checksum
-from torchshard._errors import CheckpointError
+from torchshard._errors import CheckpointError, raise_if_any
 from torchshard._stepdir import META
 from torchshard._validate import describe_mesh
 
 FORMAT = "torchshard-checkpoint"
-VERSION = 1
+VERSION = 2  # 2 adds the digest; version 1 files (without one) still load
 
 
 def flat(tree: Any) -> dict[str, Any]:
@@ -56,25 +58,82 @@ def metadata(module: str, names: Mapping[str, str], tree: dict[str, Any], step: 
     }
 
 
+def _digest(meta: Mapping[str, Any]) -> str:
+    body = {k: v for k, v in meta.items() if k != "digest"}
+    return hashlib.sha256(json.dumps(body, sort_keys=True, separators=(",", ":")).encode()).hexdigest()
+
+
 def write_meta(directory: pathlib.Path, meta: dict[str, Any]) -> None:
-    """Writes ``torchshard.json`` into ``directory``."""
-    (directory / META).write_text(json.dumps(meta, indent=1))
+    """Writes ``torchshard.json`` into ``directory``, with a digest of its content."""
+    (directory / META).write_text(json.dumps(meta | {"digest": _digest(meta)}, indent=1))
+
+
+def _is_shape(x: Any) -> bool:
+    return isinstance(x, list) and all(type(d) is int and d >= 0 for d in x)
+
+
+def _is_dtype(x: Any) -> bool:
+    try:
+        np.dtype(x)
+    except (TypeError, ValueError):
+        return False
+    return isinstance(x, str)
+
+
+def _leaf_problems(where: str, leaves: Any) -> list[str]:
+    if not isinstance(leaves, dict):
+        return [f"{where}: a {type(leaves).__name__}, not a map of name → shape, dtype and checksum"]
+    problems = []
+    for name, leaf in leaves.items():
+        fields = leaf if isinstance(leaf, dict) else {}
+        if not (
+            _is_shape(fields.get("shape")) and _is_dtype(fields.get("dtype")) and is_checksum(fields.get("checksum"))
+        ):
+            problems.append(f"{where} {name!r}: {leaf!r:.80} is not a shape, dtype and checksum")
+    return problems
+
+
+def _structure_problems(meta: dict[str, Any]) -> list[str]:
+    problems = []
+    if type(meta.get("step")) is not int:
+        problems.append(f"step {meta.get('step')!r} is not an int")
+    names, tensors = meta.get("names"), meta.get("tensors")
+    problems += _leaf_problems("tensors", tensors)
+    if meta.get("trainer") is not None:
+        problems += _leaf_problems("trainer", meta["trainer"])
+    if not isinstance(names, dict) or not all(isinstance(c, str) for c in names.values()):
+        problems.append("names is not a map of name → stored name")
+    elif isinstance(tensors, dict):
+        problems += [f"names {n!r} → {c!r}: no such stored tensor" for n, c in names.items() if c not in tensors]
+    files = meta.get("files")
+    if not isinstance(files, dict) or not all(type(size) is int for size in files.values()):
+        problems.append("files is not a map of file name → size")
+    return problems
+
+
+def meta_problems(meta: Any) -> list[str]:
+    """Everything wrong with a parsed ``torchshard.json``: format, version, digest and structure."""
+    if not isinstance(meta, dict):
+        return [f"its content is a {type(meta).__name__}, not an object"]
+    if meta.get("format") != FORMAT or type(meta.get("version")) is not int or meta["version"] not in (1, VERSION):
+        return [
+            f"format {meta.get('format')!r} version {meta.get('version')!r}: expected {FORMAT!r} version ≤ {VERSION}"
+        ]
+    problems = _structure_problems(meta)
+    if meta["version"] >= 2 and meta.get("digest") != _digest(meta):  # version 1 files carry no digest
+        problems.append("its digest does not match its content: the file was changed or damaged after the save")
+    return problems
 
 
 def read_meta(step_dir: pathlib.Path) -> dict[str, Any]:
-    """Reads and checks ``torchshard.json``; a damaged file is a `CheckpointError` naming it."""
+    """Reads and checks ``torchshard.json``; a damaged file is a `CheckpointError` naming it and every problem."""
     file = step_dir / META
+    fix = f"the checkpoint is corrupted or not a torchshard checkpoint (version {VERSION}); load an earlier step"
     try:
         meta = json.loads(file.read_text())
-        if meta.get("format") != FORMAT or meta.get("version") != VERSION:
-            raise ValueError(f"format {meta.get('format')!r} version {meta.get('version')!r}")
-        if not isinstance(meta["files"], dict) or not all(c in meta["tensors"] for c in meta["names"].values()):
-            raise ValueError("a name refers to no stored tensor")
-    except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
-        raise CheckpointError(
-            f"{file} is unreadable or malformed ({type(e).__name__}: {e}); the checkpoint is corrupted "
-            f"or not a torchshard checkpoint (version {VERSION}); load an earlier step"
-        ) from None
+    except (OSError, ValueError) as e:
+        raise CheckpointError(f"{file} is unreadable or malformed ({type(e).__name__}: {e}); {fix}") from None
+    raise_if_any(meta_problems(meta), header=f"{file} is unreadable or malformed; {fix}", error=CheckpointError)
     return meta
 
 

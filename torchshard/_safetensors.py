@@ -2,17 +2,25 @@
 
 from __future__ import annotations
 
+import contextlib
+import errno
 import json
 import os
 import pathlib
 import re
-from collections.abc import Mapping
+import shutil
+from collections.abc import Iterator, Mapping
+from typing import Any
+
+import torch
 
 from torchshard._checkpoint import primary, sync
 from torchshard._ckpt_state import Target, model_of, state_tree, torch_dtypes
-from torchshard._errors import ShardingError
 from torchshard._export import torch_tensor
 from torchshard._module_tensors import canonical_names, state_dict_names
+from torchshard._stepdir import TMP, commit, discard, path_problems, settle, write_failure
+from torchshard._trainer import Trainer
+from torchshard._validate import instance_problems, int_problems, raise_for_arguments
 
 _INDEX = "model.safetensors.index.json"
 _SHARD_FILE = re.compile(r"model-\d{5}-of-\d{5}\.safetensors")
@@ -36,6 +44,76 @@ def _shard_name(index: int, count: int) -> str:
     return f"model-{index + 1:05d}-of-{count:05d}.safetensors"
 
 
+def _check_args(path: Any, target: Any, max_shard_bytes: Any) -> None:
+    problems = path_problems("path", path)
+    problems += instance_problems("target", target, (Trainer, torch.nn.Module), "a Trainer or a sharded module")
+    problems += int_problems("max_shard_bytes", max_shard_bytes, minimum=1)
+    raise_for_arguments(problems, header="invalid save_safetensors() arguments")
+
+
+def _link(source: str | os.PathLike[str], destination: str | os.PathLike[str]) -> None:
+    try:
+        os.link(source, destination, follow_symlinks=False)
+    except OSError:  # another filesystem, or links not supported
+        shutil.copy2(source, destination, follow_symlinks=False)
+
+
+def _carry(item: pathlib.Path, destination: pathlib.Path) -> None:
+    """Puts ``item`` (a file, link or folder of the previous export) into the new one without copying data."""
+    if item.is_dir() and not item.is_symlink():
+        shutil.copytree(item, destination, symlinks=True, copy_function=_link)
+    else:
+        _link(item, destination)
+
+
+def _begin(out: pathlib.Path) -> pathlib.Path:
+    """A fresh hidden directory next to ``out`` holding (as links) every file of ``out`` the export does not replace."""
+    if os.path.lexists(out) and not out.is_dir():
+        raise FileExistsError(errno.EEXIST, f"{out} is a file")
+    os.makedirs(out.parent, exist_ok=True)
+    settle(out, complete=os.path.lexists)  # a previous export cut between its renames is renamed back
+    staging = out.with_name(TMP + out.name)
+    os.mkdir(staging)
+    for item in sorted(out.iterdir()) if out.is_dir() else []:
+        if not (_SHARD_FILE.fullmatch(item.name) or item.name == _INDEX):  # config.json, tokenizer files...
+            _carry(item, staging / item.name)
+    return staging
+
+
+def _export(target: Target, max_shard_bytes: int) -> tuple[Iterator[tuple[str, dict[str, torch.Tensor]]], str]:
+    """The files (name → tensors, gathered lazily one file at a time) and the index JSON of an export."""
+    model = model_of(target)
+    arrays = state_tree(target, doing="save_safetensors()")["model"]
+    canonical = canonical_names(model)
+    dtypes = torch_dtypes(target)
+    stored = [n for n in dict.fromkeys(canonical[n] for n in state_dict_names(model))]
+    sizes = {n: arrays[n].size * dtypes[n].itemsize for n in stored}
+    shards = _shards(sizes, max_shard_bytes)
+    names = [_shard_name(i, len(shards)) for i in range(len(shards))]
+    pairs = list(zip(names, shards, strict=True))
+    files = ((f, {n: torch_tensor(arrays[n], dtypes[n]).contiguous() for n in s}) for f, s in pairs)
+    weight_map = {n: f for f, s in pairs for n in s}
+    return files, json.dumps({"metadata": {"total_size": sum(sizes.values())}, "weight_map": weight_map}, indent=2)
+
+
+def _write(staging: pathlib.Path | None, files: Iterator[tuple[str, dict[str, torch.Tensor]]], index: str) -> None:
+    import safetensors.torch
+
+    for name, tensors in files:  # gathering is a collective: every process runs it
+        if staging is not None:
+            safetensors.torch.save_file(tensors, staging / name, metadata={"format": "pt"})
+    if staging is not None:
+        (staging / _INDEX).write_text(index)
+
+
+def _swap(staging: pathlib.Path, out: pathlib.Path) -> None:
+    here = os.getcwd()
+    old = commit(staging, out)
+    if pathlib.Path(here).is_relative_to(out):  # the process would be left inside the old copy, deleted next
+        os.chdir(here)
+    discard(old)
+
+
 def save_safetensors(path: PathLike, target: Target, *, max_shard_bytes: int = 5 * 10**9) -> pathlib.Path:
     """Writes HF-style sharded safetensors: ``model-0000i-of-0000N.safetensors`` + the index.
 
@@ -44,8 +122,15 @@ def save_safetensors(path: PathLike, target: Target, *, max_shard_bytes: int = 5
     name to its file. The index is written even for a single shard. Tensors are gathered one
     shard at a time, so host memory holds at most one shard. Only process 0 writes files.
 
+    The export is atomic: it is written into a hidden directory next to ``path`` (holding links
+    to the other files already in ``path``, such as ``config.json``), which then replaces
+    ``path`` by renames; the previous export stays whole until the new one is complete. A
+    failed or killed export leaves the previous one (if killed in the instant between the two
+    renames, as ``.torchshard-old-<name>``, which the next export renames back).
+
     Args:
-        path: the output directory (created; earlier ``model-*.safetensors`` files there are replaced).
+        path: the output directory (created; earlier ``model-*.safetensors`` files there are replaced,
+            other files are kept).
         target: a `Trainer` or a sharded module.
         max_shard_bytes: the most bytes per file (a bigger tensor gets a file of its own).
 
@@ -53,7 +138,10 @@ def save_safetensors(path: PathLike, target: Target, *, max_shard_bytes: int = 5
         The index file's path.
 
     Raises:
-        ShardingError: bad ``max_shard_bytes``, or a module whose tensors are not placed.
+        ArgumentError: bad ``path``, ``target`` or ``max_shard_bytes``.
+        ShardingError: a module whose tensors are not placed.
+        CheckpointError: the disk is full, ``path`` is a file or not writable, or another OS
+            error; the previous export is intact.
 
     Example:
         >>> import tempfile
@@ -62,31 +150,21 @@ def save_safetensors(path: PathLike, target: Target, *, max_shard_bytes: int = 5
         >>> save_safetensors(tempfile.mkdtemp(), model, max_shard_bytes=2 * 10**9).name
         'model.safetensors.index.json'
     """
-    import safetensors.torch
+    import safetensors
 
-    if isinstance(max_shard_bytes, bool) or not isinstance(max_shard_bytes, int) or max_shard_bytes < 1:
-        raise ShardingError(f"save_safetensors(max_shard_bytes={max_shard_bytes!r}): must be an int ≥ 1")
-    model = model_of(target)
-    arrays = state_tree(target, doing="save_safetensors()")["model"]
-    canonical = canonical_names(model)
-    dtypes = torch_dtypes(target)
-    stored = [n for n in dict.fromkeys(canonical[n] for n in state_dict_names(model))]
-    sizes = {n: arrays[n].size * dtypes[n].itemsize for n in stored}
-    shards = _shards(sizes, max_shard_bytes)
-    out = pathlib.Path(path)
-    if primary():
-        out.mkdir(parents=True, exist_ok=True)
-        for old in out.iterdir():
-            if _SHARD_FILE.fullmatch(old.name) or old.name == _INDEX:
-                old.unlink()
-    weight_map: dict[str, str] = {}
-    for i, names in enumerate(shards):
-        tensors = {n: torch_tensor(arrays[n], dtypes[n]).contiguous() for n in names}
-        if primary():
-            safetensors.torch.save_file(tensors, out / _shard_name(i, len(shards)), metadata={"format": "pt"})
-        weight_map |= dict.fromkeys(names, _shard_name(i, len(shards)))
-    index = {"metadata": {"total_size": sum(sizes.values())}, "weight_map": weight_map}
-    if primary():
-        (out / _INDEX).write_text(json.dumps(index, indent=2))
+    _check_args(path, target, max_shard_bytes)
+    files, index = _export(target, max_shard_bytes)
+    out = pathlib.Path(os.path.abspath(path))
+    staging = None
+    try:
+        staging = _begin(out) if primary() else None
+        _write(staging, files, index)
+        if staging is not None:
+            _swap(staging, out)
+    except (OSError, safetensors.SafetensorError) as e:
+        if staging is not None:
+            with contextlib.suppress(OSError):
+                discard(staging)
+        raise write_failure(out, e, cleanup="the previous export is intact") from e
     sync("torchshard-safetensors-end")
-    return out / _INDEX
+    return pathlib.Path(path) / _INDEX
