@@ -5,6 +5,7 @@ from __future__ import annotations
 import io
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -18,7 +19,7 @@ from helpers import assert_close, assert_trees_close
 from jax.sharding import NamedSharding, PartitionSpec
 
 import torchshard
-from torchshard import ShardingError, _distributed, distributed, launch
+from torchshard import ShardingError, _distributed, _worker, distributed, launch
 
 TESTS = Path(__file__).parent
 ROOT = TESTS.parent
@@ -264,6 +265,85 @@ def test_run_processes(child, timeout, code, max_s):
         assert sorted(out.getvalue().splitlines()) == ["[rank 0] hello 0", "[rank 1] hello 1"]
 
 
+# --- the hang watchdog: no output and no heartbeat from any process for S seconds -------------------
+
+DUMPS_STACKS = "import faulthandler\nfaulthandler.register(signal.SIGUSR1, all_threads=True)\n"  # as the worker does
+HANGS = {
+    "sleep": DUMPS_STACKS + "def stuck_here():\n    time.sleep(60)\nstuck_here()",
+    "deadlock": DUMPS_STACKS
+    + "lock = threading.Lock()\nlock.acquire()\ndef stuck_here():\n    lock.acquire()\nstuck_here()",
+    "one_rank_sleeps": DUMPS_STACKS + "def stuck_here():\n    time.sleep(60)\nstuck_here() if rank == 1 else None",
+}
+
+
+@pytest.mark.parametrize("child", HANGS)
+def test_a_hang_prints_every_stack_and_ends_the_run_naming_the_stalled_ranks(child, capsys):
+    command, envs = _python("import threading\n" + HANGS[child])
+    out = io.StringIO()
+    start = time.monotonic()
+    assert launch.run_processes(command, envs, hang_timeout=1.0, out=out) == launch.HANG_EXIT, out.getvalue()
+    assert time.monotonic() - start < 15
+    stalled = [1] if child == "one_rank_sleeps" else [0, 1]  # rank 0 of that one exits 0 at once
+    for rank in stalled:
+        assert re.search(rf"\[rank {rank}\]   File \"<string>\", line \d+ in stuck_here", out.getvalue()), (
+            out.getvalue()
+        )
+    note = capsys.readouterr().err
+    ranks = ", ".join(map(str, stalled))
+    assert f"no process made progress (printed output or heartbeat) for 1 s; ranks {ranks} are stalled" in note
+    assert f"stopping every process: ranks {ranks} hung (raise --hang-timeout if they were only slow)" in note
+
+
+LOOP = "for i in range(10):\n    time.sleep(0.25)\n    "
+IMPORT_WORKER = (  # the module alone: importing torchshard (JAX, torch) would take longer than the timeout
+    "import importlib.util\n"
+    f"spec = importlib.util.spec_from_file_location('worker', {str(ROOT / 'torchshard' / '_worker.py')!r})\n"
+    "worker = importlib.util.module_from_spec(spec)\nspec.loader.exec_module(worker)\n"
+)
+PROGRESS = {
+    "output_from_one_rank": LOOP + "print(i, flush=True) if rank == 0 else None",
+    "heartbeats_only": LOOP + "os.utime(os.environ['TORCHSHARD_HEARTBEAT'])",
+    "heartbeat_function": IMPORT_WORKER + LOOP + "worker.heartbeat()",
+    "one_rank_ends_early": "time.sleep(0.5 if rank == 0 else 1.4)",  # rank 1 gets a full timeout after rank 0 ends
+}
+
+
+@pytest.mark.parametrize("child", PROGRESS)
+def test_output_or_heartbeats_are_progress(child):
+    command, envs = _python(PROGRESS[child])
+    out = io.StringIO()
+    assert launch.run_processes(command, envs, hang_timeout=1.0, out=out) == 0, out.getvalue()
+
+
+def test_heartbeat_touches_the_launchers_file_at_most_twice_a_second(tmp_path, monkeypatch):
+    beat = tmp_path / "beat"
+    beat.touch()
+    os.utime(beat, (0, 0))
+    _worker.heartbeat()  # outside a launched run: nothing happens
+    assert beat.stat().st_mtime == 0
+    monkeypatch.setenv(_worker.HEARTBEAT_ENV, str(beat))
+    monkeypatch.setattr(_worker, "_last_beat", 0.0)
+    _worker.heartbeat()
+    assert beat.stat().st_mtime > time.time() - 60
+    os.utime(beat, (0, 0))
+    _worker.heartbeat()  # within half a second of the last beat: skipped
+    assert beat.stat().st_mtime == 0
+
+
+@pytest.mark.parametrize(
+    ("argv", "expected"), [([], 600.0), (["--hang-timeout", "2.5"], 2.5), (["--hang-timeout", "0"], 0)]
+)
+def test_launcher_hang_timeout_option(argv, expected):
+    assert launch.parse_args(["--nproc", "2", *argv, "x.py"]).hang_timeout == expected
+
+
+@pytest.mark.parametrize("value", ["-1", "nan", "soon"])
+def test_launcher_rejects_a_bad_hang_timeout(value, capsys):
+    with pytest.raises(SystemExit, match="2"):
+        launch.parse_args(["--nproc", "2", "--hang-timeout", value, "x.py"])
+    assert "--hang-timeout" in capsys.readouterr().err
+
+
 @pytest.mark.parametrize(
     ("cpu_devices", "expected"),
     [
@@ -382,3 +462,17 @@ def _alive(pid: int) -> bool:
     except ProcessLookupError:
         return False
     return True
+
+
+def test_a_hung_run_prints_each_workers_stack_and_stops():
+    command = [sys.executable, "-m", "torchshard.launch", "--nproc", "2", "--cpu-devices-per-proc", "1"]
+    command += ["--hang-timeout", "3", "--timeout", "120", str(TESTS / "mp_hang_script.py")]
+    start = time.monotonic()
+    result = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=150)
+    assert result.returncode == launch.HANG_EXIT, result.stdout[-4000:] + result.stderr[-4000:]
+    assert time.monotonic() - start < 120
+    assert re.search(r"\[rank 0\]   File .*mp_hang_script\.py\", line \d+ in sleep_forever", result.stdout), (
+        result.stdout
+    )
+    assert re.search(r"\[rank 1\]   File .*mp_hang_script\.py\", line \d+ in deadlock", result.stdout), result.stdout
+    assert "for 3 s; ranks 0, 1 are stalled" in result.stderr

@@ -5,20 +5,28 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import os
+import pathlib
 import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from collections.abc import Sequence
 from typing import TextIO
 
 from torchshard import _distributed as distributed
+from torchshard._worker import HEARTBEAT_ENV, STACKS_SIGNAL
+from torchshard._worker import command as worker_command
 
 TIMEOUT_EXIT = 124
+HANG_EXIT = 125
+HANG_TIMEOUT_S = 600.0
 _POLL_S = 0.05
 _GRACE_S = 3.0
+_QUIET_S = 0.5  # a stack dump is complete once its process has printed nothing for this long
+_DUMP_WAIT_S = 5.0
 
 
 def free_port(host: str = "127.0.0.1") -> int:
@@ -54,25 +62,41 @@ def child_env(rank: int, nproc: int, port: int, cpu_devices: int | None, base: d
 class _Child:
     rank: int
     popen: subprocess.Popen[bytes]
-    reader: threading.Thread
+    heartbeat: pathlib.Path
+    last_output: float = dataclasses.field(default_factory=time.monotonic)
+    reader: threading.Thread | None = None
+
+    def idle_s(self) -> float:
+        """Seconds since this process last printed a line or beat its heartbeat (`torchshard._worker.heartbeat`)."""
+        output = time.monotonic() - self.last_output
+        try:
+            return min(output, time.time() - self.heartbeat.stat().st_mtime)
+        except OSError:
+            return output
 
 
-def _pump(rank: int, stream, out: TextIO, lock: threading.Lock) -> None:
+def _pump(child: _Child, stream, out: TextIO, lock: threading.Lock) -> None:
     for raw in iter(stream.readline, b""):
+        child.last_output = time.monotonic()
         line = raw.decode("utf-8", "replace").rstrip("\n")
         with lock:
-            out.write(f"[rank {rank}] {line}\n")
+            out.write(f"[rank {child.rank}] {line}\n")
             out.flush()
+    child.last_output = time.monotonic()  # its end is progress too: the others get a full timeout after it
     stream.close()
 
 
-def _start(rank: int, command: list[str], env: dict[str, str], out: TextIO, lock: threading.Lock) -> _Child:
+def _start(rank: int, command: list[str], env: dict[str, str], out: TextIO, lock: threading.Lock,
+           heartbeat: pathlib.Path) -> _Child:  # fmt: skip
+    heartbeat.touch()
     # a session of its own: a terminal's Ctrl-C reaches only the launcher, which forwards it,
     # and killing the group also ends anything the script started
+    env = {**env, HEARTBEAT_ENV: str(heartbeat)}
     popen = subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True)
-    reader = threading.Thread(target=_pump, args=(rank, popen.stdout, out, lock), daemon=True)
-    reader.start()
-    return _Child(rank, popen, reader)
+    child = _Child(rank, popen, heartbeat)
+    child.reader = threading.Thread(target=_pump, args=(child, popen.stdout, out, lock), daemon=True)
+    child.reader.start()
+    return child
 
 
 def _signal_group(child: _Child, sig: int) -> None:
@@ -102,11 +126,12 @@ def _exit_code(returncode: int) -> int:
 
 
 class _Supervisor:
-    """Watches the children: first failure, timeout or forwarded signal ends the whole run."""
+    """Watches the children: first failure, timeout, hang or forwarded signal ends the whole run."""
 
-    def __init__(self, children: list[_Child], timeout: float | None) -> None:
+    def __init__(self, children: list[_Child], timeout: float | None, hang_timeout: float | None) -> None:
         self.children = children
         self.deadline = None if timeout is None else time.monotonic() + timeout
+        self.hang_timeout = hang_timeout
         self.signals: list[int] = []
         self.signalled_at = 0.0
 
@@ -138,7 +163,27 @@ class _Supervisor:
         if self.deadline is not None and time.monotonic() > self.deadline:
             note("timed out; stopping every process")
             return TIMEOUT_EXIT
+        if self.hang_timeout and min(c.idle_s() for c in self.children) > self.hang_timeout:
+            _report_hang([c for c in self.children if c.popen.poll() is None], self.hang_timeout)
+            return HANG_EXIT
         return None
+
+
+def _report_hang(running: Sequence[_Child], hang_timeout: float) -> None:
+    """Names the stalled ranks and has each print its Python stacks (faulthandler, registered by the worker)."""
+    ranks = ", ".join(str(c.rank) for c in running)
+    idle = ", ".join(f"rank {c.rank} {c.idle_s():.1f} s" for c in running)
+    note(f"no process made progress (printed output or heartbeat) for {hang_timeout:g} s; ranks {ranks} are stalled "
+         f"(idle: {idle}); their Python stacks follow")  # fmt: skip
+    for child in running:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(child.popen.pid, STACKS_SIGNAL)  # the worker itself only: its children may not handle it
+    started = time.monotonic()
+    while time.monotonic() - started < _DUMP_WAIT_S:  # until the dumps have been printed
+        if time.monotonic() - max(c.last_output for c in running) > _QUIET_S and time.monotonic() - started > _QUIET_S:
+            break
+        time.sleep(_POLL_S)
+    note(f"stopping every process: ranks {ranks} hung (raise --hang-timeout if they were only slow)")
 
 
 def note(message: str) -> None:
@@ -152,6 +197,7 @@ def launch(
     nproc: int,
     cpu_devices_per_proc: int | None = None,
     timeout: float | None = None,
+    hang_timeout: float | None = HANG_TIMEOUT_S,
     port: int | None = None,
     out: TextIO | None = None,
 ) -> int:
@@ -159,7 +205,13 @@ def launch(
 
     Each process calls `torchshard.distributed.initialize` before the script runs (a script
     may call it again). Output lines are prefixed ``[rank i]``. The first process to fail, a
-    timeout (exit 124) or a SIGINT/SIGTERM (forwarded to every process) ends all of them.
+    timeout (exit 124), a hang (exit 125) or a SIGINT/SIGTERM (forwarded to every process)
+    ends all of them.
+
+    A hang: no process made progress for ``hang_timeout`` seconds, where progress is a line of
+    output, a heartbeat (``torchshard._worker.heartbeat()``, called from the training loop) or
+    the main thread importing a new module; a process's exit counts too. Every process then
+    prints its Python stacks (faulthandler) before the run is stopped.
 
     Args:
         script: path of the Python script.
@@ -167,6 +219,8 @@ def launch(
         nproc: number of processes.
         cpu_devices_per_proc: simulated CPU devices per process (forces ``JAX_PLATFORMS=cpu``).
         timeout: seconds before every process is killed.
+        hang_timeout: seconds without progress from any process before the run counts as hung
+            (``None`` or 0: never).
         port: coordinator port on 127.0.0.1; defaults to a free one.
         out: where the prefixed output goes; defaults to ``sys.stdout``.
 
@@ -178,13 +232,18 @@ def launch(
         0
     """
     port = free_port() if port is None else port
-    command = [sys.executable, "-m", "torchshard._worker", script, *args]
+    command = worker_command([script, *args])
     envs = [child_env(rank, nproc, port, cpu_devices_per_proc, dict(os.environ)) for rank in range(nproc)]
-    return run_processes(command, envs, timeout=timeout, out=out)
+    return run_processes(command, envs, timeout=timeout, hang_timeout=hang_timeout, out=out)
 
 
 def run_processes(
-    command: Sequence[str], envs: Sequence[dict[str, str]], *, timeout: float | None = None, out: TextIO | None = None
+    command: Sequence[str],
+    envs: Sequence[dict[str, str]],
+    *,
+    timeout: float | None = None,
+    hang_timeout: float | None = HANG_TIMEOUT_S,
+    out: TextIO | None = None,
 ) -> int:
     """Runs ``command`` once per environment in ``envs`` (rank = position) and supervises the group.
 
@@ -192,6 +251,8 @@ def run_processes(
         command: the program and its arguments, the same for every process.
         envs: one full environment per process.
         timeout: seconds before every process is killed (exit 124).
+        hang_timeout: seconds without output or heartbeat from any process before it is a hang
+            (exit 125, after each process printed its stacks); ``None`` or 0: never.
         out: where the ``[rank i]``-prefixed output goes; defaults to ``sys.stdout``.
 
     Returns:
@@ -204,15 +265,17 @@ def run_processes(
     out = sys.stdout if out is None else out
     lock = threading.Lock()
     children: list[_Child] = []
-    supervisor = _Supervisor(children, timeout)
+    supervisor = _Supervisor(children, timeout, hang_timeout)
     previous = {sig: signal.signal(sig, supervisor.forward) for sig in (signal.SIGINT, signal.SIGTERM)}
-    try:
-        for rank, env in enumerate(envs):
-            children.append(_start(rank, list(command), env, out, lock))
-        return supervisor.wait()
-    finally:
-        _stop(children, grace=0.0 if supervisor.signals else _GRACE_S)  # a signal had its grace period
-        for child in children:
-            child.reader.join(timeout=_GRACE_S)
-        for sig, handler in previous.items():
-            signal.signal(sig, handler)
+    with tempfile.TemporaryDirectory(prefix="torchshard-launch-") as beats:
+        try:
+            for rank, env in enumerate(envs):
+                children.append(_start(rank, list(command), env, out, lock, pathlib.Path(beats, f"rank{rank}")))
+            return supervisor.wait()
+        finally:
+            _stop(children, grace=0.0 if supervisor.signals else _GRACE_S)  # a signal had its grace period
+            for child in children:
+                if child.reader is not None:
+                    child.reader.join(timeout=_GRACE_S)
+            for sig, handler in previous.items():
+                signal.signal(sig, handler)

@@ -7,15 +7,31 @@ import os
 import sys
 from collections.abc import Sequence
 
-from torchshard._launch import TIMEOUT_EXIT, child_env, free_port, launch, note, run_processes
+from torchshard._launch import (
+    HANG_EXIT,
+    HANG_TIMEOUT_S,
+    TIMEOUT_EXIT,
+    child_env,
+    free_port,
+    launch,
+    note,
+    run_processes,
+)
 
-__all__ = ["TIMEOUT_EXIT", "child_env", "free_port", "launch", "main", "parse_args", "run_processes"]
+__all__ = ["HANG_EXIT", "TIMEOUT_EXIT", "child_env", "free_port", "launch", "main", "parse_args", "run_processes"]
 
 
 def _positive(text: str) -> int:
     value = int(text)
     if value < 1:
         raise argparse.ArgumentTypeError(f"{value} must be ≥ 1")
+    return value
+
+
+def _seconds(text: str) -> float:
+    value = float(text)
+    if not value >= 0:  # NaN too
+        raise argparse.ArgumentTypeError(f"{text} must be a number of seconds ≥ 0")
     return value
 
 
@@ -27,7 +43,15 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     )
     parser.add_argument("--nproc", type=_positive, required=True, help="number of local processes")
     parser.add_argument("--cpu-devices-per-proc", type=_positive, help="simulated CPU devices per process")
-    parser.add_argument("--timeout", type=float, help="seconds before every process is killed (exit 124)")
+    parser.add_argument("--timeout", type=_seconds, help="seconds before every process is killed (exit 124)")
+    parser.add_argument(
+        "--hang-timeout",
+        type=_seconds,
+        default=HANG_TIMEOUT_S,
+        metavar="S",
+        help="when no process prints a line or beats its heartbeat for S seconds, every process prints its Python "
+        f"stacks and the run stops (exit {HANG_EXIT}); 0 turns it off (default: %(default)g)",
+    )
     parser.add_argument("--port", type=int, help="coordinator port on 127.0.0.1 (default: a free one)")
     parser.add_argument("script", help="the Python script every process runs")
     parser.add_argument("args", nargs=argparse.REMAINDER, help="arguments for the script")
@@ -46,6 +70,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         nproc=args.nproc,
         cpu_devices_per_proc=args.cpu_devices_per_proc,
         timeout=args.timeout,
+        hang_timeout=args.hang_timeout,
         port=args.port,
     )
 
