@@ -751,7 +751,7 @@ OS_FAULTS = {  # (object, attribute, replacement, message)
     "disk_full": (_checkpoint, "write_state", enospc, r"the disk is full \(No space left on device\)"),
     "disk_full_in_orbax": (ocp.PyTreeCheckpointHandler, "save", orbax_full, r"the disk is full \(RESOURCE_EXHAUSTED"),
     "disk_full_writing_metadata": (_checkpoint, "write_meta", enospc, r"the disk is full"),
-    "read_only_mount": (_stepdir.os, "mkdir", read_only, r"is not writable \(Read-only file system\)"),
+    "read_only_mount": (_stepdir.os, "mkdir", read_only, r": not writable \(Read-only file system\)"),
 }
 
 

@@ -559,3 +559,46 @@ def test_init_sharded_builds_an_hf_llama_from_its_config_sharded_from_birth(mesh
     params = dict(model.named_parameters()) | dict(model.named_buffers())
     forward = torchax.interop.jax_jit(lambda p, x: torch.func.functional_call(model, p, (), {"input_ids": x}).logits)
     assert_close(forward(params, _batch(ids, mesh_fsdp)), logits, tol=1e-5, what="logits")
+
+
+@pytest.fixture
+def init_overrides(normal_lowering):
+    """Also ``Tensor.is_meta`` False for torchax tensors (torch.nn.init returns early on meta tensors)."""
+    from torchshard import _init_ops, _torchax
+
+    tx, key = _torchax.env(), torch.Tensor.is_meta.__get__
+    previous = tx._ops.get(key)
+    tx.override_op_definition(key, _init_ops.is_meta)
+    yield
+    if previous is None:
+        del tx._ops[key]
+    else:
+        tx._ops[key] = previous
+
+
+class SparseDiracInit(nn.Module):
+    """Inits that return early for meta tensors: sparse_ (half of each column zero) and a dirac_ kernel."""
+
+    def __init__(self):
+        super().__init__()
+        self.proj = nn.Linear(64, 64, bias=False)
+        self.conv = nn.Conv1d(8, 8, 3, bias=False)
+        nn.init.sparse_(self.proj.weight, sparsity=0.5, std=0.02)
+        nn.init.dirac_(self.conv.weight)
+
+
+def test_init_sharded_runs_inits_that_check_is_meta(mesh_fsdp, init_overrides):
+    model = torchshard.init_sharded(SparseDiracInit, mesh_fsdp, presets.fsdp(min_size=64), seed=0)
+    weight = to_numpy(model.proj.weight)
+    assert ((weight == 0).sum(axis=0) == 32).all() and 0.01 < weight[weight != 0].std() < 0.03
+    assert_close(model.conv.weight, SparseDiracInit().conv.weight, tol=0, what="dirac_ equals eager torch")
+
+
+def test_init_sharded_trunc_normal_is_an_error_not_a_silent_no_op(mesh_fsdp, init_overrides):
+    def build():
+        model = nn.Linear(64, 64)
+        nn.init.trunc_normal_(model.weight, std=0.02)  # rejection sampling: a Python loop on tensor values
+        return model
+
+    with pytest.raises(ShardingError, match=r"failed while building under torchax.*ConcretizationTypeError"):
+        torchshard.init_sharded(build, mesh_fsdp)

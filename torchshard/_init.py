@@ -56,8 +56,8 @@ def _build_failure(error: Exception, entries: list[PlanEntry]) -> ShardingError:
     first = (str(error).strip().splitlines() or [""])[0]
     return ShardingError(
         f"model_fn() failed while building under torchax, directly sharded ({type(error).__name__}: {first:.300}); "
-        f"it built on meta, so an init op has no working torchax lowering: build the model on CPU and place it "
-        f"with shard(model, plan), or replace that op in the model's init"
+        f"it built on meta, so an init op has no working torchax lowering or branches on tensor values (which "
+        f"are traced here): build the model on CPU and place it with shard(model, plan), or replace that init"
     )
 
 

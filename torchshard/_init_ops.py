@@ -1,4 +1,4 @@
-"""torch-level replacements for torchax's lowerings of the in-place random ops that ``torch.nn.init`` calls.
+"""torch-level replacements for what torchax gets wrong in the in-place ops ``torch.nn.init`` calls.
 
 torchax 0.0.13 lowers ``aten.normal_`` as ``aten.normal(self, mean, std)``, a call no ``aten.normal``
 overload accepts (``normal.Tensor_float`` takes two positional arguments), so every
@@ -24,3 +24,17 @@ def normal_(
     """
     noise = torch.randn(self.shape, dtype=self.dtype, device=self.device, generator=generator)
     return self.copy_(noise * std + mean)
+
+
+def is_meta(self: torch.Tensor) -> bool:
+    """``Tensor.is_meta`` for torchax tensors: False, as they hold values (their torch storage is meta).
+
+    ``torch.nn.init.trunc_normal_``, ``sparse_`` and ``dirac_`` return at once for a meta tensor, so
+    under torchax they silently leave the tensor as it was. Register it only while ``init_sharded``
+    builds the model: elsewhere torch may read ``is_meta`` to avoid touching storage.
+
+    Example:
+        >>> is_meta(torch.empty(2, device="meta"))
+        False
+    """
+    return False

@@ -309,7 +309,7 @@ def write_failure(path: pathlib.Path, error: BaseException, *, cleanup: str) -> 
     if code in _FULL or any(t in text for t in _FULL_TEXT):
         what, fix = f"the disk is full ({reason})", "Free space or write elsewhere, then save again"
     elif code in _DENIED or any(t in text for t in _DENIED_TEXT):
-        what, fix = f"is not writable ({reason})", "write to a directory you may write to (not a read-only mount)"
+        what, fix = f"not writable ({reason})", "write to a directory you may write to (not a read-only mount)"
     elif code in _NOT_DIR:
         what, fix = f"a file is in the way ({reason})", "pass a directory path, not a file (or a path inside a file)"
     else:
