@@ -236,3 +236,28 @@ def test_scanned_export_has_per_layer_names_and_the_stacked_values():
     reference.load_state_dict(exported)
     stacked = trainer.state.params["model.layers.*.mlp.up_proj.weight"]
     assert_close(exported["model.layers.1.mlp.up_proj.weight"], stacked[1], tol=0)
+
+
+@pytest.mark.parametrize(("saved_scanned", "loaded_scanned"), [(True, False), (False, True), (True, True)])
+def test_scanned_and_unscanned_checkpoints_load_into_each_other_across_meshes(tmp_path, saved_scanned, loaded_scanned):
+    data = batches(64, n=4)
+    first = build("blocks", "fsdp", scan_layers=saved_scanned)
+    for b in data[:2]:
+        first.step(b)
+    ts.save(tmp_path, first)
+    second = build("blocks", "fsdp_tp", scan_layers=loaded_scanned)
+    ts.load(tmp_path, second)
+    assert second.step_count == 2
+    assert_trees_close(state_of(second.model), state_of(first.model), tol=0)
+    np.testing.assert_allclose([float(second.step(b)["loss"]) for b in data[2:]],
+                               [float(first.step(b)["loss"]) for b in data[2:]], rtol=1e-5)  # fmt: skip
+
+
+def test_a_scanned_checkpoint_loads_into_a_plain_module(tmp_path, mesh_dm):
+    trainer = build("blocks", "fsdp", scan_layers=True)
+    trainer.step(batches(64, n=1)[0])
+    ts.save(tmp_path, trainer)
+    with torch.device("meta"):
+        module = BlockStack(depth=4)
+    ts.load(tmp_path, module, plan=ts.plan(module, mesh_dm, BLOCK_TP))
+    assert_trees_close(state_of(module), state_of(trainer.model), tol=0)

@@ -3,26 +3,34 @@
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import os
 import pathlib
-from collections.abc import Mapping
 from typing import Any
 
 import jax
-import jax.numpy as jnp
-import numpy as np
 import torch
 from jax.experimental import multihost_utils
 
-from torchshard._ckpt_meta import checksum_problems, flat, metadata, read_meta, write_meta
-from torchshard._ckpt_state import Target, model_of, placed_arrays, state_tree, trainer_tree
+from torchshard._ckpt_meta import checksum_problems, metadata, read_meta, write_meta
+from torchshard._ckpt_state import Target, model_of, state_tree
 from torchshard._errors import CheckpointError, ShardingError, raise_if_any
 from torchshard._module_tensors import canonical_names, named_tensors
 from torchshard._orbax import read_state, write_state
-from torchshard._placement import assign, put
+from torchshard._placement import assign
 from torchshard._plan import ShardingPlan
-from torchshard._step import TrainState
+from torchshard._restore import (
+    Destination,
+    destination_arrays,
+    load_trainer,
+    model_item,
+    placed_destination,
+    plan_destination,
+    recipes,
+    tensor_problems,
+    trainer_destination,
+    trainer_problems,
+    trainer_read,
+)
 from torchshard._stepdir import (
     STATE,
     TMP,
@@ -37,9 +45,9 @@ from torchshard._stepdir import (
     step_name,
     write_failure,
 )
-from torchshard._torchax import jax_dtype, rebind
+from torchshard._torchax import rebind
 from torchshard._trainer import Trainer
-from torchshard._validate import instance_problems, int_problems, mismatch_problems, raise_for_arguments
+from torchshard._validate import instance_problems, int_problems, raise_for_arguments
 
 PathLike = str | os.PathLike[str]
 
@@ -154,7 +162,8 @@ def save(path: PathLike, target: Target, *, step: int | None = None, keep_last: 
     step = (target.step_count if isinstance(target, Trainer) else 0) if step is None else step
     tree = state_tree(target, doing="save()")
     model = model_of(target)
-    meta = metadata(type(model).__name__, canonical_names(model), tree, step)
+    stacks = target.layout.stacks() if isinstance(target, Trainer) else {}
+    meta = metadata(type(model).__name__, canonical_names(model), tree, step, stacks=stacks)
     final = root / step_name(step)
     tmp = _begin(final)
     sync("torchshard-save-begin")
@@ -165,114 +174,9 @@ def save(path: PathLike, target: Target, *, step: int | None = None, keep_last: 
     return final
 
 
-@dataclasses.dataclass(frozen=True)
-class Destination:
-    """Where loaded tensors go: every name → its canonical name; canonical → shape, dtype, sharding."""
-
-    names: dict[str, str]
-    arrays: dict[str, jax.ShapeDtypeStruct]
-
-
-def plan_destination(model: torch.nn.Module, plan: ShardingPlan) -> Destination:
-    """The destination ``plan`` describes (``model`` may be on any device, meta included)."""
-    have = canonical_names(model)
-    problems = [f"{n}: in the plan but not in the model" for n in plan if n not in have]
-    problems += [f"{n}: in the model but not in the plan" for n in have if n not in plan]
-    raise_if_any(problems, header=f"plan does not fit {type(model).__name__}; re-run plan() on this model")
-    arrays = {
-        e.name: jax.ShapeDtypeStruct(e.shape, jax_dtype(e.dtype), sharding=e.sharding) for e in plan.unique_entries()
-    }
-    return Destination({n: plan.canonical(n) for n in plan}, arrays)
-
-
-def _placed_destination(model: torch.nn.Module) -> Destination:
-    arrays = placed_arrays(model, doing="load() without plan=")
-    abstract = {n: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=a.sharding) for n, a in arrays.items()}
-    return Destination(canonical_names(model), abstract)
-
-
-def _tensor_problems(meta: dict[str, Any], dest: Destination) -> list[str]:
-    saved = {n: meta["tensors"][c]["shape"] for n, c in meta["names"].items()}
-    wanted = {n: dest.arrays[c].shape for n, c in dest.names.items()}
-    return mismatch_problems(wanted, saved, expected_in="model", found_in="checkpoint") + _tie_problems(meta, dest)
-
-
-def _tie_problems(meta: dict[str, Any], dest: Destination) -> list[str]:
-    """Names the model ties but the checkpoint stores with different values (one would be dropped)."""
-    sums = {n: meta["tensors"][c]["checksum"] for n, c in meta["names"].items()}
-    return [
-        f"tied {n} = {c}: one tensor in the model, different values in the checkpoint; untie them in the model"
-        for n, c in dest.names.items()
-        if n != c and n in sums and c in sums and sums[n] != sums[c]
-    ]
-
-
-def _trainer_problems(meta: dict[str, Any], trainer: Trainer) -> list[str]:
-    saved = meta["trainer"]
-    if saved is None:
-        return [
-            "the checkpoint holds no optimizer state or step (it was saved from a module); "
-            "load it into the module with load(path, model), then build the Trainer"
-        ]
-    wanted = {p: x.shape for p, x in flat(trainer_tree(trainer)).items()}
-    found = {p: m["shape"] for p, m in saved.items()}
-    problems = mismatch_problems(wanted, found, expected_in="trainer", found_in="checkpoint",
-                                 what="optimizer/step leaf ")  # fmt: skip
-    if problems:
-        problems.append("the checkpoint's optimizer state differs: build the Trainer with the same optax optimizer")
-    return problems
-
-
-def _abstract(like: Any, stored: Mapping[str, Any]) -> jax.ShapeDtypeStruct:
-    # read in the stored dtype (so its checksum can be checked), straight onto the destination sharding
-    return jax.ShapeDtypeStruct(tuple(stored["shape"]), np.dtype(stored["dtype"]), sharding=like.sharding)
-
-
-def _restore_item(meta: dict[str, Any], dest: Destination, trainer: Trainer | None) -> dict[str, Any]:
-    model: dict[str, jax.ShapeDtypeStruct] = {}
-    for canon, like in dest.arrays.items():
-        source = meta["names"][canon]
-        model.setdefault(source, _abstract(like, meta["tensors"][source]))
-    if trainer is None:
-        return {"model": model}
-    tree = trainer_tree(trainer)
-    saved = meta["trainer"]
-    abstract = [_abstract(x, saved[jax.tree_util.keystr(p)]) for p, x in jax.tree_util.tree_leaves_with_path(tree)]
-    return {"model": model, "trainer": jax.tree.unflatten(jax.tree.structure(tree), abstract)}
-
-
-def _to_destination(x: jax.Array, like: Any) -> jax.Array:
-    return put(x if x.dtype == like.dtype else x.astype(like.dtype), like.sharding)
-
-
-def _destination_arrays(meta: dict[str, Any], dest: Destination, restored: dict[str, Any]) -> dict[str, jax.Array]:
-    """Destination canonical name → its array, in the destination's dtype and sharding."""
-    arrays: dict[str, jax.Array] = {}
-    for canon, like in dest.arrays.items():
-        array = _to_destination(restored[meta["names"][canon]], like)
-        if any(array is a for a in arrays.values()):  # tied in the checkpoint, not in the model:
-            array = jnp.copy(array)  # separate buffers, or donating both to a step would fail
-        arrays[canon] = array
-    return arrays
-
-
-def _load_trainer(trainer: Trainer, arrays: dict[str, jax.Array], restored: dict[str, Any]) -> None:
-    tree = jax.tree.map(_to_destination, restored, trainer_tree(trainer))
-    state = trainer.state
-    rebind(named_tensors(trainer.model), arrays)  # frozen params too, which are not in the TrainState
-    trainer.load_state(
-        TrainState(
-            params={n: arrays[n] for n in state.params},
-            buffers={n: arrays[n] for n in state.buffers},
-            opt_state=tree["opt_state"],
-            step=tree["step"],
-        ),
-        rng_key=tree["rng"],
-    )
-
-
-def _check_load_args(target: Any, step: Any, plan: Any) -> None:
-    problems = _target_problems(target) + int_problems("step", step, minimum=0, none="the latest")
+def _check_load_args(path: Any, target: Any, step: Any, plan: Any) -> None:
+    problems = path_problems("path", path) + _target_problems(target)
+    problems += int_problems("step", step, minimum=0, none="the latest")
     if plan is not None:
         problems += instance_problems("plan", plan, ShardingPlan, "a ShardingPlan from torchshard.plan()")
     if plan is not None and isinstance(target, Trainer):
@@ -318,25 +222,38 @@ def load(path: PathLike, target: Target, *, step: int | None = None, plan: Shard
         >>> load(root, resumed).step_count
         1
     """
-    _check_load_args(target, step, plan)
+    _check_load_args(path, target, step, plan)
     step_dir = resolve(pathlib.Path(path), step)
     meta = read_meta(step_dir)
     check_files(step_dir, meta["files"])
     model = model_of(target)
     trainer = target if isinstance(target, Trainer) else None
-    layout = trainer.plan if trainer is not None else plan
-    dest = plan_destination(model, layout) if layout is not None else _placed_destination(model)
-    problems = _tensor_problems(meta, dest) + (_trainer_problems(meta, trainer) if trainer else [])
+    dest = _destination(model, trainer, plan)
+    problems = tensor_problems(meta, dest)
+    recipes_ = recipes(meta, dest) if not problems else {}
+    item = {"model": model_item(meta, dest, recipes_)}
+    trainer_plan = None
+    if trainer is not None and not problems:
+        trainer_plan = trainer_read(meta, trainer, recipes_, item["model"])
+        item["trainer"] = trainer_plan.item
+    if trainer is not None:
+        problems += trainer_problems(meta, trainer_plan) if not problems else []
     header = f"checkpoint {step_dir} ({meta.get('module')}) does not fit {type(model).__name__}"
     raise_if_any(problems, header=f"{header}; load it into the architecture (and optimizer) it was saved from")
-    restored = read_state(step_dir / STATE, _restore_item(meta, dest, trainer), step_dir=step_dir)
+    restored = read_state(step_dir / STATE, item, step_dir=step_dir)
     raise_if_any(checksum_problems(meta, restored), header=f"{step_dir} is corrupted; load an earlier step",
                  error=CheckpointError)  # fmt: skip
-    arrays = _destination_arrays(meta, dest, restored["model"])
-    if trainer is not None:
-        _load_trainer(trainer, arrays, restored["trainer"])
+    arrays = destination_arrays(recipes_, restored["model"], dest)
+    if trainer is not None and trainer_plan is not None:
+        load_trainer(trainer, arrays, trainer_plan.convert(restored["trainer"], trainer))
     elif plan is not None:
         assign(model, arrays, plan)
     else:
         rebind(named_tensors(model), arrays)
     return target
+
+
+def _destination(model: torch.nn.Module, trainer: Trainer | None, plan: ShardingPlan | None) -> Destination:
+    if trainer is not None:
+        return trainer_destination(trainer)
+    return plan_destination(model, plan) if plan is not None else placed_destination(model)

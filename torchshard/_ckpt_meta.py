@@ -40,8 +40,13 @@ def _mesh_of(arrays: Mapping[str, jax.Array]) -> str | None:
     return describe_mesh(mesh) if mesh is not None else None
 
 
-def metadata(module: str, names: Mapping[str, str], tree: dict[str, Any], step: int) -> dict[str, Any]:
-    """The metadata of a checkpoint of ``tree`` (`state_tree`'s), checksums included."""
+def metadata(
+    module: str, names: Mapping[str, str], tree: dict[str, Any], step: int, *, stacks: Mapping[str, Any] | None = None
+) -> dict[str, Any]:
+    """The metadata of a checkpoint of ``tree`` (`state_tree`'s), checksums included.
+
+    ``stacks`` maps each stacked key of a scanned Trainer to the torch names of its layers.
+    """
     sums = checksums(tree)
     trainer = None
     if "trainer" in tree:
@@ -53,6 +58,7 @@ def metadata(module: str, names: Mapping[str, str], tree: dict[str, Any], step: 
         "module": module,
         "mesh": _mesh_of(tree["model"]),
         "names": dict(names),
+        "stacks": {k: list(v) for k, v in (stacks or {}).items()},
         "tensors": _leaves_meta(tree["model"], sums["model"]),
         "trainer": trainer,
     }
@@ -101,14 +107,30 @@ def _structure_problems(meta: dict[str, Any]) -> list[str]:
     problems += _leaf_problems("tensors", tensors)
     if meta.get("trainer") is not None:
         problems += _leaf_problems("trainer", meta["trainer"])
+    stacks = meta.get("stacks") or {}
+    problems += _stack_problems(stacks, tensors)
+    layers = {n for v in stacks.values() if isinstance(v, list) for n in v}
     if not isinstance(names, dict) or not all(isinstance(c, str) for c in names.values()):
         problems.append("names is not a map of name → stored name")
     elif isinstance(tensors, dict):
-        problems += [f"names {n!r} → {c!r}: no such stored tensor" for n, c in names.items() if c not in tensors]
+        stored = set(tensors) | layers
+        problems += [f"names {n!r} → {c!r}: no such stored tensor" for n, c in names.items() if c not in stored]
     files = meta.get("files")
     if not isinstance(files, dict) or not all(type(size) is int for size in files.values()):
         problems.append("files is not a map of file name → size")
     return problems
+
+
+def _stack_problems(stacks: Any, tensors: Any) -> list[str]:
+    if not isinstance(stacks, dict) or not all(isinstance(v, list) for v in stacks.values()):
+        return ["stacks is not a map of stacked key → layer names"]
+    tensors = tensors if isinstance(tensors, dict) else {}
+    problems = [f"stacks {k!r}: no such stored tensor" for k in stacks if k not in tensors]
+    return problems + [
+        f"stacks {k!r}: {len(v)} layer names for a stack of {tensors[k]['shape'][:1]}"
+        for k, v in stacks.items()
+        if k in tensors and isinstance(tensors[k], dict) and tensors[k].get("shape", [None])[:1] != [len(v)]
+    ]
 
 
 def meta_problems(meta: Any) -> list[str]:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterator, Mapping
 from typing import Any
 
 import jax
@@ -46,6 +47,32 @@ def state_tree(target: Target, *, doing: str) -> dict[str, Any]:
     if not isinstance(target, Trainer):
         return {"model": placed_arrays(target, doing=doing)}
     return {"model": target.physical_arrays(), "trainer": trainer_tree(target)}
+
+
+class _Lazy(Mapping[str, jax.Array]):
+    """name → array of a module's tensors, each read when asked for (a scanned layer is sliced then)."""
+
+    def __init__(self, tensors: Mapping[str, torch.Tensor], names: list[str]) -> None:
+        self._tensors, self._names = tensors, names
+
+    def __getitem__(self, name: str) -> jax.Array:
+        if name not in self._names:
+            raise KeyError(name)
+        return unwrap(self._tensors[name])
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._names)
+
+    def __len__(self) -> int:
+        return len(self._names)
+
+
+def export_arrays(target: Target, *, doing: str) -> Mapping[str, jax.Array]:
+    """Canonical torch name → array, per layer even for a scanned Trainer (layers are sliced one at a time)."""
+    model = model_of(target)
+    if not isinstance(target, Trainer):
+        return placed_arrays(model, doing=doing)
+    return _Lazy(named_tensors(model), list(dict.fromkeys(canonical_names(model).values())))
 
 
 def torch_dtypes(target: Target) -> dict[str, torch.dtype]:

@@ -10,12 +10,12 @@ import numpy as np
 import torch
 from jax.experimental import multihost_utils
 
-from torchshard._checkpoint import Destination, plan_destination
-from torchshard._ckpt_state import Target, model_of, state_tree, torch_dtypes
+from torchshard._ckpt_state import Target, export_arrays, model_of, torch_dtypes
 from torchshard._errors import raise_if_any
 from torchshard._module_tensors import canonical_names, named_tensors, state_dict_names
 from torchshard._placement import assign, put, range_problems
 from torchshard._plan import ShardingPlan
+from torchshard._restore import Destination, plan_destination
 from torchshard._torchax import to_torch
 from torchshard._trainer import Trainer
 from torchshard._validate import instance_problems, mismatch_problems, raise_for_arguments
@@ -65,7 +65,7 @@ def to_torch_state_dict(target: Target) -> dict[str, torch.Tensor]:
     problems = instance_problems("target", target, (Trainer, torch.nn.Module), "a Trainer or a sharded module")
     raise_for_arguments(problems, header="invalid to_torch_state_dict() arguments")
     model = model_of(target)
-    arrays = state_tree(target, doing="to_torch_state_dict()")["model"]
+    arrays = export_arrays(target, doing="to_torch_state_dict()")
     canonical = canonical_names(model)
     dtypes = torch_dtypes(target)
     made: dict[str, torch.Tensor] = {}

@@ -17,7 +17,7 @@ from torchshard._module_tensors import named_tensors
 from torchshard._placement import assign
 from torchshard._plan import PlanEntry, ShardingPlan, plan
 from torchshard._rules import Rules, as_rules
-from torchshard._torchax import env, is_jax_tensor, seeded, unwrap
+from torchshard._torchax import env, is_jax_tensor, seeded, tensors_not_meta, unwrap
 from torchshard._validate import instance_problems, int_problems, mismatch_problems, raise_for_arguments
 
 
@@ -28,7 +28,7 @@ def _materialise(model_fn: Callable[[], torch.nn.Module], p: ShardingPlan, seed:
 
     def build(key: jax.Array) -> list[jax.Array]:
         # torch init consumes torchax's RNG: seed it for this trace only, so its tracers stay inside
-        with seeded(jax.random.PRNGKey(key)), tx, warnings.catch_warnings():
+        with seeded(jax.random.PRNGKey(key)), tensors_not_meta(), tx, warnings.catch_warnings():
             # 64-bit tensors are narrowed unless x64 is on, as `shard` does; JAX would warn per tensor
             warnings.filterwarnings("ignore", "Explicitly requested dtype int64", UserWarning)
             with torch.device("jax"):

@@ -15,7 +15,7 @@ from typing import Any
 import torch
 
 from torchshard._checkpoint import primary, sync
-from torchshard._ckpt_state import Target, model_of, state_tree, torch_dtypes
+from torchshard._ckpt_state import Target, export_arrays, model_of, torch_dtypes
 from torchshard._export import torch_tensor
 from torchshard._module_tensors import canonical_names, state_dict_names
 from torchshard._stepdir import TMP, commit, discard, path_problems, settle, write_failure
@@ -83,7 +83,7 @@ def _begin(out: pathlib.Path) -> pathlib.Path:
 def _export(target: Target, max_shard_bytes: int) -> tuple[Iterator[tuple[str, dict[str, torch.Tensor]]], str]:
     """The files (name → tensors, gathered lazily one file at a time) and the index JSON of an export."""
     model = model_of(target)
-    arrays = state_tree(target, doing="save_safetensors()")["model"]
+    arrays = export_arrays(target, doing="save_safetensors()")
     canonical = canonical_names(model)
     dtypes = torch_dtypes(target)
     stored = [n for n in dict.fromkeys(canonical[n] for n in state_dict_names(model))]

@@ -11,7 +11,7 @@ import jax
 import numpy as np
 import torch
 
-from torchshard import _compat, _lowerings
+from torchshard import _compat, _init_ops, _lowerings, _moe_ops
 
 with _compat.import_shim():
     # torchax imports these lazily when its first environment is created; importing them here,
@@ -49,7 +49,8 @@ def _install_lowerings(tx: Environment) -> None:
     tx.dispatch = _honouring_torch_autocast(tx, tx.dispatch)
     for op, impl in _compat.torch_op_fixes().items():
         tx.override_op_definition(op, impl)
-    for op, impl in _lowerings.jax_lowerings().items():
+    tx.override_op_definition(torch.ops.aten.normal_, _init_ops.normal_)
+    for op, impl in {**_lowerings.jax_lowerings(), **_moe_ops.jax_lowerings()}.items():
         _register(tx, op, impl, jax_function=True, needs_env=False)
     for op in _lowerings.ATTENTION_OPS:
         reference = tx._ops[op].func  # private: torchax's own lowering, kept as the fallback
@@ -153,6 +154,26 @@ def bound(module: torch.nn.Module, values: Mapping[str, torch.Tensor]) -> Iterat
 
     with _reparametrize_module(module, dict(values), tie_weights=True):
         yield
+
+
+@contextlib.contextmanager
+def tensors_not_meta() -> Iterator[None]:
+    """Inside the block, torchax tensors report ``is_meta`` False (they hold values; their torch storage is meta).
+
+    ``torch.nn.init.trunc_normal_``, ``sparse_`` and ``dirac_`` return early for meta tensors, so
+    without this they silently do nothing while `init_sharded` builds a model. Only there: elsewhere
+    torch may read ``is_meta`` to avoid touching storage.
+    """
+    tx, key = env(), torch.Tensor.is_meta.__get__  # type: ignore[attr-defined]
+    previous = tx._ops.get(key)  # private: the env's op table, as in _register
+    tx.override_op_definition(key, _init_ops.is_meta)
+    try:
+        yield
+    finally:
+        if previous is None:
+            del tx._ops[key]
+        else:
+            tx._ops[key] = previous
 
 
 class StackedArray:

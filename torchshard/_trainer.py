@@ -32,6 +32,7 @@ from torchshard._validate import (
     raise_for_arguments,
     spec_problems,
 )
+from torchshard._worker import heartbeat
 
 
 def _groups(model: torch.nn.Module, plan: ShardingPlan) -> tuple[list[str], list[str], list[str]]:
@@ -324,6 +325,7 @@ class Trainer:
                 self._state, metrics = self._step_fn(*args)
             self._bind()
             self._throttle(metrics["loss"])
+        heartbeat()  # progress for the launcher's hang watchdog (nothing outside a launched run)
         return metrics
 
     def _check_owner(self) -> None:

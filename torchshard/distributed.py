@@ -15,6 +15,7 @@ from torchshard._distributed import (
     resolve,
 )
 from torchshard._process import global_shape, local_batch_slice
+from torchshard._worker import heartbeat
 
 __all__ = [
     "CLUSTER_ENV",
@@ -25,6 +26,7 @@ __all__ = [
     "ProcessGroup",
     "detect_cluster",
     "global_shape",
+    "heartbeat",
     "initialize",
     "is_main_process",
     "local_batch_slice",
