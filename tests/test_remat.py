@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import functools
+
 import numpy as np
 import optax
 import pytest
@@ -35,24 +37,26 @@ def state_of(module):
     return {k: to_numpy(v) for k, v in module.state_dict().items()}
 
 
+@functools.cache
+def without_remat(scan: bool) -> np.ndarray:
+    torch.manual_seed(0)
+    return trained(BlockStack(depth=3, dropout=0.2), scan_layers=scan)[1]
+
+
 @pytest.mark.parametrize(
     ("remat", "scan"),
     [
-        (r"blocks\.\d+", False),
-        ([r"blocks\.\d+\.up", r"head"], False),
         (ts.Remat(r"blocks\.\d+", policy="dots_saveable"), False),
+        ([r"blocks\.\d+\.up", r"head"], False),
         (ts.Remat(r"blocks\.\d+", policy="dots_with_no_batch_dims_saveable"), True),
-        (r"blocks\.\d+", True),
         (r"blocks\.\d+\.up", True),
     ],
-    ids=["blocks", "submodules", "dots", "scan-body-policy", "scan-body", "inside-scan"],
+    ids=["blocks-dots", "submodules", "scan-body", "inside-scan"],
 )
 def test_remat_changes_no_loss_even_with_dropout(remat, scan):
     torch.manual_seed(0)
-    _, expected = trained(BlockStack(depth=3, dropout=0.2), scan_layers=scan)
-    torch.manual_seed(0)
     _, got = trained(BlockStack(depth=3, dropout=0.2), remat=remat, scan_layers=scan)
-    np.testing.assert_allclose(got, expected, rtol=1e-6)
+    np.testing.assert_allclose(got, without_remat(scan), rtol=1e-6)
 
 
 class Normed(nn.Module):
