@@ -41,6 +41,20 @@ def model_tensors(model: torch.nn.Module) -> list[ModuleTensor]:
     return list(found.values())
 
 
+def set_tensor(model: torch.nn.Module, name: str, value: torch.Tensor, *, param: bool) -> None:
+    """Binds ``value`` under ``name`` as a parameter or buffer, as it is (no ``Parameter`` wrapping).
+
+    Writing ``_parameters`` directly (what ``register_parameter`` does after its checks) keeps a
+    torchax tensor, or a view of a stacked array, the very object the module holds.
+    """
+    owner, _, leaf = name.rpartition(".")
+    module = model.get_submodule(owner)
+    if param:
+        module._parameters[leaf] = value  # type: ignore[assignment]
+    else:
+        module._buffers[leaf] = value
+
+
 def named_tensors(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     """name → tensor for every param and buffer name (tied aliases map to the same object)."""
     return {t.name: t.tensor for t in model_tensors(model)}

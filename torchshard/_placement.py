@@ -12,7 +12,7 @@ import torch
 from jax.sharding import AbstractMesh, Mesh, NamedSharding, PartitionSpec
 
 from torchshard._errors import ShardingError, raise_if_any
-from torchshard._module_tensors import model_tensors, named_tensors
+from torchshard._module_tensors import model_tensors, named_tensors, set_tensor
 from torchshard._plan import ShardingPlan
 from torchshard._specs import SPEC_HINT, SpecLike, parse_spec
 from torchshard._torchax import host_array, is_jax_tensor, unwrap, wrap
@@ -79,15 +79,6 @@ def range_problems(name: str, value: Any) -> list[str]:
     ]
 
 
-def _set(model: torch.nn.Module, name: str, value: torch.Tensor, kind: str) -> None:
-    owner, _, leaf = name.rpartition(".")
-    module = model.get_submodule(owner)
-    if kind == "param":
-        module._parameters[leaf] = value  # type: ignore[assignment]
-    else:
-        module._buffers[leaf] = value
-
-
 def assign(model: torch.nn.Module, arrays: Mapping[str, jax.Array], plan: ShardingPlan) -> torch.nn.Module:
     """Rebinds every name of ``plan`` in ``model`` to the torchax tensor of its canonical array."""
     tensors = {t.name: t for t in model_tensors(model)}
@@ -98,7 +89,7 @@ def assign(model: torch.nn.Module, arrays: Mapping[str, jax.Array], plan: Shardi
             like = tensors[canon].tensor
             array = arrays[canon]
             made[canon] = torch.nn.Parameter(wrap(array), like.requires_grad) if entry.kind == "param" else wrap(array)
-        _set(model, name, made[canon], entry.kind)
+        set_tensor(model, name, made[canon], param=entry.kind == "param")
     return model
 
 
