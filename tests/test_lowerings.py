@@ -1,5 +1,7 @@
 """torchshard's op lowerings (and torchax's for the same ops) match eager torch in value and gradient."""
 
+import contextlib
+
 import jax
 import jax.numpy as jnp
 import pytest
@@ -9,7 +11,13 @@ import torchax.interop
 from helpers import assert_close
 from torch.nn import functional as F
 
-from torchshard._torchax import wrap
+from torchshard._torchax import env, wrap
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _torchshard_lowerings():
+    """torchax's default environment with torchshard's lowerings installed, whichever test runs first."""
+    env()
 
 
 def _inputs(seed: int, *shapes) -> list[torch.Tensor]:
@@ -93,6 +101,82 @@ OPS = [
         (0,),
     ),
     (
+        "linear_3d_bias",
+        lambda x, w, b: F.linear(x, w, b).tanh().sum(),
+        _inputs(17, (2, 5, 16), (12, 16), (12,)),
+        (0, 1, 2),
+    ),
+    ("linear_1d_input", lambda x, w: F.linear(x, w).sin().sum(), _inputs(18, (16,), (12, 16)), (0, 1)),
+    ("linear_4d_wide", lambda x, w: F.linear(x, w).sin().sum(), _inputs(19, (2, 3, 4, 8), (40, 8)), (0, 1)),
+    ("linear_module", lambda x, w, b: nn_linear(x, w, b).cos().sum(), _inputs(20, (3, 7, 8), (5, 8), (5,)), (0, 1, 2)),
+    ("matmul_3d_by_2d", lambda x, w: (x @ w).tanh().sum(), _inputs(21, (2, 5, 16), (16, 6)), (0, 1)),
+    (
+        "cross_entropy_sum_ignore_index",
+        lambda logits, target: F.cross_entropy(logits, target.masked_fill(target == 3, -100), reduction="sum"),
+        [*_inputs(22, (9, 10)), _ids(9, 10)],
+        (0,),
+    ),
+    (
+        "cross_entropy_mean_ignore_index",
+        lambda logits, target: F.cross_entropy(logits * 3, target.masked_fill(target < 3, 7), ignore_index=7),
+        [*_inputs(23, (9, 10)), _ids(9, 10)],
+        (0,),
+    ),
+    (
+        "cross_entropy_label_smoothing",  # torch's decomposition
+        lambda logits, target: F.cross_entropy(logits, target, label_smoothing=0.1),
+        [*_inputs(25, (9, 10)), _ids(9, 10)],
+        (0,),
+    ),
+    (
+        "cross_entropy_none",  # torch's decomposition
+        lambda logits, target: F.cross_entropy(logits, target, reduction="none").sin().sum(),
+        [*_inputs(26, (9, 10)), _ids(9, 10)],
+        (0,),
+    ),
+    (
+        "cross_entropy_spatial",  # [N, C, d]: torch's decomposition
+        lambda logits, target: F.cross_entropy(logits, target.reshape(3, 3)),
+        [*_inputs(27, (3, 10, 3)), _ids(9, 10)],
+        (0,),
+    ),
+    (
+        "cross_entropy_probabilities",  # float targets: torch's decomposition
+        lambda logits, target: F.cross_entropy(logits, target.softmax(-1)),
+        _inputs(28, (9, 10), (9, 10)),
+        (0,),
+    ),
+    (
+        "attention_causal_2_blocks",
+        lambda q, k, v: F.scaled_dot_product_attention(q, k, v, is_causal=True).sin().sum(),
+        _inputs(29, (2, 2, 128, 8), (2, 2, 128, 8), (2, 2, 128, 8)),
+        (0, 1, 2),
+    ),
+    (
+        "attention_gqa_causal_4_blocks_scale",
+        lambda q, k, v: F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=0.2, enable_gqa=True).sin().sum(),
+        _inputs(30, (1, 4, 256, 8), (1, 2, 256, 8), (1, 2, 256, 8)),
+        (0, 1, 2),
+    ),
+    (
+        "attention_causal_rectangular",
+        lambda q, k, v: F.scaled_dot_product_attention(q, k, v, is_causal=True).sin().sum(),
+        _inputs(31, (2, 4, 6, 8), (2, 4, 9, 8), (2, 4, 9, 8)),
+        (0, 1, 2),
+    ),
+    (
+        "attention_gqa_per_head_bool_mask",
+        lambda q, k, v, m: F.scaled_dot_product_attention(q, k, v, attn_mask=m > -0.8, enable_gqa=True).sin().sum(),
+        _inputs(32, (2, 4, 6, 8), (2, 2, 5, 8), (2, 2, 5, 8), (2, 4, 6, 5)),
+        (0, 1, 2),
+    ),
+    (
+        "attention_gqa_float_mask_3d",
+        lambda q, k, v, m: F.scaled_dot_product_attention(q, k, v, attn_mask=m, enable_gqa=True).sin().sum(),
+        _inputs(33, (2, 4, 6, 8), (2, 1, 5, 8), (2, 1, 5, 8), (4, 6, 5)),
+        (0, 1, 2),
+    ),
+    (
         "gather_dim1_smaller_index",
         lambda x, idx: torch.gather(x, 1, idx).pow(2).sum(),
         [*_inputs(5, (6, 5)), _ids(4 * 3, 5).reshape(4, 3)],
@@ -111,6 +195,12 @@ OPS = [
         (0,),
     ),
 ]
+
+
+def nn_linear(x, w, b):
+    """An nn.Linear module with these weights (its forward calls F.linear)."""
+    layer = torch.nn.Linear(w.shape[1], w.shape[0])
+    return torch.func.functional_call(layer, {"weight": w, "bias": b}, (x,))
 
 
 def _eager(fn, inputs, argnums):
@@ -148,3 +238,81 @@ def test_jax_grad_of_torch_function_matches_eager_torch(name, fn, inputs, argnum
     grads = jax.jit(jax.grad(torchax.interop.jax_view(fn), argnums=argnums))(*arrays)
     for i, grad, want in zip(argnums, grads, expected_grads, strict=True):
         assert_close(grad, want, what=f"{name} grad {i}")
+
+
+def test_cross_entropy_legacy_reduction_arguments_match_torch():
+    logits, target = *_inputs(24, (9, 10)), _ids(9, 10)
+    with pytest.warns(UserWarning, match="size_average"):
+        expected = F.cross_entropy(logits, target, size_average=False)
+    with torchax.default_env(), pytest.warns(UserWarning, match="size_average"):
+        got = F.cross_entropy(*_on_jax([logits, target]), size_average=False)
+    assert_close(got, expected, what="cross_entropy(size_average=False)")
+
+
+# bf16 inputs against eager float32 torch on the same (bf16-rounded) values; bf16 keeps 8 mantissa bits
+BF16_TOL = 2e-2
+BF16_OPS = {
+    "linear": (lambda x, w: F.linear(x, w), _inputs(40, (2, 6, 16), (12, 16))),
+    "attention_gqa_causal_2_blocks": (
+        lambda q, k, v: F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True),
+        _inputs(41, (1, 4, 128, 8), (1, 2, 128, 8), (1, 2, 128, 8)),
+    ),
+    "attention_bool_mask": (
+        lambda q, k, v, m: F.scaled_dot_product_attention(q, k, v, attn_mask=m > -0.5),
+        _inputs(42, (2, 4, 6, 8), (2, 4, 5, 8), (2, 4, 5, 8), (2, 1, 6, 5)),
+    ),
+    "cross_entropy": (lambda x, t: F.cross_entropy(x, t), [*_inputs(43, (9, 10)), _ids(9, 10)]),
+}
+
+
+@pytest.mark.parametrize("name", BF16_OPS)
+def test_bf16_inputs_match_float32_torch(name):
+    fn, inputs = BF16_OPS[name]
+    rounded = [t.bfloat16() if t.is_floating_point() else t for t in inputs]
+    expected = fn(*[t.float() if t.is_floating_point() else t for t in rounded])
+    arrays = [jnp.asarray(t.float().numpy()).astype(jnp.bfloat16) if t.is_floating_point() else jnp.asarray(t.numpy())
+              for t in rounded]  # fmt: skip
+    with torchax.default_env():
+        got = fn(*[wrap(a) for a in arrays])
+    assert got.jax().dtype == jnp.bfloat16
+    assert_close(got, expected, tol=BF16_TOL, what=f"{name} (bf16)")
+
+
+def _llama(seq: int):
+    transformers = pytest.importorskip("transformers")
+    config = transformers.LlamaConfig(
+        vocab_size=96, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=seq,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    return transformers.LlamaForCausalLM(config)
+
+
+@pytest.mark.parametrize("mesh_axes", [None, {"data": 4, "model": 2}], ids=["unsharded", "hf_rules_4x2"])
+def test_hf_llama_loss_and_grads_match_eager_torch(mesh_axes):
+    """Every lowering at once (linear, blocked causal GQA attention, fused cross entropy), sharded or not."""
+    import torchshard as ts
+
+    seq = 128  # two causal query blocks
+    model = _llama(seq)
+    ids = torch.randint(0, 96, (4, seq), generator=torch.Generator().manual_seed(3))
+    expected = model(input_ids=ids, labels=ids).loss
+    expected.backward()
+    want = {n: p.grad for n, p in model.named_parameters()}
+    mesh = ts.make_mesh(mesh_axes) if mesh_axes else None
+    sharded = ts.shard(model, ts.plan(model, mesh or ts.make_mesh({"data": 1}, devices=jax.devices()[:1]),
+                                      ts.presets.hf_rules(model) if mesh else None))  # fmt: skip
+    params = {n: p.jax() for n, p in sharded.named_parameters()}
+    placed = ts.shard_batch(ids, mesh) if mesh else wrap(jnp.asarray(ids.numpy()))
+
+    def loss(arrays):
+        with torchax.default_env():
+            tensors = {n: wrap(a) for n, a in arrays.items()}
+            out = torch.func.functional_call(sharded, tensors, (), {"input_ids": placed, "labels": placed})
+            return out.loss.jax()
+
+    with jax.set_mesh(mesh) if mesh else contextlib.nullcontext():
+        value, grads = jax.jit(jax.value_and_grad(loss))(params)
+    assert_close(value, expected.detach(), what="loss")
+    for name, grad in grads.items():
+        assert_close(grad, want[name], what=f"grad of {name}")

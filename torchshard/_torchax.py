@@ -55,6 +55,8 @@ def _install_lowerings(tx: Environment) -> None:
     for op in _lowerings.ATTENTION_OPS:
         reference = tx._ops[op].func  # private: torchax's own lowering, kept as the fallback
         _register(tx, op, _lowerings.attention(reference, interop.call_jax), jax_function=False, needs_env=True)
+    for op in _lowerings.CROSS_ENTROPY_OPS:
+        _register(tx, op, _lowerings.cross_entropy(interop.call_jax), jax_function=False, needs_env=True)
     for op, (name, positions) in _lowerings.SAME_DTYPE.items():
         impl = tx._ops[op].func  # a JAX-level lowering (torchax's or one of the above)
         _register(tx, op, _lowerings.same_dtype_kind(name, positions, impl), jax_function=True, needs_env=False)
