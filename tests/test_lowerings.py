@@ -1,6 +1,7 @@
 """torchshard's op lowerings (and torchax's for the same ops) match eager torch in value and gradient."""
 
 import contextlib
+import copy
 
 import jax
 import jax.numpy as jnp
@@ -40,6 +41,18 @@ OPS = [
         (0, 1, 2),
     ),
     ("embedding", lambda ids, w: F.embedding(ids, w).pow(2).sum(), [_ids(12, 10), *_inputs(3, (10, 6))], (1,)),
+    (
+        "embedding_padding_idx",
+        lambda ids, w: F.embedding(ids, w, padding_idx=2).pow(2).sum(),
+        [_ids(12, 10), *_inputs(5, (10, 6))],
+        (1,),
+    ),
+    (
+        "embedding_negative_padding_idx",
+        lambda ids, w: F.embedding(ids, w, padding_idx=-3).sin().sum(),
+        [_ids(12, 10), *_inputs(6, (10, 6))],
+        (1,),
+    ),
     (
         "cross_entropy",
         lambda logits, target: F.cross_entropy(logits, target),
@@ -316,3 +329,27 @@ def test_hf_llama_loss_and_grads_match_eager_torch(mesh_axes):
     assert_close(value, expected.detach(), what="loss")
     for name, grad in grads.items():
         assert_close(grad, want[name], what=f"grad of {name}")
+
+
+def test_padding_row_of_a_vocabulary_sharded_embedding_is_the_only_row_without_gradient():
+    """torchax zeroed local row 0 of every shard of an FSDP-sharded table: rows 16, 32, ... never trained."""
+    import optax
+
+    import torchshard as ts
+
+    torch.manual_seed(0)
+    ref = torch.nn.Sequential(torch.nn.Embedding(128, 16, padding_idx=0), torch.nn.Linear(16, 128))
+    model = copy.deepcopy(ref)
+    ids = torch.arange(128).reshape(8, 16)  # every row, padding and shard boundaries included
+
+    def loss_fn(m, ids):
+        return F.cross_entropy(m(ids).reshape(-1, 128), ids.reshape(-1).flip(0))
+
+    torch.optim.SGD(ref.parameters(), lr=1.0).zero_grad()
+    loss_fn(ref, ids).backward()
+    with torch.no_grad():
+        ref[0].weight -= ref[0].weight.grad
+    mesh = ts.make_mesh({"data": 8})
+    trainer = ts.Trainer(model, loss_fn, optax.sgd(1.0), ts.plan(model, mesh, [(r"0\.weight", ("data", None))]))
+    trainer.step(ids)
+    assert_close(ts.to_torch_state_dict(trainer)["0.weight"], ref[0].weight, what="embedding after one SGD step")

@@ -45,6 +45,23 @@ def nll_loss_forward(input, target, weight, reduction, ignore_index):
     return (losses.sum() / total if reduction == 1 else losses.sum()), total
 
 
+def embedding(weight, indices, padding_idx=-1, scale_grad_by_freq=False, sparse=False):
+    """``aten.embedding``: rows of ``weight``; no gradient reaches row ``padding_idx`` (≥ 0; -1: none).
+
+    torchax zeroes the padding row of the weight's tangent with an indexed set, which GSPMD
+    applies at local row ``padding_idx`` of *every* shard when the table is split over its rows
+    (FSDP): the first row of each shard then never trained. Cutting the gradient of the looked-up
+    padding positions instead is the same gradient with no index into the table.
+    """
+    if scale_grad_by_freq:
+        raise NotImplementedError("embedding(scale_grad_by_freq=True) has no lowering; scale the loss instead")
+    out = jnp.take(weight, indices, axis=0)
+    if padding_idx < 0:
+        return out
+    keep = (indices != padding_idx)[..., None]
+    return jnp.where(keep, out, jax.lax.stop_gradient(out))
+
+
 def _tokens_dot(x: jax.Array, w: jax.Array, w_contract: int) -> jax.Array:
     """``x[..., k]`` times the 2-D ``w`` over its dim ``w_contract``, with ``x``'s leading dims flattened first.
 
@@ -94,6 +111,7 @@ def jax_lowerings() -> dict[Any, Callable[..., Any]]:
     return {
         torch.ops.aten.gather: gather_along_axis,
         torch.ops.aten.nll_loss_forward: nll_loss_forward,
+        torch.ops.aten.embedding: embedding,
         torch.nn.functional.linear: linear,
         torch.ops.aten.linear: linear,
         torch.matmul: matmul,
