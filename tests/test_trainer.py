@@ -325,7 +325,8 @@ def test_loss_functions_that_return_no_loss_tensor_raise(loss_fn, match):
         ((torch.empty(16, 32, device="meta"), torch.zeros(16, 16)), ts.ArgumentError, r"#0 \(16, 32\) is on the meta"),
         ((torch.randn(16, 31), torch.randn(16, 16)), ts.ShardingError,
          r"loss_fn failed in Linear 'layers\.0' on batch leaves #0 float32\[16, 31\], #1 float32\[16, 16\]: "
-         r"ValueError: Size of label 'a'.*; check the batch's shapes and dtypes against the model"),
+         r"ValueError: F\.linear: mat1 and mat2 shapes cannot be multiplied: input \(16, 31\) has 31 features, "
+         r"the weight \(64, 32\) takes 32; check the batch's shapes and dtypes against the model"),
         ((torch.ones(16, 32, dtype=torch.int64), torch.randn(16, 16)), ts.ShardingError,
          r"F\.linear of a int32\[16, 32\] and a float32\[64, 32\] operand: torch refuses mixed integer/floating"),
     ],

@@ -87,6 +87,11 @@ def linear(input, weight, bias=None):
     ``weight`` stays in torch's ``[out, in]`` layout: the dot contracts its dim 1, so ``weight.T``
     is never materialised.
     """
+    if weight.ndim == 2 and input.ndim >= 1 and input.shape[-1] != weight.shape[1]:
+        raise ValueError(  # torch's words: jax's would name dot_general's contracting dims
+            f"F.linear: mat1 and mat2 shapes cannot be multiplied: input {tuple(input.shape)} has "
+            f"{input.shape[-1]} features, the weight {tuple(weight.shape)} takes {weight.shape[1]}"
+        )
     if weight.ndim != 2 or input.ndim < 1 or not jnp.issubdtype(jnp.result_type(input, weight), jnp.floating):
         out = jnp.matmul(input, weight.T)  # 1-D weights and integer operands: torchax's own semantics
     else:
