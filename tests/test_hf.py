@@ -107,8 +107,8 @@ def test_hf_rules_without_fsdp(mesh_dm):
 
 
 def test_unexpressible_styles_are_named():
-    tp_plan = transformers.LlamaConfig().base_model_tp_plan | {"layers.*.mlp.experts": "moe_tp_experts"}
-    with pytest.raises(ShardingError, match=r"'layers\.\*\.mlp\.experts': tp style 'moe_tp_experts' has no"):
+    tp_plan = transformers.LlamaConfig().base_model_tp_plan | {"layers.*.mlp.experts": "opaque_custom"}
+    with pytest.raises(ShardingError, match=r"'layers\.\*\.mlp\.experts': tp style 'opaque_custom' has no"):
         presets.from_hf_tp_plan(tp_plan)
     rules = presets.from_hf_tp_plan(tp_plan, replicate_unsupported=True)
     assert rules.spec_for("model.layers.0.mlp.experts.weight") is None

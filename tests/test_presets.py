@@ -319,19 +319,21 @@ def test_from_hf_tp_plan_star_is_a_layer_index(mesh_dm):
 
 def test_from_hf_tp_plan_unsupported_styles_listed_together():
     tp_plan = {
-        "layers.*.mlp.gate_up_proj": "packed_colwise",
-        "layers.*.mlp.experts": "grouped_gemm",
+        "layers.*.mlp.gate_up_proj": "opaque_custom",
+        "layers.*.mlp.experts": "grouped_gemm",  # an ep_plan style, not a tp one
         "layers.*.self_attn.q_proj": "colwise",
+        "layers.*.mlp.experts.gate_up_proj": "packed_colwise",
     }
     with pytest.raises(ShardingError, match=r"unsupported HF tp_plan styles \(2 problems\)") as err:
         presets.from_hf_tp_plan(tp_plan)
     message = str(err.value)
-    assert "'layers.*.mlp.gate_up_proj': tp style 'packed_colwise' has no torchshard layout" in message
+    assert "'layers.*.mlp.gate_up_proj': tp style 'opaque_custom' has no torchshard layout" in message
     assert "'layers.*.mlp.experts': tp style 'grouped_gemm'" in message
     assert "pass replicate_unsupported=True" in message
     rules = presets.from_hf_tp_plan(tp_plan, replicate_unsupported=True)
-    head = r"(?:(?:.*\.)?layers\.\d+\.self_attn\.q_proj)"
-    assert [r.pattern for r in rules] == [head + r"\.weight", head + r"\.bias"]
+    # one rule per entry: the module's weight and bias, or the bare parameter the entry names
+    heads = [r"(?:.*\.)?layers\.\d+\.self_attn\.q_proj", r"(?:.*\.)?layers\.\d+\.mlp\.experts\.gate_up_proj"]
+    assert [r.pattern for r in rules] == [h + r"(?:\.weight|\.bias)?" for h in heads]
 
 
 def test_from_hf_tp_plan_of_a_real_llama(mesh_dm):

@@ -17,7 +17,7 @@ import torch
 
 from torchshard._errors import ShardingError, UnusedRuleWarning
 from torchshard._format import columns, fmt_bytes, fmt_shape
-from torchshard._hf import from_hf_tp_plan
+from torchshard._hf_plan import from_hf_tp_plan
 from torchshard._memory import training_memory
 from torchshard._mesh import make_mesh
 from torchshard._plan import ShardingPlan, plan

@@ -4,84 +4,19 @@ from __future__ import annotations
 
 import dataclasses
 import math
-import re
+import warnings
 from collections.abc import Mapping, Sequence
 from typing import Any
 
 import torch
 from jax.sharding import AbstractMesh, Mesh, PartitionSpec
 
-from torchshard._errors import ShardingError, raise_if_any
-from torchshard._presets import AxisName, fsdp, tensor_parallel
+from torchshard._errors import ShardingError, UnusedRuleWarning, raise_if_any
+from torchshard._hf_plan import expert_patterns, expert_rules, from_hf_tp_plan, layout_problems, unmatched_entries
+from torchshard._presets import AxisName, fsdp
 from torchshard._rules import Rules, SpecTransform, TensorInfo
 from torchshard._specs import entry_axes, spec_axes
 from torchshard._validate import describe_mesh
-
-# transformers 4.x and 5.x style names; only the weight layout matters here (GSPMD places activations)
-_HF_STYLES = {
-    "colwise": "colwise",
-    "colwise_rep": "colwise",
-    "colwise_gather_output": "colwise",
-    "embedding_colwise": "colwise",
-    "local_colwise": "colwise",
-    "rowwise": "rowwise",
-    "rowwise_rep": "rowwise",
-    "rowwise_split_input": "rowwise",
-    "embedding_rowwise": "rowwise",
-    "local_rowwise": "rowwise",
-}
-_HF_REPLICATE = {
-    "replicate",
-    "replicated_with_grad_allreduce",
-    "all_reduce",
-    "gather",
-    "local",
-    "sequence_parallel",
-    "isolated",
-    "ep_router",
-}
-
-
-def _hf_pattern(key: str) -> str:
-    body = r"\d+".join(re.escape(part) for part in key.split("*"))
-    return r"(?:.*\.)?" + body
-
-
-def from_hf_tp_plan(
-    tp_plan: Mapping[str, str], *, axis: AxisName = "model", replicate_unsupported: bool = False
-) -> Rules:
-    """Converts a transformers ``base_model_tp_plan`` (``{"layers.*.self_attn.q_proj": "colwise"}``).
-
-    Keys may be relative to the base model; they match names under any prefix (``model.``).
-
-    Args:
-        tp_plan: module pattern (``*`` = layer index) → HF style name.
-        axis: the tensor-parallel mesh axis.
-        replicate_unsupported: replicate modules whose style has no weight layout here
-            instead of raising.
-
-    Raises:
-        ShardingError: every style that cannot be expressed, unless ``replicate_unsupported``.
-
-    Example:
-        >>> rules = from_hf_tp_plan({"layers.*.mlp.up_proj": "colwise", "layers.*.mlp.down_proj": "rowwise"})
-    """
-    colwise, rowwise, problems = [], [], []
-    for key, style in tp_plan.items():
-        kind = _HF_STYLES.get(style)
-        if kind == "colwise":
-            colwise.append(_hf_pattern(key))
-        elif kind == "rowwise":
-            rowwise.append(_hf_pattern(key))
-        elif style not in _HF_REPLICATE and not replicate_unsupported:
-            problems.append(
-                f"{key!r}: tp style {style!r} has no torchshard layout (supported: "
-                f"{sorted(_HF_STYLES)}; no-weight styles {sorted(_HF_REPLICATE)}); pass "
-                f"replicate_unsupported=True to replicate it"
-            )
-    raise_if_any(problems, header="unsupported HF tp_plan styles")
-    return tensor_parallel(colwise, rowwise, axis=axis)
-
 
 _HEAD_FIELDS = ("num_attention_heads", "num_key_value_heads")
 
@@ -188,28 +123,45 @@ def _vocab_names(model: Any) -> frozenset[str]:
     return frozenset(name for name, p in named if id(p) in ids)
 
 
-def _model_tp_plan(model: Any) -> Mapping[str, str]:
+def _model_plans(model: Any) -> tuple[Mapping[str, str], Mapping[str, str]]:
+    """The model's (tp_plan, ep_plan): its own (transformers ≥ 5: full names, the head too), else its config's."""
     if getattr(model, "config", None) is None:
         raise ShardingError(
             f"hf_rules() needs a transformers model (with .config), got {type(model).__name__}; "
             f"for a bare tp_plan dict use from_hf_tp_plan(tp_plan)"
         )
-    # the model's own plan (transformers ≥ 5) has full names and the head (lm_head); the config's
-    # base_model_tp_plan only covers the base model
     tp_plan = getattr(model, "tp_plan", None) or getattr(model, "_tp_plan", None)
-    tp_plan = tp_plan or getattr(model.config, "base_model_tp_plan", None)
-    if not tp_plan:
-        raise ShardingError(
-            f"{type(model).__name__} has no tensor-parallel plan (model.tp_plan and config.base_model_tp_plan are "
-            f"empty); write tensor_parallel(colwise=[...], rowwise=[...]) rules for it, or use fsdp() alone"
+    ep_plan = getattr(model, "ep_plan", None) or getattr(model, "_ep_plan", None)
+    return (
+        tp_plan or getattr(model.config, "base_model_tp_plan", None) or {},
+        ep_plan or getattr(model.config, "base_model_ep_plan", None) or {},
+    )
+
+
+def _present(model: Any, tp_plan: Mapping[str, str], axis: AxisName | None) -> Mapping[str, str]:
+    """The entries that name something in ``model``; every entry that lays out nothing is a problem."""
+    modules = dict(model.named_modules())
+    tensors = [n for n, _ in model.named_parameters(remove_duplicate=False)]
+    tensors += [n for n, _ in model.named_buffers(remove_duplicate=False)]
+    raise_if_any(layout_problems(tp_plan, modules, tensors), header=f"{type(model).__name__}'s tp_plan")
+    missing = unmatched_entries(tp_plan, [*modules, *tensors])
+    if missing and axis is not None:
+        # configs leave out modules their plan covers (dense MLPs when every layer is MoE, q_proj
+        # under a q_lora_rank): a note, since each such entry would otherwise warn in plan()
+        warnings.warn(
+            f"{type(model).__name__}'s tp_plan entries {dict(missing)} match no module or tensor of this model "
+            f"(its config leaves them out); they add no rule",
+            UnusedRuleWarning,
+            stacklevel=3,
         )
-    return tp_plan
+    return {k: s for k, s in tp_plan.items() if (k, s) not in missing}
 
 
 def hf_rules(
     model: Any,
     *,
-    axis: AxisName = "model",
+    axis: AxisName | None = "model",
+    expert_axis: AxisName | None = None,
     fsdp_axis: AxisName | None = "data",
     fsdp_min_size: int = 2**12,
     replicate_unsupported: bool = False,
@@ -218,10 +170,14 @@ def hf_rules(
 
     `plan` then also reports (with every other problem) head counts in the config that the
     ``axis`` size does not divide (see `validate_hf_config`). Works on ``meta`` models.
+    Mixture-of-experts weights (``[experts, out, in]``) follow the plan's MoE styles over
+    ``axis`` and, with ``expert_axis``, are split by expert over that axis too (expert
+    parallelism: the stacked weights the model's ``ep_plan`` names).
 
     Args:
         model: a transformers ``PreTrainedModel`` (e.g. ``LlamaForCausalLM``).
-        axis: the tensor-parallel mesh axis.
+        axis: the tensor-parallel mesh axis; None adds no tensor-parallel rules.
+        expert_axis: split every stacked expert weight's expert dim over this axis; None for none.
         fsdp_axis: shard every big tensor's other dim over this axis; None for TP only.
         fsdp_min_size: tensors with fewer elements are not FSDP-sharded.
         replicate_unsupported: replicate modules whose tp style has no layout here instead of raising.
@@ -229,17 +185,43 @@ def hf_rules(
     Returns:
         ``from_hf_tp_plan(model.tp_plan) + fsdp(fsdp_axis)`` with the head-count check; the
         embedding and head put ``fsdp_axis`` on their vocabulary dim, so the batch stays sharded.
+        Plan entries naming modules this config leaves out add no rule (one `UnusedRuleWarning`).
 
     Raises:
-        ShardingError: ``model`` has no config or no tp_plan, or a style cannot be expressed.
+        ShardingError: ``model`` has no config or no tp_plan (when ``axis`` is set), a style cannot
+            be expressed, an entry names a module without a tensor it could lay out, or
+            ``expert_axis`` is set on a model without stacked expert weights.
 
     Example:
         >>> model = LlamaForCausalLM(config)  # doctest: +SKIP
         >>> p = torchshard.plan(model, make_mesh({"data": 4, "model": 2}), hf_rules(model))  # doctest: +SKIP
     """
-    rules = from_hf_tp_plan(_model_tp_plan(model), axis=axis, replicate_unsupported=replicate_unsupported)
-    rules += Rules(transforms=(HFHeads(axis, _head_counts(model.config)),))
+    tp_plan, ep_plan = _model_plans(model)
+    rules = Rules()
+    if axis is not None:
+        if not tp_plan:
+            raise ShardingError(
+                f"{type(model).__name__} has no tensor-parallel plan (model.tp_plan and config.base_model_tp_plan "
+                f"are empty); write tensor_parallel(colwise=[...], rowwise=[...]) rules for it, or use "
+                f"hf_rules(model, axis=None) for FSDP alone"
+            )
+        present = _present(model, tp_plan, axis)
+        rules = from_hf_tp_plan(present, axis=axis, replicate_unsupported=replicate_unsupported)
+        rules += Rules(transforms=(HFHeads(axis, _head_counts(model.config)),))
+    if expert_axis is not None:
+        rules += _expert_rules(model, tp_plan, ep_plan, expert_axis)
     if fsdp_axis is None:
         return rules
     vocab = Rules(transforms=(VocabFSDP(_vocab_names(model), fsdp_axis, fsdp_min_size),))
     return rules + vocab + fsdp(fsdp_axis, fsdp_min_size)
+
+
+def _expert_rules(model: Any, tp_plan: Mapping[str, str], ep_plan: Mapping[str, str], axis: AxisName) -> Rules:
+    patterns = expert_patterns(ep_plan, tp_plan)
+    if not patterns:
+        raise ShardingError(
+            f"hf_rules(expert_axis={axis!r}): {type(model).__name__} has no stacked expert weights in its ep_plan "
+            f"or tp_plan (no 'grouped_gemm' or 'moe_tp_experts' entries); expert parallelism needs a mixture of "
+            f"experts, or name its expert tensors with presets.expert_parallel(patterns)"
+        )
+    return expert_rules(patterns, axis)

@@ -286,6 +286,7 @@ def plan(
             resolved[t.name] = got
             problems += spec_problems(t.name, info.shape, got.spec, mesh)
     problems += _tie_problems(resolved, ties, mesh)
+    problems += [p for transform in rules.transforms for p in transform.name_problems([t.name for t in tensors])]
     raise_if_any(problems, header=f"invalid sharding plan for {type(model).__name__} on {describe_mesh(mesh)}")
     _warn_unused(table, [t.name for t in tensors])
     return ShardingPlan(mesh, _entries(tensors, ties, resolved, mesh))

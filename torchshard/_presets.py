@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import math
+import re
 import sys
 from collections.abc import Sequence
 
@@ -99,6 +101,73 @@ def fsdp(axis: AxisName = "data", min_size: int = 2**12) -> Rules:
     return Rules(transforms=(FSDP(axis, min_size),))
 
 
+@dataclasses.dataclass(frozen=True)
+class ExpertParallel(SpecTransform):
+    """Puts ``axis`` on dim 0 (the experts) of every tensor whose name fullmatches one of ``patterns``.
+
+    It composes with the spec a rule chose: tensor-parallel experts ``P(None, "model", None)``
+    become ``P("expert", "model", None)``; an FSDP transform after it then picks another dim.
+    """
+
+    patterns: tuple[str, ...]
+    axis: AxisName
+
+    @property
+    def label(self) -> str:
+        return f"+experts({self.axis!r})"
+
+    def __call__(self, info: TensorInfo, spec: PartitionSpec) -> PartitionSpec:
+        axes = entry_axes(self.axis)
+        if not info.shape or not any(re.fullmatch(p, info.name) for p in self.patterns):
+            return spec
+        if set(spec_axes(spec)) & set(axes) or len(spec) > len(info.shape):
+            return spec  # already there, or a rank problem plan reports
+        entries = list(spec) + [None] * (len(info.shape) - len(spec))
+        merged = axes + entry_axes(entries[0])
+        entries[0] = merged if len(merged) > 1 else merged[0]
+        return PartitionSpec(*entries)  # plan reports an expert count the axis does not divide
+
+    def problems(self, mesh: Mesh | AbstractMesh) -> list[str]:
+        return axis_problems("expert_parallel", self.axis, mesh)
+
+    def name_problems(self, names: Sequence[str]) -> list[str]:
+        return [
+            f"expert_parallel pattern {p!r} matches no tensor of the model (closest names: "
+            f"{difflib.get_close_matches(p.replace(chr(92), ''), names, n=3, cutoff=0.3)}); name the stacked "
+            f"expert weights, e.g. r'.*experts\\.gate_up_proj'"
+            for p in self.patterns
+            if not any(re.fullmatch(p, n) for n in names)
+        ]
+
+
+def expert_parallel(patterns: str | Sequence[str], axis: AxisName = "expert") -> Rules:
+    """Expert parallelism: each stacked expert weight ``[experts, ...]`` is split by expert over ``axis``.
+
+    For mixture-of-experts modules that hold their experts as one tensor per projection
+    (``[experts, out, in]``, as transformers' do); experts kept as a ``ModuleList`` of separate
+    Linears cannot be split by expert. Add it to other rules: ``expert_parallel(...) + fsdp()``.
+
+    Args:
+        patterns: regexes fullmatching the stacked expert tensors' state_dict names.
+        axis: the mesh axis the experts are split over (it must divide the expert count).
+
+    Returns:
+        Rules with one transform; `plan` reports an unknown axis, an expert count the axis does
+        not divide and a pattern that matches no tensor, with every other problem.
+
+    Example:
+        >>> moe = torch.nn.Module()
+        >>> moe.w_in, moe.w_out = torch.nn.Parameter(torch.ones(4, 32, 16)), torch.nn.Parameter(torch.ones(4, 16, 32))
+        >>> rules = expert_parallel([r"w_in", r"w_out"]) + fsdp(min_size=1)
+        >>> p = ts.plan(moe, ts.make_mesh({"expert": 4, "data": 2}), rules)
+        >>> p.spec("w_in"), p.spec("w_out")
+        (P('expert', 'data', None), P('expert', None, 'data'))
+    """
+    patterns = [patterns] if isinstance(patterns, str) else list(patterns)
+    Rules([(p, ()) for p in patterns])  # validates the regexes with a clear error
+    return Rules(transforms=(ExpertParallel(tuple(patterns), axis),))
+
+
 def is_embedding(module_type: type | None) -> bool:
     """``torch.nn.Embedding`` or a subclass (e.g. Gemma's scaled word embedding)."""
     return module_type is not None and issubclass(module_type, torch.nn.Embedding)
@@ -113,7 +182,11 @@ def is_conv1d(module_type: type | None) -> bool:
 
 @dataclasses.dataclass(frozen=True)
 class Layout:
-    """Shape-aware TP spec: ``colwise`` shards outputs, ``rowwise`` inputs, in the owner's layout."""
+    """Shape-aware TP spec: ``colwise`` shards outputs, ``rowwise`` inputs, in the owner's layout.
+
+    ``param`` is ``"weight"``, ``"bias"`` or ``"tensor"`` (a bare parameter such as stacked expert
+    weights: laid out like a weight, or like a bias when 1-D).
+    """
 
     style: str
     axis: AxisName
@@ -124,12 +197,12 @@ class Layout:
         return f"{self.style}({self.axis!r})"
 
     def __call__(self, info: TensorInfo) -> PartitionSpec:
-        if self.param == "bias":
+        if self.param == "bias" or (self.param == "tensor" and len(info.shape) == 1):
             return PartitionSpec(self.axis) if self.style == "colwise" else PartitionSpec()
         # torch Linear is [out, in]; Conv1D is [in, out]; Embedding is [num, dim], so colwise
-        # splits its dim and rowwise its vocabulary
+        # splits its dim and rowwise its vocabulary; stacked experts are [experts, out, in]
         transposed = is_conv1d(info.module_type) or is_embedding(info.module_type)
-        out_dim, in_dim = (1, 0) if transposed else (0, 1)
+        out_dim, in_dim = (1, 2) if len(info.shape) == 3 else (1, 0) if transposed else (0, 1)
         dim = out_dim if self.style == "colwise" else in_dim
         # a module with a 1-d weight (e.g. LayerNorm) yields a spec longer than its rank, which plan reports
         entries: list[AxisName | None] = [None] * max(len(info.shape), dim + 1)

@@ -40,6 +40,10 @@ class SpecTransform:
         """What makes this transform unusable on ``mesh`` (e.g. an unknown axis); empty if nothing."""
         return []
 
+    def name_problems(self, names: Sequence[str]) -> list[str]:
+        """What this transform names that the model lacks (``names``: every tensor's); empty if nothing."""
+        return []
+
 
 @dataclasses.dataclass(frozen=True)
 class Rule:

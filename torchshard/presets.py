@@ -1,11 +1,20 @@
-"""Ready-made rule tables: replicated, data parallel, FSDP, tensor parallel and Hugging Face tp_plans."""
+"""Ready-made rule tables: replicated, data parallel, FSDP, tensor and expert parallel, Hugging Face plans."""
 
-from torchshard._hf import from_hf_tp_plan, hf_rules, validate_hf_config
-from torchshard._presets import common_tensor_parallel, data_parallel, fsdp, replicated, tensor_parallel
+from torchshard._hf import hf_rules, validate_hf_config
+from torchshard._hf_plan import from_hf_tp_plan
+from torchshard._presets import (
+    common_tensor_parallel,
+    data_parallel,
+    expert_parallel,
+    fsdp,
+    replicated,
+    tensor_parallel,
+)
 
 __all__ = [
     "common_tensor_parallel",
     "data_parallel",
+    "expert_parallel",
     "from_hf_tp_plan",
     "fsdp",
     "hf_rules",

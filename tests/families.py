@@ -1,0 +1,160 @@
+"""Tiny configs of transformers families that ship a tensor-parallel plan (transformers 5.23).
+
+A family is built from its own config class with small sizes: the fields below are set where the
+config has them; per-layer lists are cut to two entries (two kinds kept when there are two);
+dropout-like fields are 0 so that two train-mode forwards agree.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+from typing import Any
+
+import torch
+
+SMALL: dict[str, Any] = {
+    "hidden_size": 64,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "head_dim": 16,
+    "intermediate_size": 128,
+    "vocab_size": 128,
+    "max_position_embeddings": 64,
+    "pad_token_id": 0,
+    "bos_token_id": 1,
+    "eos_token_id": 2,
+    "sliding_window": 8,
+    "attention_chunk_size": 8,
+    # mixture of experts: 4 experts, 2 per token, one shared expert, no router noise
+    "num_experts": 4,
+    "num_local_experts": 4,
+    "n_routed_experts": 4,
+    "moe_num_experts": 4,
+    "num_experts_per_tok": 2,
+    "num_experts_per_token": 2,
+    "moe_k": 2,
+    "moe_topk": 2,
+    "top_k": 2,
+    "moe_intermediate_size": 32,
+    "expert_intermediate_size": 32,
+    "shared_expert_intermediate_size": 32,
+    "n_shared_experts": 1,
+    "num_shared_experts": 1,
+    "moe_num_shared_experts": 1,
+    "n_group": 1,
+    "topk_group": 1,
+    "first_k_dense_replace": 1,
+    "decoder_sparse_step": 1,
+    "router_jitter_noise": 0.0,
+    "router_aux_loss_coef": 0.0,
+    # multi-head latent attention (DeepSeek-style)
+    "q_lora_rank": 32,
+    "kv_lora_rank": 16,
+    "qk_rope_head_dim": 8,
+    "qk_nope_head_dim": 8,
+    "v_head_dim": 16,
+    "index_head_dim": 16,
+    "index_n_heads": 4,
+    "index_topk": 8,
+}
+# fields set even where the default is None (the config then reads them)
+_EVEN_IF_NONE = ("head_dim", "pad_token_id", "num_experts_per_tok")
+_DROPOUT = re.compile(r"dropout|layerdrop|drop_prob|_pdrop")
+
+
+@dataclasses.dataclass(frozen=True)
+class Family:
+    """A transformers model type, its tiny-config overrides and what its training test needs."""
+
+    model_type: str
+    moe: bool = False
+    extra: tuple[tuple[str, Any], ...] = ()  # config overrides beyond SMALL
+
+
+def _small(model_type: str) -> dict[str, Any]:
+    import transformers
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING_NAMES
+
+    default = getattr(transformers, CONFIG_MAPPING_NAMES[model_type])()
+    settable = [k for k in SMALL if hasattr(default, k) and (getattr(default, k) is not None or k in _EVEN_IF_NONE)]
+    kw = {k: SMALL[k] for k in settable}
+    if getattr(default, "qk_rope_head_dim", None):  # MLA: the rotary dim is the head dim, kv heads = heads
+        kw["head_dim"] = kw["qk_rope_head_dim"]
+        if "num_key_value_heads" in kw:
+            kw["num_key_value_heads"] = kw["num_attention_heads"]
+    layers = getattr(default, "num_hidden_layers", None)
+    for key, value in vars(default).items():
+        if not key.startswith("_") and isinstance(value, list | tuple) and layers and len(value) == layers:
+            kw.setdefault(key, _two_layers(list(value)))
+        if isinstance(value, float) and value and _DROPOUT.search(key):
+            kw[key] = 0.0
+    return kw
+
+
+def _two_layers(values: list[Any]) -> list[Any]:
+    other = next((v for v in values[1:] if v != values[0]), None)
+    return [values[0], other] if other is not None else values[:2]
+
+
+def build(family: Family, *, seed: int = 0) -> torch.nn.Module:
+    """The family's causal LM (its base model where it has none) on CPU, seeded."""
+    import transformers
+    from transformers.models.auto import modeling_auto
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING_NAMES
+
+    config_class = getattr(transformers, CONFIG_MAPPING_NAMES[family.model_type])
+    config = config_class(**(_small(family.model_type) | dict(family.extra)))
+    name = modeling_auto.MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.get(family.model_type)
+    torch.manual_seed(seed)
+    model = getattr(transformers, name)(config)
+    _randomize_zero_routers(model)
+    return model
+
+
+def _randomize_zero_routers(model: torch.nn.Module) -> None:
+    # a zero-initialised router (AFMoE) ties every expert score, and torch and JAX break top-k ties
+    # differently: small random weights make the comparison meaningful
+    gen = torch.Generator().manual_seed(3)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            routes = p.ndim == 2 and ("router" in name or name.endswith("gate.weight"))
+            if routes and p.numel() and not p.any():
+                p.normal_(std=0.02, generator=gen)
+
+
+def lm_loss(model: torch.nn.Module, ids: torch.Tensor) -> torch.Tensor:
+    """The causal LM loss with the KV cache off, as in training (hybrid models' conv caches write
+    through views torchax cannot ``copy_`` into)."""
+    return model(input_ids=ids, labels=ids, use_cache=False).loss
+
+
+def _f(model_type: str, *, moe: bool = False, **extra: Any) -> Family:
+    return Family(model_type, moe, tuple(extra.items()))
+
+
+# causal LMs of transformers 5.23 with a tp_plan that build from a tiny config
+DENSE = [
+    *(_f(t) for t in ("apertus", "arcee", "cohere", "cohere2", "cwm", "doge", "ernie4_5", "exaone4", "gemma",
+                      "gemma2", "gemma3_text", "glm", "glm4", "gpt_neox", "granite", "granite_swa", "helium",
+                      "hrm_text", "hyperclovax", "jais2", "llama", "minicpm3", "ministral", "ministral3", "mistral",
+                      "nanochat", "olmo", "olmo2", "olmo3", "phi", "phi3", "qwen2", "qwen3", "seed_oss", "smollm3",
+                      "starcoder2", "vaultgemma", "youtu")),
+    _f("olmo_hybrid"),
+]  # fmt: skip
+MOE = [
+    *(_f(t, moe=True) for t in ("afmoe", "aria_text", "axk1", "axk2", "beam", "cohere2_moe", "deepseek_v2",
+                                "deepseek_v3", "deepseek_v32", "deepseek_v4", "ernie4_5_moe", "exaone_moe",
+                                "flex_olmo", "flint", "glm4_moe", "glm4_moe_lite", "glm_moe_dsa", "granitemoe",
+                                "granitemoe_swa", "granitemoeshared", "hunyuan_v1_moe", "hy_v3", "hy_v4",
+                                "inkling_text", "kolibri1", "laguna", "llama4_text", "mellum", "mimo_v2_flash",
+                                "minimax", "minimax_m2", "minimax_m3_vl_text", "mixtral", "olmoe", "qwen2_moe",
+                                "qwen3_moe", "solar_open")),
+    _f("bailing_hybrid", moe=True),
+    _f("granitemoehybrid", moe=True, layer_types=["full_attention", "linear_attention"]),
+    _f("jamba", moe=True, attn_layer_period=2, attn_layer_offset=0),
+]  # fmt: skip
+# run by default (TORCHSHARD_FAMILIES=all runs every family): a subclassed embedding, a fused qkv,
+# packed MoE experts, MoE with a shared expert and multi-head latent attention
+REPRESENTATIVE = ("gemma2", "gpt_neox", "mixtral", "qwen3_moe", "deepseek_v3")
