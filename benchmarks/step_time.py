@@ -1,4 +1,13 @@
-"""Step time of torchshard's Trainer against hand-written JAX, the torchax tutorial pattern and eager torch."""
+"""Step time of torchshard's Trainer against hand-written JAX, the torchax tutorial pattern and eager torch.
+
+Two tables: the tutorial MLP (``--workloads mlp``) and a transformers Llama (``--workloads llama``:
+hidden 512, 4 layers, 8 heads, vocab 8000, batch 16 × seq 256, AdamW), each config against the
+same step written by hand in JAX with the Trainer's shardings (`jax_llama.py` for the Llama), and
+its model FLOP/s against a plain jitted GEMM on the same devices, measured in the same run.
+
+    python benchmarks/step_time.py                           # both tables (the README numbers)
+    python benchmarks/step_time.py --workloads llama --tiny  # seconds; what the smoke test runs
+"""
 
 from __future__ import annotations
 
@@ -22,6 +31,9 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--cpu-devices", type=int, default=8, help="0: use JAX's default devices")
     parser.add_argument("--configs", default="dp,tp,fsdp")
     parser.add_argument("--no-torch", action="store_true", help="skip eager torch (slow on big batches)")
+    parser.add_argument("--workloads", default="mlp,llama", help="mlp, llama or both")
+    parser.add_argument("--llama-configs", default="one_device,fsdp,fsdp_tp")
+    parser.add_argument("--tiny", action="store_true", help="a tiny Llama (smoke test)")
     return parser.parse_args()
 
 
@@ -245,12 +257,116 @@ def print_table(rows: list[dict[str, object]]) -> None:
         )
 
 
+LLAMA = dict(hidden_size=512, intermediate_size=1376, num_hidden_layers=4, num_attention_heads=8, num_key_value_heads=8,
+             vocab_size=8000, max_position_embeddings=256, tie_word_embeddings=False)  # fmt: skip
+LLAMA_TINY = LLAMA | dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                          num_key_value_heads=4, vocab_size=256)  # fmt: skip
+
+
+def llama_config(tiny: bool):
+    import transformers
+
+    return transformers.LlamaConfig(**(LLAMA_TINY if tiny else LLAMA))
+
+
+def llama_flops(config, batch: int, seq: int) -> float:
+    """Model FLOPs of one train step: 6 × matmul params × tokens + attention (the causal square counted whole)."""
+    h, heads, kv = config.hidden_size, config.num_attention_heads, config.num_key_value_heads
+    dim = h // heads
+    per_layer = 2 * h * h + 2 * h * kv * dim + 3 * h * config.intermediate_size
+    dense = 6 * (config.num_hidden_layers * per_layer + h * config.vocab_size) * batch * seq
+    return dense + 12 * config.num_hidden_layers * batch * heads * seq * seq * dim
+
+
+def llama_trainer(name: str, config, ids):
+    import jax
+    import optax
+    import torch
+    import transformers
+
+    torch.manual_seed(0)
+    model = transformers.LlamaForCausalLM(config)
+    if name == "one_device":
+        mesh, rules = ts.make_mesh({"data": 1}, devices=jax.devices()[:1]), ts.presets.replicated()
+    elif name == "fsdp":
+        mesh, rules = ts.make_mesh({"data": -1}), ts.presets.hf_rules(model, axis=None)
+    else:
+        mesh, rules = ts.make_mesh({"data": -1, "model": 2}), ts.presets.hf_rules(model)
+    optimizer = optax.adamw(1e-4, weight_decay=0.0)
+    trainer = ts.Trainer(model, lambda m, i: m(input_ids=i, labels=i).loss, optimizer, ts.plan(model, mesh, rules))
+    return trainer, optimizer, trainer.place_batch(ids)
+
+
+def llama_gemm_flops_per_s(mesh, tokens: int, config, steps: int, warmup: int) -> float:
+    """FLOP/s of a plain jitted [tokens, hidden] × [hidden, inter] GEMM, tokens over every device of ``mesh``."""
+    import jax
+    import jax.numpy as jnp
+    from jax.sharding import NamedSharding, PartitionSpec
+
+    axes = tuple(mesh.axis_names)
+    h, inter = config.hidden_size, config.intermediate_size
+    x = jax.device_put(jnp.ones((tokens, h), jnp.float32), NamedSharding(mesh, PartitionSpec(axes)))
+    w = jax.device_put(jnp.ones((h, inter), jnp.float32), NamedSharding(mesh, PartitionSpec()))
+    f = jax.jit(lambda a, b: a @ b)
+    return 2 * tokens * h * inter / median_time(lambda: f(x, w), steps, warmup)
+
+
+def llama_row(name: str, args, config, ids) -> dict[str, object]:
+    import jax_llama
+
+    trainer, optimizer, placed = llama_trainer(name, config, ids)
+    jitted, params, opt_state = jax_llama.step_fn(trainer, optimizer, config)
+    held = {"state": (params, opt_state)}
+
+    def hand_written():
+        *held["state"], value = jitted(*held["state"], placed)
+        return value
+
+    t_trainer, t_jax = median_times([lambda: trainer.step(placed)["loss"], hand_written], args.steps, args.warmup)
+    gemm = llama_gemm_flops_per_s(trainer.mesh, ids.numel(), config, args.steps, args.warmup)
+    # both ran the same number of steps from the same weights: the baseline must compute the same step
+    same = abs(float(trainer.step(placed)["loss"]) - float(hand_written())) < 1e-3
+    return {
+        "config": name,
+        "mesh": "×".join(f"{k}={v}" for k, v in trainer.mesh.shape.items()),
+        "trainer_s": t_trainer,
+        "vs_jax": t_trainer / t_jax,
+        "tflops": llama_flops(config, *ids.shape) / t_trainer / 1e12,
+        "gemm_fraction": llama_flops(config, *ids.shape) / t_trainer / gemm,
+        "same_loss": same,
+    }
+
+
+def print_llama_table(rows: list[dict[str, object]]) -> None:
+    print("| config | mesh | Trainer step (s) | Trainer / hand-written JAX | model TFLOP/s | FLOP/s vs plain GEMM "
+          "| same loss as JAX |")  # fmt: skip
+    print("|---|---|---|---|---|---|---|")
+    for r in rows:
+        print(f"| {r['config']} | {r['mesh']} | {r['trainer_s']:.3f} | {r['vs_jax']:.2f}× | {r['tflops']:.3f} | "
+              f"{r['gemm_fraction']:.0%} | {'yes' if r['same_loss'] else 'NO'} |")  # fmt: skip
+
+
+def llama_table(args) -> None:
+    import torch
+
+    config = llama_config(args.tiny)
+    batch, seq = (8, 32) if args.tiny else (16, 256)
+    ids = torch.randint(0, config.vocab_size, (batch, seq), generator=torch.Generator().manual_seed(0))
+    print(f"Llama: {config.num_hidden_layers} layers, hidden {config.hidden_size}, vocab {config.vocab_size}, "
+          f"batch {batch} × seq {seq}: {llama_flops(config, batch, seq) / 1e9:.1f} GFLOP per step")  # fmt: skip
+    print_llama_table([llama_row(name, args, config, ids) for name in args.llama_configs.split(",")])
+
+
 def main() -> int:
     args = parse_args()
     if args.cpu_devices:
         ts.use_cpu_devices(args.cpu_devices)
     import jax
 
+    if "llama" in args.workloads.split(","):
+        llama_table(args)
+    if "mlp" not in args.workloads.split(","):
+        return 0
     b = batch(args.batch)
     gemm = gemm_flops_per_s(args.batch, args.steps, args.warmup)
     torch_s = None if args.no_torch else median_time(torch_step(b), args.steps, args.warmup)

@@ -32,16 +32,32 @@ def test_collectives_benchmark_runs(tmp_path):
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
+def _tables(stdout: str) -> list[list[list[str]]]:
+    """Markdown tables of ``stdout``: rows of stripped cells, the header first."""
+    tables: list[list[list[str]]] = []
+    for line in stdout.splitlines():
+        if not line.startswith("| "):
+            continue
+        if line.startswith("| config |"):
+            tables.append([])
+        if "---" not in line:
+            tables[-1].append([c.strip() for c in line.split("|")[1:-1]])
+    return tables
+
+
 def test_step_time_benchmark_runs():
     script = SCRIPT.parent / "step_time.py"
-    args = ["--batch", "64", "--steps", "2", "--warmup", "1", "--configs", "tp,fsdp"]
+    args = ["--batch", "64", "--steps", "2", "--warmup", "1", "--configs", "tp,fsdp", "--tiny",
+            "--llama-configs", "fsdp_tp"]  # fmt: skip
     done = subprocess.run([sys.executable, str(script), *args], capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr
-    rows = [line.split("|")[1:-1] for line in done.stdout.splitlines() if line.startswith("| ") and "---" not in line]
-    assert [r[0].strip() for r in rows[1:]] == ["tp", "fsdp"]
-    assert "Trainer / hand-written JAX" in rows[0][3]
-    per_device = {r[0].strip(): float(r[-1]) for r in rows[1:]}
+    llama, mlp = _tables(done.stdout)
+    assert [r[0] for r in mlp[1:]] == ["tp", "fsdp"]
+    assert "Trainer / hand-written JAX" in mlp[0][3]
+    per_device = {r[0]: float(r[-1]) for r in mlp[1:]}
     assert per_device["fsdp"] < per_device["tp"]  # FSDP holds a fraction of the state on each device
+    assert [r[:2] for r in llama[1:]] == [["fsdp_tp", "data=4×model=2"]]
+    assert llama[1][-1] == "yes"  # the hand-written JAX Llama computes the Trainer's loss
 
 
 def test_llama_train_benchmark_runs(tmp_path):
