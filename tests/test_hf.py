@@ -220,3 +220,18 @@ def test_llama_trains_like_torch(mesh_dm, tied):
     with torch.no_grad():
         expected = ref(input_ids=ids).logits
     assert_close(sharded_logits(trainer.model, ids, mesh_dm), expected, tol=1e-4, what="logits after training")
+
+
+@pytest.mark.filterwarnings("ignore:Explicitly requested dtype int64")  # M2M100's position ids
+def test_layerdrop_is_named_instead_of_frozen_at_trace_time(mesh_fsdp):
+    """M2M100 skips layers on ``torch.rand([]) < p``: inside the step that draw is traced, so it cannot steer Python."""
+    config = transformers.M2M100Config(
+        vocab_size=64, d_model=16, encoder_layers=2, decoder_layers=2, encoder_attention_heads=2,
+        decoder_attention_heads=2, encoder_ffn_dim=32, decoder_ffn_dim=32, max_position_embeddings=32,
+        encoder_layerdrop=0.5, decoder_layerdrop=0.5, dropout=0.0,
+    )  # fmt: skip
+    model = transformers.M2M100ForConditionalGeneration(config)
+    trainer = ts.Trainer(model, lm_loss, optax.sgd(0.1), ts.plan(model, mesh_fsdp))
+    match = r"loss_fn: M2M100Encoder 'model\.encoder' turns a traced tensor into a Python value .*set layerdrop=0"
+    with pytest.raises(ShardingError, match=match):
+        trainer.step(torch.randint(3, 64, (8, 8)))

@@ -16,7 +16,7 @@ import torch
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from torchshard._errors import ShardingError, raise_if_any
-from torchshard._module_tensors import named_tensors
+from torchshard._module_tensors import named_tensors, set_tensor
 from torchshard._placement import batch_leaf_spec, put, shard
 from torchshard._plan import ShardingPlan
 from torchshard._precision import MixedPrecision
@@ -213,16 +213,15 @@ class Trainer:
 
     def _views(self) -> None:
         """Per-layer tensors of scanned blocks become views of the stacked state (no second copy)."""
+        params = {n for n, _ in self._model.named_parameters(remove_duplicate=False)}
         for key, names in self.layout.stacks().items():
             array = {**self._state.params, **self._state.buffers, **self._frozen}[key]
             self._stacks[key] = stack = StackedArray(array)
             for i, name in enumerate(names):
-                owner, _, leaf = name.rpartition(".")
-                module = self._model.get_submodule(owner)
                 old = self._tensors[name]
-                is_param = leaf in module._parameters
+                is_param = name in params
                 view = LayerView(stack, i, param=is_param, requires_grad=old.requires_grad)
-                (module._parameters if is_param else module._buffers)[leaf] = view
+                set_tensor(self._model, name, view, param=is_param)
         self._tensors = named_tensors(self._model)
 
     def _shardings(self) -> dict[str, NamedSharding]:
