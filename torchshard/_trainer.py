@@ -280,6 +280,8 @@ class Trainer:
             ShardingError: every leaf whose sharded dims do not divide by the mesh axes.
         """
         leaves = jax.tree.leaves(batch)
+        if not local and all(isinstance(x, jax.Array) and x.sharding == self._leaf_sharding(x) for x in leaves):
+            return batch  # already placed (by place_batch or prefetch): nothing to check or move
         raise_for_arguments(batch_type_problems(leaves), header="invalid batch")
         problems = [p for i, leaf in enumerate(leaves) for p in self._batch_problems(i, leaf, local=local)]
         raise_if_any(problems, header=f"batch does not fit batch_spec {self.batch_spec} on {describe_mesh(self.mesh)}")
