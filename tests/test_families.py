@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import copy
 import os
+from typing import Any
 
 import numpy as np
 import optax
@@ -28,13 +29,13 @@ LR, BETAS, EPS, WEIGHT_DECAY = 1e-3, (0.9, 0.999), 1e-8, 0.01
 REMAT_WARNING = "Involuntary full rematerialization"
 
 
-def _selected() -> list[Family]:
+def _selected(*, moe: bool = False) -> list[Any]:
+    """The families to run (an expected failure where its losses are known to differ), as pytest params."""
     wanted = os.environ.get("TORCHSHARD_FAMILIES", "")
-    every = DENSE + MOE
-    if wanted == "all":
-        return every
-    names = wanted.split(",") if wanted else REPRESENTATIVE
-    return [f for f in every if f.model_type in names]
+    every = [f for f in DENSE + MOE if f.moe or not moe]
+    names = [f.model_type for f in every] if wanted == "all" else wanted.split(",") if wanted else REPRESENTATIVE
+    marks = lambda f: [pytest.mark.xfail(reason=f.mismatch, strict=True)] if f.mismatch else []  # noqa: E731
+    return [pytest.param(f, id=f.model_type, marks=marks(f)) for f in every if f.model_type in names]
 
 
 def _batches(seed: int = 1) -> list[torch.Tensor]:
@@ -80,7 +81,7 @@ def _train(family: Family, kind: str) -> tuple[list[float], list[float], ts.Trai
 # plans cover modules a config leaves out; MLA indexers and sliding windows ask JAX for int64 (held as int32)
 @pytest.mark.filterwarnings("ignore::torchshard.UnusedRuleWarning", "ignore:Explicitly requested dtype int64")
 @pytest.mark.parametrize("kind", ["hf_rules", "fsdp"])
-@pytest.mark.parametrize("family", _selected(), ids=lambda f: f.model_type)
+@pytest.mark.parametrize("family", _selected())
 def test_family_trains_like_eager_torch(family, kind, capfd):
     got, expected, _ = _train(family, kind)
     np.testing.assert_allclose(got, expected, rtol=RTOL, err_msg=f"{family.model_type} under {kind}")
@@ -89,7 +90,7 @@ def test_family_trains_like_eager_torch(family, kind, capfd):
 
 
 @pytest.mark.filterwarnings("ignore::torchshard.UnusedRuleWarning", "ignore:Explicitly requested dtype int64")
-@pytest.mark.parametrize("family", [f for f in _selected() if f.moe], ids=lambda f: f.model_type)
+@pytest.mark.parametrize("family", _selected(moe=True))
 def test_moe_family_trains_expert_parallel_like_eager_torch(family):
     got, expected, trainer = _train(family, "expert_parallel")
     np.testing.assert_allclose(got, expected, rtol=RTOL, err_msg=f"{family.model_type} expert parallel")
