@@ -41,3 +41,20 @@ def torch_losses(model, loss_fn, opt, batches) -> list[float]:
         opt.step()
         out.append(loss.item())
     return out
+
+
+def eager_value_and_grads(fn, inputs, argnums):
+    """The truth for an op: ``fn(*inputs)`` in eager torch, and its gradients with respect to ``argnums``."""
+    leaves = [t.clone().requires_grad_(i in argnums) for i, t in enumerate(inputs)]
+    value = fn(*leaves)
+    value.backward()
+    return value.detach(), [leaves[i].grad for i in argnums]
+
+
+def on_jax(inputs):
+    """CPU torch tensors as torchax tensors (unsharded jax arrays)."""
+    import jax.numpy as jnp
+
+    from torchshard._torchax import wrap
+
+    return [wrap(jnp.asarray(t.numpy())) for t in inputs]

@@ -16,6 +16,7 @@ import optax
 import pytest
 import torch
 from families import DENSE, MOE, REPRESENTATIVE, Family, build, lm_loss
+from helpers import torch_losses
 from jax.sharding import PartitionSpec as P
 
 import torchshard as ts
@@ -43,16 +44,8 @@ def _batches(seed: int = 1) -> list[torch.Tensor]:
     return [torch.randint(3, 128, (8, 16), generator=gen) for _ in range(STEPS)]
 
 
-def _torch_losses(model: torch.nn.Module, family: Family, data: list[torch.Tensor]) -> list[float]:
-    opt = torch.optim.AdamW(model.parameters(), lr=LR, betas=BETAS, eps=EPS, weight_decay=WEIGHT_DECAY)
-    losses = []
-    for ids in data:
-        opt.zero_grad()
-        loss = lm_loss(model, ids)
-        loss.backward()
-        opt.step()
-        losses.append(loss.item())
-    return losses
+def _torch_adamw(model: torch.nn.Module) -> torch.optim.Optimizer:
+    return torch.optim.AdamW(model.parameters(), lr=LR, betas=BETAS, eps=EPS, weight_decay=WEIGHT_DECAY)
 
 
 def _rules(kind: str, model: torch.nn.Module) -> tuple[dict[str, int], ts.Rules, P]:
@@ -70,7 +63,7 @@ def _train(family: Family, kind: str) -> tuple[list[float], list[float], ts.Trai
     ref = build(family)
     model = copy.deepcopy(ref)
     data = _batches()
-    expected = _torch_losses(ref, family, data)
+    expected = torch_losses(ref, lm_loss, _torch_adamw(ref), data)
     axes, rules, batch_spec = _rules(kind, model)
     plan = ts.plan(model, ts.make_mesh(axes), rules)
     optimizer = optax.adamw(LR, b1=BETAS[0], b2=BETAS[1], eps=EPS, weight_decay=WEIGHT_DECAY)

@@ -9,7 +9,7 @@ import pytest
 import torch
 import torchax
 import torchax.interop
-from helpers import assert_close
+from helpers import assert_close, eager_value_and_grads, on_jax
 from torch.nn import functional as F
 
 from torchshard._torchax import env, wrap
@@ -216,29 +216,18 @@ def nn_linear(x, w, b):
     return torch.func.functional_call(layer, {"weight": w, "bias": b}, (x,))
 
 
-def _eager(fn, inputs, argnums):
-    leaves = [t.clone().requires_grad_(i in argnums) for i, t in enumerate(inputs)]
-    value = fn(*leaves)
-    value.backward()
-    return value.detach(), [leaves[i].grad for i in argnums]
-
-
-def _on_jax(inputs):
-    return [wrap(jnp.asarray(t.numpy())) for t in inputs]
-
-
 @pytest.mark.parametrize(("name", "fn", "inputs", "argnums"), OPS, ids=[op[0] for op in OPS])
 def test_op_in_torchax_env_matches_eager_torch(name, fn, inputs, argnums):
-    expected, _ = _eager(fn, inputs, argnums)
+    expected, _ = eager_value_and_grads(fn, inputs, argnums)
     with torchax.default_env():
-        value = fn(*_on_jax(inputs))
+        value = fn(*on_jax(inputs))
     assert_close(value, expected, what=name)
 
 
 @pytest.mark.parametrize(("name", "fn", "inputs", "argnums"), OPS, ids=[op[0] for op in OPS])
 def test_op_value_and_grad_matches_eager_torch(name, fn, inputs, argnums):
-    expected, expected_grads = _eager(fn, inputs, argnums)
-    value, grads = torchax.interop.jax_value_and_grad(fn, {"argnums": argnums})(*_on_jax(inputs))
+    expected, expected_grads = eager_value_and_grads(fn, inputs, argnums)
+    value, grads = torchax.interop.jax_value_and_grad(fn, {"argnums": argnums})(*on_jax(inputs))
     assert_close(value, expected, what=name)
     for i, grad, want in zip(argnums, grads, expected_grads, strict=True):
         assert_close(grad, want, what=f"{name} grad {i}")
@@ -246,7 +235,7 @@ def test_op_value_and_grad_matches_eager_torch(name, fn, inputs, argnums):
 
 @pytest.mark.parametrize(("name", "fn", "inputs", "argnums"), OPS, ids=[op[0] for op in OPS])
 def test_jax_grad_of_torch_function_matches_eager_torch(name, fn, inputs, argnums):
-    _, expected_grads = _eager(fn, inputs, argnums)
+    _, expected_grads = eager_value_and_grads(fn, inputs, argnums)
     arrays = [jnp.asarray(t.numpy()) for t in inputs]
     grads = jax.jit(jax.grad(torchax.interop.jax_view(fn), argnums=argnums))(*arrays)
     for i, grad, want in zip(argnums, grads, expected_grads, strict=True):
@@ -258,7 +247,7 @@ def test_cross_entropy_legacy_reduction_arguments_match_torch():
     with pytest.warns(UserWarning, match="size_average"):
         expected = F.cross_entropy(logits, target, size_average=False)
     with torchax.default_env(), pytest.warns(UserWarning, match="size_average"):
-        got = F.cross_entropy(*_on_jax([logits, target]), size_average=False)
+        got = F.cross_entropy(*on_jax([logits, target]), size_average=False)
     assert_close(got, expected, what="cross_entropy(size_average=False)")
 
 

@@ -6,9 +6,9 @@ import pytest
 import torch
 import torchax
 import torchax.interop
-from helpers import assert_close
+from helpers import assert_close, eager_value_and_grads, on_jax
 
-from torchshard._torchax import env, wrap
+from torchshard._torchax import env
 
 
 @pytest.fixture(autouse=True, scope="module")
@@ -120,25 +120,14 @@ CASES = [
 IDS = [case[0] for case in CASES]
 
 
-def _eager(fn, inputs, argnums):
-    leaves = [t.clone().requires_grad_(i in argnums) for i, t in enumerate(inputs)]
-    value = fn(*leaves)
-    value.backward()
-    return value.detach(), [leaves[i].grad for i in argnums]
-
-
-def _on_jax(inputs):
-    return [wrap(jnp.asarray(t.numpy())) for t in inputs]
-
-
 def _defined(grad, i, rows):
     return grad[:rows] if i == 0 and rows is not None else grad
 
 
 @pytest.mark.parametrize(("name", "fn", "inputs", "argnums", "rows"), CASES, ids=IDS)
 def test_grouped_mm_value_and_grad_match_eager_torch(name, fn, inputs, argnums, rows):
-    expected, expected_grads = _eager(fn, inputs, argnums)
-    value, grads = torchax.interop.jax_value_and_grad(fn, {"argnums": argnums})(*_on_jax(inputs))
+    expected, expected_grads = eager_value_and_grads(fn, inputs, argnums)
+    value, grads = torchax.interop.jax_value_and_grad(fn, {"argnums": argnums})(*on_jax(inputs))
     assert_close(value, expected, tol=TOL, what=name)
     for i, grad, want in zip(argnums, grads, expected_grads, strict=True):
         assert_close(_defined(grad.jax(), i, rows), _defined(want, i, rows), tol=TOL, what=f"{name} grad {i}")
@@ -146,7 +135,7 @@ def test_grouped_mm_value_and_grad_match_eager_torch(name, fn, inputs, argnums, 
 
 @pytest.mark.parametrize(("name", "fn", "inputs", "argnums", "rows"), CASES, ids=IDS)
 def test_grouped_mm_jitted_grad_matches_eager_torch(name, fn, inputs, argnums, rows):
-    _, expected_grads = _eager(fn, inputs, argnums)
+    _, expected_grads = eager_value_and_grads(fn, inputs, argnums)
     grads = jax.jit(jax.grad(torchax.interop.jax_view(fn), argnums=argnums))(*[jnp.asarray(t.numpy()) for t in inputs])
     for i, grad, want in zip(argnums, grads, expected_grads, strict=True):
         assert_close(_defined(grad, i, rows), _defined(want, i, rows), tol=TOL, what=f"{name} grad {i}")
@@ -154,13 +143,13 @@ def test_grouped_mm_jitted_grad_matches_eager_torch(name, fn, inputs, argnums, r
 
 def test_empty_groups_get_exactly_zero_weight_gradient():
     inputs = [_rand(40, 12, 8), _rand(41, 3, 8, 4), _offs(0, 12, 12), _rand(42, 12, 4)]
-    _, (grad,) = torchax.interop.jax_value_and_grad(_rows, {"argnums": (1,)})(*_on_jax(inputs))
+    _, (grad,) = torchax.interop.jax_value_and_grad(_rows, {"argnums": (1,)})(*on_jax(inputs))
     assert float(jnp.abs(grad.jax()[0]).max()) == 0.0 and float(jnp.abs(grad.jax()[2]).max()) == 0.0
 
 
 def test_rows_beyond_the_last_offset_are_zero():
     """torch leaves them uninitialised; here they are 0, which is what transformers' masking assumes at worst."""
-    a, w, offs = _on_jax([_rand(43, 12, 8), _rand(44, 3, 8, 4), _offs(4, 6, 9)])
+    a, w, offs = on_jax([_rand(43, 12, 8), _rand(44, 3, 8, 4), _offs(4, 6, 9)])
     with torchax.default_env():
         out = torch._grouped_mm(a, w, offs=offs)
     assert float(jnp.abs(out.jax()[9:]).max()) == 0.0
@@ -184,6 +173,6 @@ def test_grouped_mm_errors_name_the_form(a, b, kwargs, match):
     kwargs = dict(kwargs)
     arrays = {"offs": _offs(4, 8, 12)} if kwargs.pop("with_offs", False) else {}
     arrays |= {k: torch.zeros(v) for k, v in kwargs.items() if v is not None}
-    operands = _on_jax([torch.zeros(a), torch.zeros(b)])
+    operands = on_jax([torch.zeros(a), torch.zeros(b)])
     with torchax.default_env(), pytest.raises(ValueError, match=match):
-        torch._grouped_mm(*operands, **dict(zip(arrays, _on_jax(list(arrays.values())), strict=True)))
+        torch._grouped_mm(*operands, **dict(zip(arrays, on_jax(list(arrays.values())), strict=True)))
