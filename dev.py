@@ -23,6 +23,8 @@ COMMANDS = {
     "demo": [["examples/train_mlp.py"]],
     # lint, format, types, then the docstring examples and the tests on two workers
     "test": [*CHECKS, ["-m", "pytest", "-n", "2"]],
+    # the same without the tests marked slow (real models, multi-process runs, benchmark smoke runs)
+    "quick": [*CHECKS, ["-m", "pytest", "-n", "2", "-m", "not slow"]],
     "lint": CHECKS,
     "bench": [["benchmarks/step_time.py"]],
 }

@@ -7,6 +7,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 SCRIPT = Path(__file__).resolve().parent.parent / "benchmarks" / "collectives.py"
 OPS = ("all_gather", "psum", "psum_scatter", "all_to_all", "ppermute")
 
@@ -45,6 +47,7 @@ def _tables(stdout: str) -> list[list[list[str]]]:
     return tables
 
 
+@pytest.mark.slow
 def test_step_time_benchmark_runs():
     script = SCRIPT.parent / "step_time.py"
     args = ["--batch", "64", "--steps", "2", "--warmup", "1", "--configs", "tp,fsdp", "--tiny",
@@ -60,6 +63,7 @@ def test_step_time_benchmark_runs():
     assert llama[1][-1] == "yes"  # the hand-written JAX Llama computes the Trainer's loss
 
 
+@pytest.mark.slow
 def test_llama_train_benchmark_runs(tmp_path):
     script = SCRIPT.parent / "llama_train.py"
     out = tmp_path / "llama.json"

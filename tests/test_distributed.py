@@ -396,6 +396,7 @@ def runs(tmp_path_factory) -> dict[str, list[dict]]:
     return out
 
 
+@pytest.mark.slow
 def test_every_process_sees_the_same_run(runs):
     rank0, rank1 = runs["2x4"]
     assert (rank0["process_count"], rank0["devices"], runs["1x8"][0]["devices"]) == (2, 8, 8)
@@ -404,6 +405,7 @@ def test_every_process_sees_the_same_run(runs):
     assert [rank0["results"]["tp"]["rows"], rank1["results"]["tp"]["rows"]] == [[0, 8], [8, 16]]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", ["dp", "tp", "fsdp", "init_sharded"])
 def test_two_processes_match_one(runs, name):
     one, two = runs["1x8"][0]["results"][name], runs["2x4"][0]["results"][name]
@@ -411,6 +413,7 @@ def test_two_processes_match_one(runs, name):
     assert_trees_close(two["params"], one["params"], tol=1e-5)
 
 
+@pytest.mark.slow
 def test_failing_process_ends_the_run():
     result, seconds = _launch(2, 1, "mp_control_script.py", "crash", timeout=90)
     assert result.returncode == 1, result.stdout[-4000:]
@@ -419,6 +422,7 @@ def test_failing_process_ends_the_run():
     assert seconds < 60  # rank 0 would sleep 120 s
 
 
+@pytest.mark.slow
 def test_processes_end_when_the_launcher_is_killed():
     command = [
         sys.executable,
@@ -464,6 +468,7 @@ def _alive(pid: int) -> bool:
     return True
 
 
+@pytest.mark.slow
 def test_a_hung_run_prints_each_workers_stack_and_stops():
     command = [sys.executable, "-m", "torchshard.launch", "--nproc", "2", "--cpu-devices-per-proc", "1"]
     command += ["--hang-timeout", "3", "--timeout", "120", str(TESTS / "mp_hang_script.py")]

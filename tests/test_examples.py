@@ -5,6 +5,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
 
 
@@ -36,6 +38,7 @@ def test_mlp_forward_exits_non_zero_on_a_mismatch():
     assert module.main(["--batch", "8", "--tol", "-1"]) == 1  # no error is below a negative tolerance
 
 
+@pytest.mark.slow
 def test_train_mlp_runs_checkpoints_resumes_and_matches_torch(tmp_path):
     args = ["--batch", "64", "--plans", "dp,tp,fsdp", "--checkpoint-dir", str(tmp_path), "--checkpoint-every", "2"]
     first = _run("train_mlp.py", "--steps", "2", *args)

@@ -28,6 +28,7 @@ def test_transformer_tp_matches_eager_torch():
     assert "data=2,model=4" in result.stdout and "data=4,model=2" in result.stdout
 
 
+@pytest.mark.slow
 def test_hf_llama_trains():
     pytest.importorskip("transformers")
     result = run_example("hf_llama", *HF_SMALL, "--steps", "3", "--tie")  # tests/test_hf.py checks untied too

@@ -23,6 +23,7 @@ import torchshard as ts
 from torchshard import presets
 
 transformers = pytest.importorskip("transformers")
+pytestmark = pytest.mark.slow  # real models, several compiles each
 
 RTOL = 1e-4
 STEPS = 4

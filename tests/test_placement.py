@@ -587,6 +587,7 @@ class SparseDiracInit(nn.Module):
         nn.init.dirac_(self.conv.weight)
 
 
+@pytest.mark.slow
 def test_init_sharded_runs_inits_that_check_is_meta(mesh_fsdp, init_overrides):
     model = torchshard.init_sharded(SparseDiracInit, mesh_fsdp, presets.fsdp(min_size=64), seed=0)
     weight = to_numpy(model.proj.weight)

@@ -82,6 +82,7 @@ def test_buffers_updated_inside_a_checkpoint_are_kept():
     assert float(checkpointed.model.body[1].running_var.jax().min()) != 1.0
 
 
+@pytest.mark.slow
 def test_remat_inside_a_scan_halves_the_compiled_temp_memory_of_an_8_layer_llama():
     def temp(**kwargs):
         model = tiny_llama(layers=8)

@@ -54,6 +54,7 @@ def state_of(module):
     return {k: to_numpy(v) for k, v in module.state_dict().items()}
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(("model_name", "mesh_name"), [("blocks", "fsdp"), ("blocks", "fsdp_tp"), ("llama", "fsdp_tp")])
 def test_scanned_trains_like_unscanned_and_like_torch(model_name, mesh_name):
     factory, loss, _, vocab = MODELS[model_name]
@@ -237,6 +238,7 @@ def test_scanned_export_has_per_layer_names_and_the_stacked_values():
     assert_close(exported["model.layers.1.mlp.up_proj.weight"], stacked[1], tol=0)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(("saved_scanned", "loaded_scanned"), [(True, False), (False, True), (True, True)])
 def test_scanned_and_unscanned_checkpoints_load_into_each_other_across_meshes(tmp_path, saved_scanned, loaded_scanned):
     data = batches(64, n=4)

@@ -13,6 +13,7 @@ SCRIPT = Path(__file__).resolve().parent.parent / "benchmarks" / "vs_fsdp2.py"
 WORKLOADS = ["MLP FSDP 8", "MLP FSDP×TP 4×2", "Llama FSDP 8", "Llama FSDP×TP 4×2"]
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(not dist.is_available() or not dist.is_gloo_available(), reason="torch.distributed gloo missing")
 def test_vs_fsdp2_benchmark_runs():
     done = subprocess.run([sys.executable, str(SCRIPT), "--tiny"], capture_output=True, text=True, timeout=300)
