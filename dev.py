@@ -22,7 +22,7 @@ CHECKS = [
 COMMANDS = {
     "demo": [["examples/train_mlp.py"]],
     # lint, format, types, then the docstring examples and the tests on two workers
-    "test": [*CHECKS, ["-m", "pytest", "-n", "2"]],
+    "test": [*CHECKS, ["-m", "pytest", "-n", "2", "--durations=40"]],
     # the same without the tests marked slow (real models, multi-process runs, benchmark smoke runs)
     "quick": [*CHECKS, ["-m", "pytest", "-n", "2", "-m", "not slow"]],
     "lint": CHECKS,
