@@ -270,3 +270,9 @@ def test_bad_annotation_is_a_sharding_error(mesh_dm):
 def test_bad_rules_arguments_are_argument_errors(make, match):
     with pytest.raises(torchshard.ArgumentError, match=match):
         make()
+
+
+def test_a_regex_python_warns_about_is_judged_by_its_error_alone():
+    """'[[' makes re warn of a possible nested set (an error under -W error) before failing to compile."""
+    with pytest.raises(ShardingError, match=r"rule #0 pattern '\[\[' is not a valid regex"):
+        torchshard.Rules([("[[", ())])
