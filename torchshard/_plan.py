@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import dataclasses
-import difflib
 import math
 import warnings
 from collections.abc import Iterable, Iterator, Mapping
@@ -17,7 +16,7 @@ from torchshard._format import fmt_bytes, fmt_shape, table
 from torchshard._module_tensors import Kind, ModuleTensor, model_tensors, tie_groups
 from torchshard._rules import Rule, Rules, TensorInfo, annotation_rules, as_rules
 from torchshard._specs import SPEC_HINT, parse_spec
-from torchshard._validate import describe_mesh, instance_problems, raise_for_arguments, spec_problems
+from torchshard._validate import closest_names, describe_mesh, instance_problems, raise_for_arguments, spec_problems
 
 
 @dataclasses.dataclass(frozen=True)
@@ -221,7 +220,7 @@ def _tie_choice(names: list[str], resolved: Mapping[str, _Resolved]) -> _Resolve
 def _warn_unused(table: list[Rule], names: list[str]) -> None:
     for rule in table:
         if rule.warn_unused and not any(rule.matches(n) for n in names):
-            close = difflib.get_close_matches(rule.pattern.replace("\\", ""), names, n=3, cutoff=0.3)
+            close = closest_names(rule.pattern, names)
             hint = f"; closest names: {close}" if close else ""
             warnings.warn(f"rule {rule.describe()} matched no tensor{hint}", UnusedRuleWarning, stacklevel=3)
 

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import dataclasses
-import difflib
 import math
 import re
 import sys
@@ -14,7 +13,7 @@ from jax.sharding import AbstractMesh, Mesh, PartitionSpec
 
 from torchshard._rules import Rule, Rules, SpecTransform, TensorInfo
 from torchshard._specs import entry_axes, spec_axes
-from torchshard._validate import describe_mesh, int_problems, raise_for_arguments
+from torchshard._validate import closest_names, describe_mesh, int_problems, raise_for_arguments
 
 AxisName = str | tuple[str, ...]
 
@@ -133,7 +132,7 @@ class ExpertParallel(SpecTransform):
     def name_problems(self, names: Sequence[str]) -> list[str]:
         return [
             f"expert_parallel pattern {p!r} matches no tensor of the model (closest names: "
-            f"{difflib.get_close_matches(p.replace(chr(92), ''), names, n=3, cutoff=0.3)}); name the stacked "
+            f"{closest_names(p, names)}); name the stacked "
             f"expert weights, e.g. r'.*experts\\.gate_up_proj'"
             for p in self.patterns
             if not any(re.fullmatch(p, n) for n in names)

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import dataclasses
-import difflib
 import re
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
@@ -15,7 +14,7 @@ from torchshard._errors import ShardingError
 from torchshard._module_call import Forward, PureForward, module_arrays, split
 from torchshard._module_tensors import named_tensors
 from torchshard._torchax import continue_from, current_key, set_array
-from torchshard._validate import raise_for_arguments
+from torchshard._validate import closest_names, raise_for_arguments
 
 if TYPE_CHECKING:
     from torchshard._scan import ScanGroup
@@ -111,7 +110,7 @@ def remat_targets(model: torch.nn.Module, remat: Remat) -> list[str]:
     problems = []
     for pattern in remat.modules:
         if not any(re.fullmatch(pattern, n) for n in names):
-            close = difflib.get_close_matches(pattern.replace("\\", ""), names, n=3, cutoff=0.3)
+            close = closest_names(pattern, names)
             problems.append(f"remat pattern {pattern!r} matches no module of {type(model).__name__}; closest: {close}")
     if problems:
         raise ShardingError(problems, header=f"invalid remat for {type(model).__name__} ({len(problems)} problem(s))")

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import difflib
 import math
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
@@ -154,6 +155,11 @@ def instance_problems(name: str, value: Any, kind: type | tuple[type, ...], expe
         ['plan must be a ShardingPlan from torchshard.plan(), got dict']
     """
     return [] if isinstance(value, kind) else [f"{name} must be {expected}, got {type(value).__name__}"]
+
+
+def closest_names(pattern: str, names: Sequence[str]) -> list[str]:
+    """Up to three of ``names`` closest to the regex ``pattern`` read as text (its escapes dropped)."""
+    return difflib.get_close_matches(pattern.replace("\\", ""), names, n=3, cutoff=0.3)
 
 
 def raise_for_arguments(problems: Sequence[str], *, header: str) -> None:
