@@ -12,8 +12,8 @@ import torch
 from jax.sharding import AbstractMesh, Mesh, PartitionSpec
 
 from torchshard._errors import ShardingError, UnusedRuleWarning, raise_if_any
-from torchshard._hf_plan import expert_patterns, expert_rules, from_hf_tp_plan, layout_problems, unmatched_entries
-from torchshard._presets import AxisName, fsdp
+from torchshard._hf_plan import expert_patterns, from_hf_tp_plan, layout_problems, unmatched_entries
+from torchshard._presets import AxisName, expert_parallel, fsdp
 from torchshard._rules import Rules, SpecTransform, TensorInfo
 from torchshard._specs import entry_axes, spec_axes
 from torchshard._validate import describe_mesh
@@ -224,4 +224,4 @@ def _expert_rules(model: Any, tp_plan: Mapping[str, str], ep_plan: Mapping[str, 
             f"or tp_plan (no 'grouped_gemm' or 'moe_tp_experts' entries); expert parallelism needs a mixture of "
             f"experts, or name its expert tensors with presets.expert_parallel(patterns)"
         )
-    return expert_rules(patterns, axis)
+    return expert_parallel(patterns, axis)

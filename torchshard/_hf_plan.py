@@ -7,7 +7,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from torchshard._errors import raise_if_any
-from torchshard._presets import AxisName, ExpertParallel, Layout
+from torchshard._presets import AxisName, Layout
 from torchshard._rules import Rule, Rules
 
 # transformers 4.x and 5.x style names → the weight layout (GSPMD places activations). Packed
@@ -117,11 +117,6 @@ def expert_patterns(ep_plan: Mapping[str, str] | None, tp_plan: Mapping[str, str
         experts = [k for k, style in tp_plan.items() if style == "moe_tp_experts"]
         keys = [k for k in tp_plan if any(k.startswith(e + ".") for e in experts)]
     return tuple(hf_pattern(k) for k in keys)
-
-
-def expert_rules(patterns: Sequence[str], axis: AxisName) -> Rules:
-    """`ExpertParallel` over ``axis`` for the stacked expert weights ``patterns`` name."""
-    return Rules(transforms=(ExpertParallel(tuple(patterns), axis),))
 
 
 def unmatched_entries(plan: Mapping[str, str], names: Sequence[str]) -> list[tuple[str, str]]:
