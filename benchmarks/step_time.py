@@ -197,19 +197,17 @@ def torch_step(b):
     return run
 
 
-def gemm_flops_per_s(n: int, steps: int, warmup: int) -> float:
-    """FLOP/s of one plain jitted GEMM, batch sharded over all devices: the roofline here."""
+def gemm_flops_per_s(mesh, shape: tuple[int, int, int], steps: int, warmup: int) -> float:
+    """FLOP/s of one plain jitted ``[m, k] × [k, n]`` GEMM, its rows over every device of ``mesh``: the roofline."""
     import jax
     import jax.numpy as jnp
+    from jax.sharding import NamedSharding, PartitionSpec
 
-    mesh = ts.make_mesh({"data": -1})
-    spec = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec("data"))
-    x = jax.device_put(jnp.ones((n, 1024), jnp.float32), spec)
-    w = jax.device_put(
-        jnp.ones((1024, 1024), jnp.float32), jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
-    )
+    m, k, n = shape
+    x = jax.device_put(jnp.ones((m, k), jnp.float32), NamedSharding(mesh, PartitionSpec(tuple(mesh.axis_names))))
+    w = jax.device_put(jnp.ones((k, n), jnp.float32), NamedSharding(mesh, PartitionSpec()))
     f = jax.jit(lambda a, b: a @ b)
-    return 2 * n * 1024 * 1024 / median_time(lambda: f(x, w), steps, warmup)
+    return 2 * m * k * n / median_time(lambda: f(x, w), steps, warmup)
 
 
 def step_flops(n: int) -> int:
@@ -297,21 +295,6 @@ def llama_trainer(name: str, config, ids):
     return trainer, optimizer, trainer.place_batch(ids)
 
 
-def llama_gemm_flops_per_s(mesh, tokens: int, config, steps: int, warmup: int) -> float:
-    """FLOP/s of a plain jitted GEMM of the LM head's shape, [tokens, hidden] × [hidden, vocab], the tokens
-    over every device of ``mesh``: the biggest matmul of the step, timed 4× as often as the step (it is short)."""
-    import jax
-    import jax.numpy as jnp
-    from jax.sharding import NamedSharding, PartitionSpec
-
-    axes = tuple(mesh.axis_names)
-    h, vocab = config.hidden_size, config.vocab_size
-    x = jax.device_put(jnp.ones((tokens, h), jnp.float32), NamedSharding(mesh, PartitionSpec(axes)))
-    w = jax.device_put(jnp.ones((h, vocab), jnp.float32), NamedSharding(mesh, PartitionSpec()))
-    f = jax.jit(lambda a, b: a @ b)
-    return 2 * tokens * h * vocab / median_time(lambda: f(x, w), 4 * steps, warmup)
-
-
 def llama_row(name: str, args, config, ids) -> dict[str, object]:
     import jax_llama
 
@@ -324,7 +307,9 @@ def llama_row(name: str, args, config, ids) -> dict[str, object]:
         return value
 
     t_trainer, t_jax = median_times([lambda: trainer.step(placed)["loss"], hand_written], args.steps, args.warmup)
-    gemm = llama_gemm_flops_per_s(trainer.mesh, ids.numel(), config, args.steps, args.warmup)
+    # the LM head's shape, the step's biggest matmul, timed 4x as often as the step (it is short)
+    shape = (ids.numel(), config.hidden_size, config.vocab_size)
+    gemm = gemm_flops_per_s(trainer.mesh, shape, 4 * args.steps, args.warmup)
     # both ran the same number of steps from the same weights: the baseline must compute the same step
     same = abs(float(trainer.step(placed)["loss"]) - float(hand_written())) < 1e-3
     return {
@@ -369,7 +354,7 @@ def main() -> int:
     if "mlp" not in args.workloads.split(","):
         return 0
     b = batch(args.batch)
-    gemm = gemm_flops_per_s(args.batch, args.steps, args.warmup)
+    gemm = gemm_flops_per_s(ts.make_mesh({"data": -1}), (args.batch, 1024, 1024), args.steps, args.warmup)
     torch_s = None if args.no_torch else median_time(torch_step(b), args.steps, args.warmup)
     print(f"devices: {jax.device_count()} × {jax.devices()[0].platform}; batch {args.batch}; MLP {SIZES}; AdamW")
     torch_ms = "—" if torch_s is None else f"{1e3 * torch_s:.1f} ms"
