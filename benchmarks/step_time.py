@@ -163,8 +163,7 @@ def tutorial_step(name: str, b):
         return loss_fn(lambda x: torch.func.functional_call(model, w, (x,)), xy)
 
     grad_fn = interop.jax_jit(interop.jax_value_and_grad(loss_fun))
-    spec = jax.sharding.NamedSharding(plan.mesh, jax.sharding.PartitionSpec("data"))
-    xy = tuple(interop.torch_view(ts._placement.put(t, spec)) for t in b)
+    xy = ts.shard_batch(tuple(b), plan.mesh)
     holder = {"w": weights, "state": interop.call_jax(opt.init, weights)}
 
     def run():

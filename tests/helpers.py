@@ -55,6 +55,29 @@ def on_jax(inputs):
     """CPU torch tensors as torchax tensors (unsharded jax arrays)."""
     import jax.numpy as jnp
 
-    from torchshard._torchax import wrap
+    from torchshard._bridge.tensors import wrap
 
     return [wrap(jnp.asarray(t.numpy())) for t in inputs]
+
+
+def module_tensors(model) -> dict:
+    """Every parameter and buffer of ``model`` under every name (tied names included)."""
+    return dict(model.named_parameters(remove_duplicate=False)) | dict(model.named_buffers(remove_duplicate=False))
+
+
+def jit_forward(model):
+    """``model``'s forward as one jitted function of its own (placed) tensors and the input."""
+    import torchax.interop
+
+    params = dict(model.named_parameters()) | dict(model.named_buffers())  # one entry per tied tensor
+    forward = torchax.interop.jax_jit(lambda p, x: torch.func.functional_call(model, p, (x,)))
+    return lambda x: forward(params, x)
+
+
+class Counter(torch.nn.Module):
+    """A module with an int64 buffer whose value needs 64 bits (a token count, say)."""
+
+    def __init__(self, count: int = 2**40):
+        super().__init__()
+        self.lin = torch.nn.Linear(4, 4)
+        self.register_buffer("count", torch.tensor([count, 1]))

@@ -11,13 +11,14 @@ import torch
 import torch._ops
 import torchax
 
-from torchshard import _compat
-from torchshard._torchax import env, wrap
+from torchshard._bridge.env import env
+from torchshard._bridge.fixes import batch_norm_stats, named_overloads
+from torchshard._bridge.tensors import wrap
 
 
 def test_shim_is_needed_on_this_torch_torchax_pair():
     assert not hasattr(torch.ops.aten.prod, "dim_Dimname")
-    assert _compat.needs_named_overload_shim()
+    assert named_overloads.needs_named_overload_shim()
 
 
 @pytest.mark.parametrize(
@@ -42,11 +43,11 @@ def test_needs_named_overload_shim(monkeypatch, torchax_version, torch_has_named
     monkeypatch.setattr(importlib.metadata, "version", version)
     if torch_has_named:
         monkeypatch.setattr(torch.ops.aten.prod, "dim_Dimname", torch.ops.aten.prod.default, raising=False)
-    assert _compat.needs_named_overload_shim() is expected
+    assert named_overloads.needs_named_overload_shim() is expected
 
 
 def test_faked_overloads_are_only_named_tensor_overloads():
-    faked = _compat.faked_overloads()
+    faked = named_overloads.faked_overloads()
     assert "aten::prod.dim_Dimname" in faked
     assert len(set(faked)) == len(faked)
     for qualname in faked:
@@ -61,22 +62,22 @@ def test_getattr_is_restored_after_import():
 
 
 def test_shim_window_fakes_only_named_overloads_and_restores(monkeypatch):
-    monkeypatch.setattr(_compat, "_faked", [])
+    monkeypatch.setattr(named_overloads, "_faked", [])
     original = torch._ops.OpOverloadPacket.__getattr__
-    with pytest.raises(RuntimeError, match="boom"), _compat.placeholder_named_overloads():
+    with pytest.raises(RuntimeError, match="boom"), named_overloads.placeholder_named_overloads():
         placeholder = torch.ops.aten.sum.dim_Dimname
-        assert isinstance(placeholder, _compat.MissingOverload)
+        assert isinstance(placeholder, named_overloads.MissingOverload)
         with pytest.raises(AttributeError):
             torch.ops.aten.sum.not_an_overload  # noqa: B018
         raise RuntimeError("boom")
     assert torch._ops.OpOverloadPacket.__getattr__ is original
-    assert _compat.faked_overloads() == ("aten::sum.dim_Dimname",)
+    assert named_overloads.faked_overloads() == ("aten::sum.dim_Dimname",)
     with pytest.raises(AttributeError):
         torch.ops.aten.sum.dim_Dimname  # noqa: B018
 
 
 def test_missing_overload_raises_when_called():
-    placeholder = _compat.MissingOverload("aten::prod.dim_Dimname")
+    placeholder = named_overloads.MissingOverload("aten::prod.dim_Dimname")
     assert not isinstance(placeholder, torch._ops.OperatorBase)
     assert placeholder in {placeholder}  # torchax keeps overloads in dicts and sets
     assert repr(placeholder) == "MissingOverload('aten::prod.dim_Dimname')"
@@ -88,7 +89,7 @@ def test_tripwire_torchax_still_needs_the_named_overload_shim():
     """When this fails, google/torchax#101 is fixed in the pinned torchax: delete NAMED_OVERLOADS and its shim."""
     done = subprocess.run([sys.executable, "-c", "import torchax"], capture_output=True, text=True, timeout=120)
     assert done.returncode != 0 and "dim_Dimname" in done.stderr, (
-        f"torchax now imports without the shim ({_compat.NAMED_OVERLOADS.bug}); remove it"
+        f"torchax now imports without the shim ({named_overloads.NAMED_OVERLOADS.bug}); remove it"
     )
 
 
@@ -100,8 +101,9 @@ def test_tripwire_torchax_batch_norm_still_drops_running_stats():
         mean = plain.j2t_iso(jnp.zeros(3))
         var = plain.j2t_iso(jnp.ones(3))
         torch.nn.functional.batch_norm(plain.j2t_iso(jnp.asarray(x.numpy())), mean, var, training=True)
-    assert float(abs(mean.jax()).max()) == 0.0, f"torchax now updates running stats ({_compat.BATCH_NORM_STATS.bug})"
-    assert _compat.needs_batch_norm_fix()
+    bug = batch_norm_stats.BATCH_NORM_STATS.bug
+    assert float(abs(mean.jax()).max()) == 0.0, f"torchax now updates running stats ({bug})"
+    assert batch_norm_stats.needs_batch_norm_fix()
 
 
 def test_batch_norm_fix_updates_running_stats_like_torch():

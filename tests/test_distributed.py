@@ -19,7 +19,9 @@ from helpers import assert_close, assert_trees_close
 from jax.sharding import NamedSharding, PartitionSpec
 
 import torchshard
-from torchshard import ShardingError, _distributed, _worker, distributed, launch
+from torchshard import ShardingError, distributed, launch
+from torchshard._multihost import runtime as _distributed
+from torchshard._multihost import worker as _worker
 
 TESTS = Path(__file__).parent
 ROOT = TESTS.parent
@@ -295,9 +297,10 @@ def test_a_hang_prints_every_stack_and_ends_the_run_naming_the_stalled_ranks(chi
 
 
 LOOP = "for i in range(10):\n    time.sleep(0.25)\n    "
+WORKER_FILE = ROOT / "torchshard" / "_multihost" / "worker.py"
 IMPORT_WORKER = (  # the module alone: importing torchshard (JAX, torch) would take longer than the timeout
     "import importlib.util\n"
-    f"spec = importlib.util.spec_from_file_location('worker', {str(ROOT / 'torchshard' / '_worker.py')!r})\n"
+    f"spec = importlib.util.spec_from_file_location('worker', {str(WORKER_FILE)!r})\n"
     "worker = importlib.util.module_from_spec(spec)\nspec.loader.exec_module(worker)\n"
 )
 PROGRESS = {

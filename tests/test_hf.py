@@ -15,7 +15,7 @@ from jax.sharding import PartitionSpec as P
 
 import torchshard as ts
 from torchshard import ShardingError, presets
-from torchshard._torchax import env
+from torchshard._bridge.env import env
 
 transformers = pytest.importorskip("transformers")
 

@@ -12,7 +12,8 @@ import torchax.interop
 from helpers import assert_close, eager_value_and_grads, on_jax
 from torch.nn import functional as F
 
-from torchshard._torchax import env, wrap
+from torchshard._bridge.env import env
+from torchshard._bridge.tensors import wrap
 
 
 @pytest.fixture(autouse=True, scope="module")

@@ -8,7 +8,7 @@ import torchax
 import torchax.interop
 from helpers import assert_close, eager_value_and_grads, on_jax
 
-from torchshard._torchax import env
+from torchshard._bridge.env import env
 
 
 @pytest.fixture(autouse=True, scope="module")

@@ -17,7 +17,7 @@ from torch import nn
 
 import torchshard
 from torchshard import ShardingError, UnusedRuleWarning, presets
-from torchshard._validate import spec_problems
+from torchshard._base.validate import spec_problems
 
 AXES = ("data", "model", "expert", "seq")
 ABSENT = ("nope", "Data", "")

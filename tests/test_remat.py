@@ -138,7 +138,7 @@ def test_remat_must_treat_every_scanned_block_alike(mesh_fsdp):
 
 
 def test_the_outermost_match_is_checkpointed(mesh_fsdp):
-    from torchshard._remat import remat_targets
+    from torchshard._train.remat import remat_targets
 
     targets = remat_targets(BlockStack(depth=2), ts.Remat([r"blocks\.\d+", r"blocks\.\d+\.up"]))
     assert targets == ["blocks.0", "blocks.1"]

@@ -200,7 +200,7 @@ def test_module_annotations(mesh_dm, name, expected):
 
 
 def test_annotation_rules_are_prefixed_and_deepest_first():
-    rules = torchshard._rules.annotation_rules(Net(depth=1))
+    rules = torchshard._sharding.rules.annotation_rules(Net(depth=1))
     assert [r.pattern for r in rules] == [
         r"layers\.0\.attn\.(?:qkv\.weight)",
         r"layers\.0\.attn\.(?:out\.weight)",

@@ -15,8 +15,8 @@ import warnings
 import pytest
 
 import torchshard as ts
-from torchshard import _stepdir
-from torchshard._stepdir import META, OLD, STATE, TMP, TRASH, begin, commit, discard, prune, recover, step_name
+from torchshard._ckpt import stepdir as _stepdir
+from torchshard._ckpt.stepdir import META, OLD, STATE, TMP, TRASH, begin, commit, discard, prune, recover, step_name
 
 FILES = ("a", "d/b", "d/c")
 
@@ -105,7 +105,7 @@ def test_incomplete_says_why(tmp_path, damage, why):
 
 def test_resolve_skips_a_damaged_newer_step_and_says_so(tmp_path, caplog):
     make(tmp_path, {S1: "A", S2: "B:truncated"})
-    with caplog.at_level(logging.WARNING, logger="torchshard._stepdir"):
+    with caplog.at_level(logging.WARNING, logger="torchshard._ckpt.stepdir"):
         assert _stepdir.resolve(tmp_path, None) == tmp_path / S1
     assert "loading step 1; newer step directories are incomplete" in caplog.text
     assert "step_00000002: state/a: 1 bytes, saved" in caplog.text

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 import torch
 
-from torchshard._torchax import host_array, is_jax_tensor, jax_dtype, to_torch, unwrap, wrap
+from torchshard._bridge.tensors import host_array, is_jax_tensor, jax_dtype, to_torch, unwrap, wrap
 
 
 def test_import_prints_nothing_and_leaves_the_backend_alone():

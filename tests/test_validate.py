@@ -7,9 +7,9 @@ from jax.sharding import AbstractMesh
 from jax.sharding import PartitionSpec as P
 
 from torchshard import ArgumentError, ShardingError
-from torchshard._errors import raise_if_any
-from torchshard._specs import as_rule_spec, as_spec, entry_axes, parse_spec
-from torchshard._validate import (
+from torchshard._base.errors import raise_if_any
+from torchshard._base.specs import as_rule_spec, as_spec, entry_axes, parse_spec
+from torchshard._base.validate import (
     describe_mesh,
     instance_problems,
     int_problems,

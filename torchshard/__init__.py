@@ -2,23 +2,23 @@
 
 from torchshard import collectives, distributed, presets
 from torchshard import inspect as inspect
-from torchshard._checkpoint import load, save
-from torchshard._errors import ArgumentError, CheckpointError, ShardingError, UnusedRuleWarning
-from torchshard._export import from_torch_state_dict, to_torch_state_dict
-from torchshard._init import init_sharded
-from torchshard._mesh import make_mesh, use_cpu_devices
-from torchshard._placement import constrain, shard, shard_batch
-from torchshard._plan import PlanEntry, ShardingPlan, plan
-from torchshard._precision import MixedPrecision
-from torchshard._prefetch import prefetch
-from torchshard._remat import Remat
-from torchshard._rules import Rule, Rules, TensorInfo
-from torchshard._safetensors import save_safetensors
-from torchshard._scan import ScanLayersWarning
-from torchshard._step import TrainState
-from torchshard._stepdir import checkpoint_steps
-from torchshard._trainer import Trainer
-from torchshard._visualize import visualize, visualize_plan
+from torchshard._base.errors import ArgumentError, CheckpointError, ShardingError, UnusedRuleWarning
+from torchshard._ckpt.checkpoint import load, save
+from torchshard._ckpt.export import from_torch_state_dict, to_torch_state_dict
+from torchshard._ckpt.safetensors import save_safetensors
+from torchshard._ckpt.stepdir import checkpoint_steps
+from torchshard._report.visualize import visualize, visualize_plan
+from torchshard._sharding.init import init_sharded
+from torchshard._sharding.mesh import make_mesh, use_cpu_devices
+from torchshard._sharding.placement import constrain, shard, shard_batch
+from torchshard._sharding.plan import PlanEntry, ShardingPlan, plan
+from torchshard._sharding.rules import Rule, Rules, TensorInfo
+from torchshard._train.precision import MixedPrecision
+from torchshard._train.prefetch import prefetch
+from torchshard._train.remat import Remat
+from torchshard._train.scan import ScanLayersWarning
+from torchshard._train.step import TrainState
+from torchshard._train.trainer import Trainer
 
 # `inspect` stays an attribute (ts.inspect.collectives) but is left out of __all__: under
 # `from torchshard import *` it would shadow the standard library's inspect module.

@@ -8,8 +8,8 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
-from torchshard._cli import PRESETS, UsageError, run_plan
-from torchshard._errors import ShardingError
+from torchshard._base.errors import ShardingError
+from torchshard._report.cli import PRESETS, UsageError, run_plan
 
 EXIT_OK, EXIT_INVALID_PLAN, EXIT_USAGE = 0, 1, 2
 

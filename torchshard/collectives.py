@@ -1,6 +1,6 @@
 """Torch-facing ``shard_map`` and the ``jax.lax`` collectives, on torchax tensors."""
 
-from torchshard._collective_ops import (
+from torchshard._spmd.collective_ops import (
     all_gather,
     all_to_all,
     axis_index,
@@ -12,7 +12,7 @@ from torchshard._collective_ops import (
     psum_scatter,
     use_rng,
 )
-from torchshard._shard_map import shard_map
+from torchshard._spmd.shard_map import shard_map
 
 __all__ = [
     "all_gather",

@@ -1,6 +1,6 @@
 """Multi-process (multi-host) runs on JAX's multi-controller runtime, and each process's part of a batch."""
 
-from torchshard._distributed import (
+from torchshard._multihost.runtime import (
     CLUSTER_ENV,
     COORDINATOR_ENV,
     CPU_DEVICES_ENV,
@@ -14,8 +14,8 @@ from torchshard._distributed import (
     process_index,
     resolve,
 )
-from torchshard._process import global_shape, local_batch_slice
-from torchshard._worker import heartbeat
+from torchshard._multihost.worker import heartbeat
+from torchshard._sharding.process import global_shape, local_batch_slice
 
 __all__ = [
     "CLUSTER_ENV",

@@ -7,7 +7,7 @@ import os
 import sys
 from collections.abc import Sequence
 
-from torchshard._launch import (
+from torchshard._multihost.launcher import (
     HANG_EXIT,
     HANG_TIMEOUT_S,
     TIMEOUT_EXIT,

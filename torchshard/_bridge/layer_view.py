@@ -1,0 +1,53 @@
+"""Per-layer tensors that read one layer of a stacked array: a scanned Trainer's module weights."""
+
+from __future__ import annotations
+
+import jax
+
+from torchshard._bridge.env import env
+from torchshard._bridge.loaded import Tensor
+
+
+class StackedArray:
+    """An array whose leading dim stacks layers, read one layer at a time by `LayerView` s."""
+
+    def __init__(self, array: jax.Array) -> None:
+        self.array = array
+
+    def replace(self, array: jax.Array) -> None:
+        """Points every view at a new stacked array (after a training step)."""
+        self.array = array
+
+    def layer(self, index: int) -> jax.Array:
+        """Layer ``index`` of the current array (a fresh slice: nothing is kept, so memory stays bounded)."""
+        return self.array[index]
+
+
+class LayerView(Tensor):
+    """A torchax tensor that is one layer of a `StackedArray`, always the current one, sliced when read.
+
+    A scanned Trainer keeps each layer's weights only in stacked arrays; its module's per-layer
+    parameters are these views, so ``trainer.model`` reads the latest values without a copy per step.
+    """
+
+    @staticmethod
+    def __new__(cls, stack: StackedArray, index: int, *, param: bool = False, requires_grad: bool = False):
+        like = jax.ShapeDtypeStruct(stack.array.shape[1:], stack.array.dtype)
+        return Tensor.__new__(cls, like, env(), requires_grad)
+
+    def __init__(self, stack: StackedArray, index: int, *, param: bool = False, requires_grad: bool = False) -> None:
+        # torchax's __init__ would store a concrete array; a view reads its stack instead
+        self._stack, self._index, self._env = stack, index, env()
+        if param:
+            self._is_param = True  # what makes isinstance(view, torch.nn.Parameter) true, as for torchax params
+
+    @property
+    def _elem(self) -> jax.Array:  # private: torchax reads the wrapped array from this attribute
+        return self._stack.layer(self._index)
+
+    @_elem.setter
+    def _elem(self, value: jax.Array) -> None:
+        raise RuntimeError(
+            "this tensor is one layer of a scanned Trainer's stacked weights and cannot be written in place; "
+            "change the weights through a checkpoint (torchshard.load) or build the Trainer with scan_layers=False"
+        )

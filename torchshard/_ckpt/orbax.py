@@ -1,0 +1,33 @@
+"""Array data of checkpoints through orbax (imported only when a checkpoint is written or read)."""
+
+from __future__ import annotations
+
+import pathlib
+from typing import Any
+
+from torchshard._base.errors import CheckpointError
+
+
+def write_state(directory: pathlib.Path, tree: dict[str, Any]) -> None:
+    """Every process writes its own shards of ``tree``; the primary finalises (orbax PyTree format)."""
+    import orbax.checkpoint as ocp
+
+    with ocp.Checkpointer(ocp.PyTreeCheckpointHandler()) as checkpointer:
+        checkpointer.save(directory, args=ocp.args.PyTreeSave(tree))
+
+
+def read_state(directory: pathlib.Path, item: dict[str, Any], *, step_dir: pathlib.Path) -> dict[str, Any]:
+    """Reads the arrays ``item`` describes (``ShapeDtypeStruct`` s with shardings), each straight into place."""
+    import orbax.checkpoint as ocp
+
+    restore_args = ocp.checkpoint_utils.construct_restore_args(item)
+    args = ocp.args.PyTreeRestore(item=item, restore_args=restore_args, partial_restore=True)
+    try:
+        with ocp.Checkpointer(ocp.PyTreeCheckpointHandler()) as checkpointer:
+            return checkpointer.restore(directory, args=args)
+    except Exception as e:  # orbax and tensorstore report damage with many exception types
+        first = (str(e).strip().splitlines() or [""])[0]
+        raise CheckpointError(
+            f"{step_dir}: the array data could not be read ({type(e).__name__}: {first}); the checkpoint is "
+            f"truncated or corrupted; load an earlier step"
+        ) from e

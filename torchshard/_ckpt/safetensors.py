@@ -1,0 +1,170 @@
+"""HF-style sharded safetensors export of a sharded module or Trainer."""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import json
+import os
+import pathlib
+import re
+import shutil
+from collections.abc import Iterator, Mapping
+from typing import Any
+
+import torch
+
+from torchshard._base.validate import instance_problems, int_problems, raise_for_arguments
+from torchshard._bridge.module_tensors import canonical_names, state_dict_names
+from torchshard._ckpt.checkpoint import primary, sync
+from torchshard._ckpt.export import torch_tensor
+from torchshard._ckpt.state import Target, export_arrays, model_of, torch_dtypes
+from torchshard._ckpt.stepdir import TMP, commit, discard, path_problems, settle, write_failure
+from torchshard._train.trainer import Trainer
+
+_INDEX = "model.safetensors.index.json"
+_SHARD_FILE = re.compile(r"model-\d{5}-of-\d{5}\.safetensors")
+PathLike = str | os.PathLike[str]
+
+
+def _shards(sizes: Mapping[str, int], max_bytes: int) -> list[list[str]]:
+    """Greedy HF-style packing in order; a tensor bigger than ``max_bytes`` gets a shard of its own."""
+    shards: list[list[str]] = [[]]
+    used = 0
+    for name, size in sizes.items():
+        if shards[-1] and used + size > max_bytes:
+            shards.append([])
+            used = 0
+        shards[-1].append(name)
+        used += size
+    return shards
+
+
+def _shard_name(index: int, count: int) -> str:
+    return f"model-{index + 1:05d}-of-{count:05d}.safetensors"
+
+
+def _check_args(path: Any, target: Any, max_shard_bytes: Any) -> None:
+    problems = path_problems("path", path)
+    problems += instance_problems("target", target, (Trainer, torch.nn.Module), "a Trainer or a sharded module")
+    problems += int_problems("max_shard_bytes", max_shard_bytes, minimum=1)
+    raise_for_arguments(problems, header="invalid save_safetensors() arguments")
+
+
+def _link(source: str | os.PathLike[str], destination: str | os.PathLike[str]) -> None:
+    try:
+        os.link(source, destination, follow_symlinks=False)
+    except OSError:  # another filesystem, or links not supported
+        shutil.copy2(source, destination, follow_symlinks=False)
+
+
+def _carry(item: pathlib.Path, destination: pathlib.Path) -> None:
+    """Puts ``item`` (a file, link or folder of the previous export) into the new one without copying data."""
+    if item.is_dir() and not item.is_symlink():
+        shutil.copytree(item, destination, symlinks=True, copy_function=_link)
+    else:
+        _link(item, destination)
+
+
+def _begin(out: pathlib.Path) -> pathlib.Path:
+    """A fresh hidden directory next to ``out`` holding (as links) every file of ``out`` the export does not replace."""
+    if os.path.lexists(out) and not out.is_dir():
+        raise FileExistsError(errno.EEXIST, f"{out} is a file")
+    os.makedirs(out.parent, exist_ok=True)
+    settle(out, complete=os.path.lexists)  # a previous export cut between its renames is renamed back
+    staging = out.with_name(TMP + out.name)
+    os.mkdir(staging)
+    for item in sorted(out.iterdir()) if out.is_dir() else []:
+        if not (_SHARD_FILE.fullmatch(item.name) or item.name == _INDEX):  # config.json, tokenizer files...
+            _carry(item, staging / item.name)
+    return staging
+
+
+def _export(target: Target, max_shard_bytes: int) -> tuple[Iterator[tuple[str, dict[str, torch.Tensor]]], str]:
+    """The files (name → tensors, gathered lazily one file at a time) and the index JSON of an export."""
+    model = model_of(target)
+    arrays = export_arrays(target, doing="save_safetensors()")
+    canonical = canonical_names(model)
+    dtypes = torch_dtypes(target)
+    stored = [n for n in dict.fromkeys(canonical[n] for n in state_dict_names(model))]
+    sizes = {n: arrays[n].size * dtypes[n].itemsize for n in stored}
+    shards = _shards(sizes, max_shard_bytes)
+    names = [_shard_name(i, len(shards)) for i in range(len(shards))]
+    pairs = list(zip(names, shards, strict=True))
+    files = ((f, {n: torch_tensor(arrays[n], dtypes[n]).contiguous() for n in s}) for f, s in pairs)
+    weight_map = {n: f for f, s in pairs for n in s}
+    return files, json.dumps({"metadata": {"total_size": sum(sizes.values())}, "weight_map": weight_map}, indent=2)
+
+
+def _write(staging: pathlib.Path | None, files: Iterator[tuple[str, dict[str, torch.Tensor]]], index: str) -> None:
+    import safetensors.torch
+
+    for name, tensors in files:  # gathering is a collective: every process runs it
+        if staging is not None:
+            safetensors.torch.save_file(tensors, staging / name, metadata={"format": "pt"})
+    if staging is not None:
+        (staging / _INDEX).write_text(index)
+
+
+def _swap(staging: pathlib.Path, out: pathlib.Path) -> None:
+    here = os.getcwd()
+    old = commit(staging, out)
+    if pathlib.Path(here).is_relative_to(out):  # the process would be left inside the old copy, deleted next
+        os.chdir(here)
+    discard(old)
+
+
+def save_safetensors(path: PathLike, target: Target, *, max_shard_bytes: int = 5 * 10**9) -> pathlib.Path:
+    """Writes HF-style sharded safetensors: ``model-0000i-of-0000N.safetensors`` + the index.
+
+    Tensors are stored under their ``state_dict`` names, tied tensors once (under the first name,
+    as transformers' ``save_pretrained`` does); ``model.safetensors.index.json`` maps each stored
+    name to its file. The index is written even for a single shard. Tensors are gathered one
+    shard at a time, so host memory holds at most one shard. Only process 0 writes files.
+
+    The export is atomic: it is written into a hidden directory next to ``path`` (holding links
+    to the other files already in ``path``, such as ``config.json``), which then replaces
+    ``path`` by renames; the previous export stays whole until the new one is complete. A
+    failed or killed export leaves the previous one (if killed in the instant between the two
+    renames, as ``.torchshard-old-<name>``, which the next export renames back).
+
+    Args:
+        path: the output directory (created; earlier ``model-*.safetensors`` files there are replaced,
+            other files are kept).
+        target: a `Trainer` or a sharded module.
+        max_shard_bytes: the most bytes per file (a bigger tensor gets a file of its own).
+
+    Returns:
+        The index file's path.
+
+    Raises:
+        ArgumentError: bad ``path``, ``target`` or ``max_shard_bytes``.
+        ShardingError: a module whose tensors are not placed.
+        CheckpointError: the disk is full, ``path`` is a file or not writable, or another OS
+            error; the previous export is intact.
+
+    Example:
+        >>> import tempfile
+        >>> model = torch.nn.Linear(16, 4)
+        >>> _ = ts.shard(model, ts.plan(model, ts.make_mesh({"data": 8})))
+        >>> save_safetensors(tempfile.mkdtemp(), model, max_shard_bytes=2 * 10**9).name
+        'model.safetensors.index.json'
+    """
+    import safetensors
+
+    _check_args(path, target, max_shard_bytes)
+    files, index = _export(target, max_shard_bytes)
+    out = pathlib.Path(os.path.abspath(path))
+    staging = None
+    try:
+        staging = _begin(out) if primary() else None
+        _write(staging, files, index)
+        if staging is not None:
+            _swap(staging, out)
+    except (OSError, safetensors.SafetensorError) as e:
+        if staging is not None:
+            with contextlib.suppress(OSError):
+                discard(staging)
+        raise write_failure(out, e, cleanup="the previous export is intact") from e
+    sync("torchshard-safetensors-end")
+    return pathlib.Path(path) / _INDEX

@@ -1,0 +1,258 @@
+"""The plan dry-run behind ``python -m torchshard plan``: build on meta, plan, report memory, format."""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import io
+import json
+import math
+import runpy
+import sys
+import warnings
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from torchshard._base.errors import ShardingError, UnusedRuleWarning
+from torchshard._base.format import columns, fmt_bytes, fmt_shape
+from torchshard._presets.hf_plan import from_hf_tp_plan
+from torchshard._presets.tables import common_tensor_parallel, fsdp
+from torchshard._report.memory import training_memory
+from torchshard._report.visualize import replicated_over, visualize_plan
+from torchshard._sharding.mesh import make_mesh
+from torchshard._sharding.plan import ShardingPlan, plan
+from torchshard._sharding.rules import Rules
+
+PRESETS = ("fsdp", "tp", "fsdp+tp", "hf")
+
+
+class UsageError(Exception):
+    """A command-line mistake (exit 2), as opposed to an invalid plan (exit 1)."""
+
+
+def parse_mesh(text: str) -> dict[str, int]:
+    """``"data=8,model=8"`` → ``{"data": 8, "model": 8}`` (order kept; ``-1`` allowed)."""
+    axes: dict[str, int] = {}
+    for part in filter(None, text.split(",")):
+        name, sep, size = part.partition("=")
+        if not sep or not name.strip() or not size.strip().lstrip("-").isdigit() or name.strip() in axes:
+            raise UsageError(f"--mesh {text!r}: write axis=size pairs with distinct names, e.g. data=8,model=8")
+        axes[name.strip()] = int(size)
+    if not axes:
+        raise UsageError("--mesh is empty; write e.g. data=8,model=8")
+    return axes
+
+
+def load_factory(target: str) -> Callable[[], torch.nn.Module]:
+    """``pkg.module:build`` or ``path/to/file.py:build`` (dots after the colon walk attributes)."""
+    where, sep, attr = target.partition(":")
+    if not sep or not where or not attr:
+        raise UsageError(f"{target!r}: write MODULE:FACTORY, e.g. mypkg.models:build or models.py:MLP")
+    try:
+        namespace: Any = runpy.run_path(where) if where.endswith(".py") else importlib.import_module(where)
+    except (ImportError, OSError) as err:
+        raise UsageError(f"cannot import {where!r}: {err}") from err
+    obj = namespace
+    for part in attr.split("."):
+        obj = obj.get(part) if isinstance(obj, dict) else getattr(obj, part, None)
+        if obj is None:
+            raise UsageError(f"{where!r} has no attribute {attr!r}")
+    return obj
+
+
+def build_on_meta(factory: Callable[[], torch.nn.Module]) -> torch.nn.Module:
+    """Runs the factory under ``torch.device("meta")``: shapes and dtypes, no parameter memory."""
+    with torch.device("meta"):
+        model = factory()
+    if not isinstance(model, torch.nn.Module):
+        raise UsageError(f"the factory returned a {type(model).__name__}, not a torch.nn.Module")
+    return model
+
+
+def build_mesh(axes: dict[str, int]) -> tuple[Any, bool]:
+    """A device mesh when the local devices suffice; otherwise an AbstractMesh (planning needs no devices)."""
+    import jax
+    from jax.sharding import AbstractMesh, AxisType
+
+    size = math.prod(axes.values())
+    if -1 in axes.values() or 0 < size <= jax.device_count():
+        devices = None if -1 in axes.values() else jax.devices()[:size]
+        return make_mesh(axes, devices=devices), False
+    bad = [f"{name}={n}" for name, n in axes.items() if n < 1]
+    if bad:
+        raise ShardingError(f"mesh {axes}: sizes must be positive, got {', '.join(bad)}")
+    return AbstractMesh(tuple(axes.values()), tuple(axes), axis_types=(AxisType.Auto,) * len(axes)), True
+
+
+def load_rules(path: str) -> Rules:
+    """Runs a rules file and returns its ``RULES`` (a `Rules` or a list of ``(pattern, spec)`` pairs)."""
+    try:
+        namespace = runpy.run_path(path)
+    except OSError as err:
+        raise UsageError(f"--rules {path!r}: {err}") from err
+    if "RULES" not in namespace:
+        raise UsageError(f"--rules {path!r} defines no RULES; add RULES = [(r'pattern', ('data', None)), ...]")
+    rules = namespace["RULES"]
+    return rules if isinstance(rules, Rules) else Rules(rules)
+
+
+def _hf_tp_plan(model: torch.nn.Module) -> dict[str, str] | None:
+    return getattr(getattr(model, "config", None), "base_model_tp_plan", None) or None
+
+
+def tp_rules(model: torch.nn.Module, axis: str) -> Rules:
+    """The model's HF ``base_model_tp_plan`` if it has one, else the common projection names above."""
+    hf = _hf_tp_plan(model)
+    if hf:
+        return from_hf_tp_plan(hf, axis=axis)
+    return common_tensor_parallel(axis=axis)
+
+
+def preset_rules(name: str, model: torch.nn.Module, mesh: Any, *, fsdp_axis: str, tp_axis: str) -> Rules:
+    """Rules for ``--preset``; raises `ShardingError` if the mesh lacks the axis the preset shards over."""
+    axes = {"fsdp": [fsdp_axis], "tp": [tp_axis], "fsdp+tp": [tp_axis, fsdp_axis], "hf": [tp_axis]}[name]
+    missing = [a for a in axes if a not in mesh.shape]
+    if missing:
+        raise ShardingError(
+            f"--preset {name} shards over {missing}, which mesh {dict(mesh.shape)} lacks; name the mesh axes "
+            f"accordingly (--mesh {fsdp_axis}=N,{tp_axis}=M) or pass --fsdp-axis / --tp-axis"
+        )
+    if name == "hf":
+        tp_plan = _hf_tp_plan(model)
+        if not tp_plan:
+            raise UsageError(f"--preset hf: {type(model).__name__} has no config.base_model_tp_plan; use --preset tp")
+        return from_hf_tp_plan(tp_plan, axis=tp_axis)
+    rules = tp_rules(model, tp_axis) if "tp" in name else Rules()
+    return rules + fsdp(fsdp_axis) if "fsdp" in name else rules
+
+
+def replicated(plan: ShardingPlan, top: int) -> list[dict[str, Any]]:
+    """The ``top`` largest tensors (bytes per device) that some mesh axis holds more than one copy of."""
+    found: list[dict[str, Any]] = [
+        {"name": e.name, "shape": list(e.shape), "spec": str(e.spec), "replicated_over": over,
+         "bytes_per_device": e.bytes_per_device}
+        for e in plan.unique_entries()
+        if (over := replicated_over(e.spec, plan.mesh))
+    ]  # fmt: skip
+    return sorted(found, key=lambda r: -r["bytes_per_device"])[:top]
+
+
+def report(model: torch.nn.Module, plan: ShardingPlan, *, abstract: bool, top: int) -> dict[str, Any]:
+    """Everything the CLI prints, as JSON-ready data."""
+    mem = training_memory(plan, model)
+    return {
+        "model": type(model).__name__,
+        "mesh": dict(plan.mesh.shape),
+        "abstract_mesh": abstract,
+        "tensors": plan.rows(),
+        "per_device_bytes": {name: n for name, n in mem.rows()},
+        "unsharded_bytes": mem.unsharded,
+        "largest_replicated": replicated(plan, top),
+    }
+
+
+def _mesh_line(data: dict[str, Any]) -> str:
+    mesh = ", ".join(f"{k}={v}" for k, v in data["mesh"].items())
+    kind = "abstract mesh, larger than the local devices" if data["abstract_mesh"] else "local devices"
+    return f"{data['model']} on Mesh({mesh}) ({kind})"
+
+
+def _replicated_cells(rows: list[dict[str, Any]]) -> list[tuple[str, ...]]:
+    return [
+        (r["name"], fmt_shape(r["shape"]), ",".join(r["replicated_over"]), fmt_bytes(r["bytes_per_device"]))
+        for r in rows
+    ]
+
+
+def format_text(data: dict[str, Any], body: str) -> str:
+    """The plan (``body``: its table or compact view), then memory, replicated tensors and the comparison."""
+    mem = data["per_device_bytes"]
+    share = mem["total"] / max(data["unsharded_bytes"], 1)
+    lines = [_mesh_line(data), "", body, "", "training memory per device (AdamW, activations not included):"]
+    lines += [f"  {name:<24}{fmt_bytes(n):>12}" for name, n in mem.items()]
+    lines += [f"  ({share:.1%} of {fmt_bytes(data['unsharded_bytes'])} on one device)", ""]
+    cells = _replicated_cells(data["largest_replicated"])
+    lines += (
+        [f"largest replicated tensors ({len(cells)}):"] if cells else ["no tensor is replicated over any mesh axis"]
+    )
+    lines += columns([("name", "shape", "replicated over", "bytes/device"), *cells], indent="  ") if cells else []
+    if "compare" in data:
+        differs = data["compare"]["differs"]
+        lines += ["", f"compared with {data['compare']['against']}: {len(differs)} tensor(s) differ"]
+        rows = [("name", "spec here", "spec there"), *((n, *pair) for n, pair in differs.items())]
+        lines += columns(rows, indent="  ")
+    return "\n".join(lines)
+
+
+def format_markdown(data: dict[str, Any], plan: ShardingPlan) -> str:
+    head = "| name | shape | dtype | spec | shard/device | bytes/device |\n|---|---|---|---|---|---|"
+    body = [
+        f"| `{r['name']}` | {'×'.join(map(str, r['shape']))} | {r['dtype']} | `{r['spec']}` | "
+        f"{'×'.join(map(str, r['shard_shape']))} | {fmt_bytes(r['bytes_per_device'])} |"
+        for r in data["tensors"]
+    ]
+    mem = [
+        "| per device | bytes |",
+        "|---|---|",
+        *(f"| {k} | {fmt_bytes(n)} |" for k, n in data["per_device_bytes"].items()),
+    ]
+    cells = _replicated_cells(data["largest_replicated"])
+    replicated_rows = ["| replicated tensor | shape | over | bytes/device |", "|---|---|---|---|"]
+    replicated_rows += [f"| `{name}` | {shape} | {over} | {size} |" for name, shape, over, size in cells]
+    lines = [f"**{_mesh_line(data)}**", "", head, *body, "", *mem, "", *(replicated_rows if cells else [])]
+    if "compare" in data:
+        differs = data["compare"]["differs"]
+        lines += ["", f"compared with {data['compare']['against']}: {len(differs)} tensor(s) differ", ""]
+        lines += [f"- `{name}`: `{here}` here, `{there}` there" for name, (here, there) in differs.items()]
+    return "\n".join(lines)
+
+
+def plan_with(
+    args: argparse.Namespace, model: torch.nn.Module, mesh: Any, *, rules_file: str | None, preset: str | None
+) -> ShardingPlan:
+    """Plans ``model`` with a rules file's rows, then a preset's; unused-rule warnings become notes on stderr."""
+    rules = load_rules(rules_file) if rules_file else Rules()
+    if preset:
+        rules = rules + preset_rules(preset, model, mesh, fsdp_axis=args.fsdp_axis, tp_axis=args.tp_axis)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always", UnusedRuleWarning)
+        planned = plan(model, mesh, rules, default=args.default)
+    for w in caught:
+        print(f"note: {w.message}", file=sys.stderr)
+    return planned
+
+
+def compare(args: argparse.Namespace, model: torch.nn.Module, plan: ShardingPlan) -> dict[str, Any]:
+    """``--compare PRESET|FILE.py``: the tensors whose spec differs from the plan under that preset or rules file."""
+    other = args.compare
+    if other not in PRESETS and not other.endswith(".py"):
+        raise UsageError(f"--compare {other!r}: give a preset ({', '.join(PRESETS)}) or a rules file ending in .py")
+    is_preset = other in PRESETS
+    there = plan_with(
+        args, model, plan.mesh, rules_file=None if is_preset else other, preset=other if is_preset else None
+    )
+    differs = {name: [str(a), str(b)] for name, (a, b) in plan.diff(there).items()}
+    return {"against": f"--preset {other}" if is_preset else f"--rules {other}", "differs": differs}
+
+
+def run_plan(args: argparse.Namespace) -> str:
+    """Builds, plans and formats; raises `UsageError` or `ShardingError`."""
+    model = build_on_meta(load_factory(args.target))
+    mesh, abstract = build_mesh(parse_mesh(args.mesh))
+    plan = plan_with(args, model, mesh, rules_file=args.rules, preset=args.preset)
+    data = report(model, plan, abstract=abstract, top=args.top)
+    if args.compare:
+        data["compare"] = compare(args, model, plan)
+    if args.format == "json":
+        return json.dumps(data, indent=2)
+    if args.format == "markdown":
+        return format_markdown(data, plan)
+    return format_text(data, _compact(plan) if args.format == "compact" else plan.table())
+
+
+def _compact(plan: ShardingPlan) -> str:
+    out = io.StringIO()
+    visualize_plan(plan, file=out)
+    return out.getvalue().rstrip()

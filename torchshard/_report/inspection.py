@@ -1,0 +1,138 @@
+"""What a compiled step communicates: its collectives, counted and sized per kind and mesh axes."""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+from collections.abc import Iterator, Mapping, Sequence
+from typing import Any
+
+import jax
+from jax.sharding import Mesh, NamedSharding
+
+from torchshard._base.errors import ShardingError
+from torchshard._base.format import fmt_bytes, table
+from torchshard._base.validate import describe_mesh
+from torchshard._bridge.tensors import unwrap
+from torchshard._report.hlo import KINDS, Collective, axes_of, parse_hlo
+from torchshard._train.trainer import Trainer
+
+
+@dataclasses.dataclass(frozen=True)
+class CollectiveStats:
+    """Every collective of a compiled program, with counts and bytes per kind and mesh axes.
+
+    ``str(stats)`` is a table: kind, axes, count and bytes per device.
+    """
+
+    ops: tuple[Collective, ...]
+    mesh: Mesh | None = None
+
+    def _select(self, kind: str | None, axes: str | Sequence[str] | None) -> Iterator[Collective]:
+        want = None if axes is None else ((axes,) if isinstance(axes, str) else tuple(axes))
+        for op in self.ops:
+            if kind not in (None, op.kind):
+                continue
+            if want is None or (op.axes is not None and set(op.axes) == set(want)):
+                yield op
+
+    def count(self, kind: str | None = None, *, axes: str | Sequence[str] | None = None) -> int:
+        """How many collectives of ``kind`` (all kinds if None) over exactly ``axes`` (any if None)."""
+        _check_kind(kind)
+        return sum(1 for _ in self._select(kind, axes))
+
+    def nbytes(self, kind: str | None = None, *, axes: str | Sequence[str] | None = None) -> int:
+        """Result bytes per device of the collectives `count` counts."""
+        _check_kind(kind)
+        return sum(op.bytes for op in self._select(kind, axes))
+
+    @property
+    def counts(self) -> dict[str, int]:
+        """Kind → number of instructions, every kind of `KINDS` present (0 if absent)."""
+        return {k: self.count(k) for k in KINDS}
+
+    @property
+    def bytes(self) -> dict[str, int]:
+        """Kind → result bytes per device, every kind of `KINDS` present."""
+        return {k: self.nbytes(k) for k in KINDS}
+
+    def table(self) -> str:
+        """One row per (kind, axes): count and bytes per device, then the total."""
+        rows: dict[tuple[str, str], list[Collective]] = {}
+        for op in sorted(self.ops, key=lambda o: KINDS.index(o.kind)):
+            rows.setdefault((op.kind, op.over), []).append(op)
+        head = ("collective", "over", "count", "bytes/device")
+        body = [(k, over, str(len(ops)), fmt_bytes(sum(o.bytes for o in ops))) for (k, over), ops in rows.items()]
+        where = f" on {describe_mesh(self.mesh)}" if self.mesh is not None else ""
+        foot = f"{len(self.ops)} collective(s){where}, {fmt_bytes(self.nbytes())} per device"
+        return table(head, body, foot)
+
+    def __str__(self) -> str:
+        return self.table()
+
+
+def _check_kind(kind: str | None) -> None:
+    if kind is not None and kind not in KINDS:
+        raise ShardingError(f"unknown collective kind {kind!r}; use one of {list(KINDS)} or None for all")
+
+
+def _mesh_of(args: Any) -> Mesh | None:
+    leaves = jax.tree.leaves(args, is_leaf=lambda x: hasattr(x, "jax"))
+    for leaf in leaves:
+        sharding = getattr(unwrap(leaf), "sharding", None)
+        if isinstance(sharding, NamedSharding) and isinstance(sharding.mesh, Mesh):
+            return sharding.mesh
+    return None
+
+
+def _hlo_text(target: Any, args: tuple[Any, ...], kwargs: Mapping[str, Any], mesh: Mesh | None) -> str:
+    if isinstance(target, Trainer):
+        if len(args) != 1 or kwargs:
+            raise ShardingError("collectives(trainer, batch): pass exactly one batch, as for trainer.step(batch)")
+        target = target.lower(args[0])
+    elif hasattr(target, "lower") and callable(target):
+        with jax.set_mesh(mesh) if mesh is not None else contextlib.nullcontext():
+            target = target.lower(*args, **kwargs)
+    if isinstance(target, jax.stages.Lowered):
+        target = target.compile()
+    if isinstance(target, jax.stages.Compiled):
+        return str(target.as_text())
+    if isinstance(target, str):
+        return target
+    raise ShardingError(
+        f"collectives() cannot read {type(target).__name__}; pass a torchshard.Trainer and a batch, a jax.jit "
+        f"function and its arguments, a jax Lowered/Compiled stage, or HLO text"
+    )
+
+
+def collectives(target: Any, *args: Any, mesh: Mesh | None = None, **kwargs: Any) -> CollectiveStats:
+    """Compiles ``target`` and lists the collectives in its partitioned HLO, per kind and mesh axes.
+
+    Nothing runs and nothing is donated. Bytes are each collective's result size on one
+    device (a combined all-reduce counts once, with the bytes of all its operands).
+
+    Args:
+        target: a `Trainer` (then ``args`` is one batch), a ``jax.jit`` function (then ``args``
+            and ``kwargs`` are its arguments), a ``jax.stages.Lowered`` / ``Compiled``, or HLO text.
+        mesh: names the device groups by mesh axes; defaults to the trainer's mesh, or the mesh of
+            the first ``NamedSharding`` argument.
+
+    Returns:
+        A `CollectiveStats`; ``str()`` of it is a table.
+
+    Raises:
+        ShardingError: ``target`` is none of the above.
+
+    Example:
+        >>> mesh = ts.make_mesh({"data": 4, "model": 2})
+        >>> x = jax.device_put(np.ones((8, 4), np.float32), jax.sharding.NamedSharding(mesh, P("data")))
+        >>> stats = collectives(jax.jit(lambda x: x.sum()), x)
+        >>> stats.count("all-gather"), stats.count("all-reduce", axes="data")
+        (0, 1)
+    """
+    if mesh is None:
+        mesh = target.mesh if isinstance(target, Trainer) else _mesh_of((args, kwargs))
+    ops = parse_hlo(_hlo_text(target, args, kwargs, mesh))
+    if mesh is not None:
+        ops = tuple(dataclasses.replace(op, axes=axes_of(op, mesh)) for op in ops)
+    return CollectiveStats(ops, mesh)

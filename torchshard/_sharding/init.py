@@ -1,0 +1,181 @@
+"""init_sharded: build a module with every tensor created directly in its shards."""
+
+from __future__ import annotations
+
+import inspect
+import warnings
+from collections.abc import Callable, Iterable
+from typing import Any, Literal
+
+import jax
+import numpy as np
+import torch
+from jax.sharding import Mesh
+
+from torchshard._base.errors import ShardingError, raise_if_any
+from torchshard._base.validate import instance_problems, int_problems, mismatch_problems, raise_for_arguments
+from torchshard._bridge.env import env, seeded, tensors_not_meta
+from torchshard._bridge.module_tensors import named_tensors
+from torchshard._bridge.tensors import is_jax_tensor, unwrap
+from torchshard._sharding.placement import assign
+from torchshard._sharding.plan import PlanEntry, ShardingPlan, plan
+from torchshard._sharding.rules import Rules, as_rules
+
+
+def _materialise(model_fn: Callable[[], torch.nn.Module], p: ShardingPlan, seed: int) -> dict[str, jax.Array]:
+    entries = p.unique_entries()
+    names = [e.name for e in entries]
+    tx = env()
+
+    def build(key: jax.Array) -> list[jax.Array]:
+        # torch init consumes torchax's RNG: seed it for this trace only, so its tracers stay inside
+        with seeded(jax.random.PRNGKey(key)), tensors_not_meta(), tx, warnings.catch_warnings():
+            # 64-bit tensors are narrowed unless x64 is on, as `shard` does; JAX would warn per tensor
+            warnings.filterwarnings("ignore", "Explicitly requested dtype int64", UserWarning)
+            with torch.device("jax"):
+                model = model_fn()
+            tensors = _checked_rebuild(model, p)
+            return [unwrap(tensors[n]) for n in names]
+
+    try:
+        arrays = jax.jit(build, out_shardings=[p[n] for n in names])(np.uint32(seed))
+    except ShardingError:
+        raise
+    except Exception as e:  # an init op torchax cannot run: name it, keep its traceback
+        raise _build_failure(e, entries) from e
+    return dict(zip(names, arrays, strict=True))
+
+
+def _build_failure(error: Exception, entries: list[PlanEntry]) -> ShardingError:
+    if isinstance(error, OverflowError):
+        wide = [x.name for x in entries if x.dtype in (torch.int64, torch.uint64)]
+        return ShardingError(
+            f"model_fn() creates a 64-bit integer that does not fit the 32 bits JAX holds it in ({error}); 64-bit "
+            f"tensors: {wide}; keep their values within int32, or call jax.config.update('jax_enable_x64', True) "
+            f"first thing in the program"
+        )
+    first = (str(error).strip().splitlines() or [""])[0]
+    return ShardingError(
+        f"model_fn() failed while building under torchax, directly sharded ({type(error).__name__}: {first:.300}); "
+        f"it built on meta, so an init op has no working torchax lowering or branches on tensor values (which "
+        f"are traced here): build the model on CPU and place it with shard(model, plan), or replace that init"
+    )
+
+
+def _checked_rebuild(model: Any, p: ShardingPlan) -> dict[str, torch.Tensor]:
+    """The tensors of the traced build, which must be the meta build's, each a torchax tensor."""
+    tensors = named_tensors(model) if isinstance(model, torch.nn.Module) else {}
+    expected = {n: e.shape for n, e in p.entries.items()}
+    found = {n: tuple(t.shape) for n, t in tensors.items()}
+    problems = mismatch_problems(expected, found, expected_in="first (meta) build", found_in="second build")
+    problems += [f"{n}: a plain tensor on {t.device}" for n, t in tensors.items() if not is_jax_tensor(t)]
+    header = "model_fn() built a different model the second time; make every call build the same modules and shapes"
+    raise_if_any(problems, header=header)
+    return tensors
+
+
+def _model_fn_problems(model_fn: Any) -> list[str]:
+    if isinstance(model_fn, torch.nn.Module):
+        return [
+            f"model_fn is a built {type(model_fn).__name__}; pass a function that builds it "
+            f"(e.g. lambda: {type(model_fn).__name__}(...)), or place a built model with shard(model, plan)"
+        ]
+    if not callable(model_fn):
+        return [f"model_fn must be a callable that builds the model, got {type(model_fn).__name__} {model_fn!r:.60}"]
+    try:
+        inspect.signature(model_fn).bind()
+    except TypeError as e:
+        return [f"model_fn must build the model with no arguments ({e}); wrap it, e.g. lambda: model_fn(config)"]
+    except ValueError:  # no signature to inspect (some builtins): calling it will tell
+        pass
+    return []
+
+
+def _check_args(model_fn: Any, mesh: Any, default: Any, seed: Any) -> None:
+    problems = _model_fn_problems(model_fn)
+    problems += instance_problems(
+        "mesh", mesh, Mesh, "a jax Mesh of devices, e.g. make_mesh({'data': 8}) (values need real devices)"
+    )
+    if default not in ("replicate", "error"):
+        problems.append(f"default={default!r} must be 'replicate' or 'error'")
+    problems += int_problems("seed", seed, minimum=0, none="torch.initial_seed()")
+    raise_for_arguments(problems, header="invalid init_sharded() arguments")
+
+
+def _build_on_meta(model_fn: Callable[[], torch.nn.Module]) -> torch.nn.Module:
+    try:
+        with torch.device("meta"):
+            model = model_fn()
+    except Exception as e:  # the user's code: say where it ran, keep its traceback
+        raise ShardingError(
+            f"model_fn() raised {type(e).__name__} while building the model on the meta device (no values): {e}; "
+            f"make it build under torch.device('meta') (no .item() or data-dependent shapes), or build the model "
+            f"yourself and place it with shard(model, plan)"
+        ) from e
+    problems = instance_problems("model_fn()", model, torch.nn.Module, "a torch.nn.Module (model_fn builds the model)")
+    raise_for_arguments(problems + _placed_problems(model), header="invalid init_sharded() arguments")
+    return model
+
+
+def _placed_problems(model: Any) -> list[str]:
+    """Tensors model_fn put on a device itself, which init_sharded could not create sharded."""
+    if not isinstance(model, torch.nn.Module):
+        return []
+    by_device: dict[str, list[str]] = {}
+    for name, t in named_tensors(model).items():
+        if t.device.type != "meta":
+            by_device.setdefault(str(t.device), []).append(name)
+    return [
+        f"model_fn() creates {len(names)} tensor(s) on {device} itself ({', '.join(names[:5])}"
+        f"{', ...' if len(names) > 5 else ''}); drop the device= arguments so init_sharded can create them sharded"
+        for device, names in by_device.items()
+    ]
+
+
+def init_sharded(
+    model_fn: Callable[[], torch.nn.Module],
+    mesh: Mesh,
+    rules: Rules | Iterable[Any] | None = None,
+    *,
+    default: Literal["replicate", "error"] = "replicate",
+    seed: int | None = None,
+) -> torch.nn.Module:
+    """Builds ``model_fn()`` with every tensor created directly sharded, never whole on one device.
+
+    The model is first built on ``meta`` to plan it; then ``model_fn`` runs once inside a jitted
+    function whose outputs are pinned to the plan, so XLA computes each shard where it lives.
+    Deterministic inits (constants, ``ones``, ``arange``...) equal eager torch; random ones draw
+    from JAX's RNG seeded by ``seed`` (default: ``torch.initial_seed()``).
+
+    Args:
+        model_fn: builds the module (no arguments); must not move tensors to a device itself.
+        mesh: the device mesh.
+        rules: as for `plan`.
+        default: as for `plan`.
+        seed: RNG seed for random initialisers.
+
+    Returns:
+        The module (built on meta) whose tensors are sharded torchax tensors.
+
+    Raises:
+        ArgumentError: ``model_fn`` is not a no-argument callable (a built module is not), it
+            returns no module or creates tensors on a device itself; ``mesh`` is not a `Mesh`;
+            bad ``rules``, ``default`` or ``seed``. Checked before anything is built.
+        ShardingError: the plan is invalid (see `plan`); ``model_fn`` raised on ``meta`` or
+            built a different model the second time; an init op torchax cannot run; a 64-bit
+            integer that 32 bits cannot hold (``jax_enable_x64`` off). The cause is chained.
+
+    Example:
+        >>> build = lambda: torch.nn.Sequential(torch.nn.Linear(16, 64), torch.nn.LayerNorm(64))
+        >>> model = init_sharded(build, ts.make_mesh({"data": 8}), ts.presets.fsdp(min_size=1024))
+        >>> model[0].weight.jax().sharding.spec, model[0].weight.device
+        (P('data', None), device(type='jax', index=0))
+        >>> float(model[1].weight.jax().sum())  # deterministic inits equal eager torch
+        64.0
+    """
+    _check_args(model_fn, mesh, default, seed)
+    rules = as_rules(rules)  # a malformed table fails before model_fn runs
+    model = _build_on_meta(model_fn)
+    p = plan(model, mesh, rules, default=default)
+    seed = torch.initial_seed() % 2**32 if seed is None else seed
+    return assign(model, _materialise(model_fn, p, seed), p)

@@ -1,0 +1,112 @@
+"""Device meshes with Auto (GSPMD) axes, and simulated CPU devices."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping, Sequence
+
+import jax
+import numpy as np
+from jax.sharding import AxisType, Mesh
+
+from torchshard._base.errors import ArgumentError, ShardingError
+from torchshard._base.validate import raise_for_arguments
+from torchshard._bridge.env import backend_started
+
+
+def use_cpu_devices(n: int) -> None:
+    """Makes JAX expose ``n`` CPU devices; call it before anything touches JAX devices.
+
+    Args:
+        n: number of simulated CPU devices (e.g. 8 on a laptop).
+
+    Raises:
+        ShardingError: ``n`` is not positive, or JAX already started with a different count.
+
+    Example:
+        >>> import torchshard as ts
+        >>> ts.use_cpu_devices(8)  # first thing in the program (a repeat with the same count is a no-op)
+    """
+    if not isinstance(n, int) or isinstance(n, bool) or n < 1:
+        raise ArgumentError(f"use_cpu_devices(n={n!r}): n must be a positive int.")
+    if backend_started():
+        have = len(jax.local_devices(backend="cpu"))  # this process's, in a multi-process run too
+        if have != n:
+            raise ShardingError(
+                f"use_cpu_devices({n}) was called after JAX started its backend with {have} CPU "
+                f"device(s); the count cannot change now. Call it first thing in your program (before "
+                f"jax.devices(), any jax array or torchax tensor), or set "
+                f"XLA_FLAGS=--xla_force_host_platform_device_count={n} in the environment."
+            )
+        return
+    jax.config.update("jax_num_cpu_devices", n)
+
+
+def _resolve_sizes(axes: Mapping[str, int], n_devices: int) -> tuple[int, ...]:
+    problems = [
+        f"axis {name!r} has size {size!r}; sizes must be positive ints or -1"
+        for name, size in axes.items()
+        if not isinstance(size, int) or isinstance(size, bool) or (size < 1 and size != -1)
+    ]
+    free = [name for name, size in axes.items() if size == -1]
+    if len(free) > 1:
+        problems.append(f"only one axis may be -1, got {free}")
+    if problems:
+        raise ShardingError(problems, header=f"invalid mesh {dict(axes)} for {n_devices} devices")
+    fixed = math.prod(s for s in axes.values() if s != -1)
+    if free:
+        if n_devices % fixed:
+            raise ShardingError(
+                f"mesh {dict(axes)}: {n_devices} devices cannot be split into axes of size "
+                f"{fixed} × {free[0]}; make the fixed sizes divide {n_devices}."
+            )
+        return tuple(n_devices // fixed if s == -1 else s for s in axes.values())
+    if fixed != n_devices:
+        raise ShardingError(
+            f"mesh {dict(axes)} needs {fixed} devices but {n_devices} are available; make the sizes "
+            f"multiply to {n_devices} (or use -1 for one axis), or pass devices= a list of {fixed}."
+        )
+    return tuple(axes.values())
+
+
+def _checked_devices(devices: Sequence[jax.Device]) -> list[jax.Device]:
+    if isinstance(devices, str | bytes) or not isinstance(devices, Sequence | np.ndarray):
+        raise ArgumentError(f"make_mesh(devices={devices!r}): pass a list of jax devices, e.g. jax.devices()[:4]")
+    flat = list(np.asarray(devices, dtype=object).reshape(-1))
+    problems = [f"devices[{i}] is a {type(d).__name__}, not a jax.Device" for i, d in enumerate(flat)]
+    problems = [p for p, d in zip(problems, flat, strict=True) if not isinstance(d, jax.Device)]
+    if not flat:
+        problems.append("devices= is empty; pass None for all devices, or a non-empty list such as jax.devices()[:4]")
+    twice = sorted({str(d) for d in flat if flat.count(d) > 1})
+    if twice:
+        problems.append(f"devices {twice} are listed more than once; each device may appear once in a mesh")
+    raise_for_arguments(problems, header="invalid make_mesh(devices=...)")
+    return flat
+
+
+def make_mesh(axes: Mapping[str, int], devices: Sequence[jax.Device] | None = None) -> Mesh:
+    """Builds a device mesh whose axes are Auto, so GSPMD propagates shardings through torch ops.
+
+    Args:
+        axes: axis name → size, in mesh order, e.g. ``{"data": 4, "model": 2}``; one size may be -1.
+        devices: the devices to use; defaults to all of ``jax.devices()``.
+
+    Returns:
+        A ``jax.sharding.Mesh`` with ``AxisType.Auto`` axes.
+
+    Raises:
+        ShardingError: empty or non-string axis names, bad sizes, or sizes that do not use the devices.
+
+    Example:
+        >>> mesh = make_mesh({"data": -1, "model": 2})  # on 8 devices
+        >>> dict(mesh.shape)
+        {'data': 4, 'model': 2}
+    """
+    if not isinstance(axes, Mapping) or not axes or not all(isinstance(k, str) and k for k in axes):
+        raise ArgumentError(
+            f"make_mesh(axes={axes!r}): axes must be a non-empty dict of axis name → size, "
+            f'e.g. {{"data": 4, "model": 2}}.'
+        )
+    devices = list(jax.devices() if devices is None else _checked_devices(devices))
+    shape = _resolve_sizes(axes, len(devices))
+    return jax.make_mesh(shape, tuple(axes), axis_types=(AxisType.Auto,) * len(shape), devices=devices)

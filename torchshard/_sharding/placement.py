@@ -1,0 +1,269 @@
+"""The one place that moves tensors onto devices: parameters, buffers, batches and activations."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from typing import Any
+
+import jax
+import numpy as np
+import torch
+from jax.sharding import AbstractMesh, Mesh, NamedSharding, PartitionSpec
+
+from torchshard._base.errors import ShardingError, raise_if_any
+from torchshard._base.specs import SPEC_HINT, SpecLike, parse_spec
+from torchshard._base.validate import (
+    describe_mesh,
+    instance_problems,
+    mismatch_problems,
+    raise_for_arguments,
+    spec_problems,
+)
+from torchshard._bridge.module_tensors import model_tensors, named_tensors, set_tensor
+from torchshard._bridge.tensors import host_array, is_jax_tensor, unwrap, wrap
+from torchshard._sharding.plan import ShardingPlan
+
+
+def put(value: Any, sharding: NamedSharding, *, process_local: bool = False, what: str = "a value") -> jax.Array:
+    """Places ``value`` (CPU torch tensor, torchax tensor, numpy or jax array) with ``sharding``.
+
+    Under tracing this is a sharding constraint; eagerly a transfer. Host data is read one
+    addressable shard at a time, so each process only places its own shards. With
+    ``process_local``, ``value`` is only this process's part of the global array (its rows of
+    each sharded dim, concatenated in order), as when each host loads its own slice of a batch.
+    ``what`` names the value in the `ShardingError` for 64-bit integers that 32 bits cannot hold.
+    """
+    value = unwrap(value)
+    if isinstance(value, jax.core.Tracer):
+        return jax.lax.with_sharding_constraint(value, sharding)
+    if process_local:
+        return jax.make_array_from_process_local_data(sharding, _host(value, what))
+    if isinstance(value, jax.Array):
+        return jax.device_put(value, sharding)
+    host = _host(value, what)
+    return jax.make_array_from_callback(host.shape, sharding, lambda index: host[index])
+
+
+def _host(value: Any, what: str) -> np.ndarray:
+    raise_if_any(range_problems(what, value), header="64-bit integers that 32 bits cannot hold")
+    return host_array(value) if isinstance(value, torch.Tensor) else np.asarray(value)
+
+
+_NARROWED: dict[Any, type[np.integer]] = {torch.int64: np.int32, torch.uint64: np.uint32}
+_NARROWED |= {np.dtype(np.int64): np.int32, np.dtype(np.uint64): np.uint32}
+
+
+def range_problems(name: str, value: Any) -> list[str]:
+    """A 64-bit integer host value with values outside the 32 bits JAX holds it in (``jax_enable_x64`` off).
+
+    JAX would silently wrap them; this names the value and the two fixes.
+
+    Example:
+        >>> print(*range_problems("step", torch.tensor([2**40])))
+        step (1,) torch.int64: values in [1099511627776, 1099511627776] do not fit int32, which JAX holds it in ...
+    """
+    narrow = _NARROWED.get(getattr(value, "dtype", None))
+    x64 = jax.config.jax_enable_x64  # type: ignore[attr-defined]
+    if narrow is None or x64 or getattr(value, "device", None) == torch.device("meta"):
+        return []
+    if not isinstance(value, torch.Tensor | np.ndarray) or math.prod(value.shape) == 0:
+        return []
+    low, high, limits = int(value.min()), int(value.max()), np.iinfo(narrow)
+    if limits.min <= low and high <= limits.max:
+        return []
+    return [
+        f"{name} {tuple(value.shape)} {value.dtype}: values in [{low}, {high}] do not fit {np.dtype(narrow)}, which "
+        f"JAX holds it in unless 64-bit mode is on; keep the values within [{limits.min}, {limits.max}], or call "
+        f"jax.config.update('jax_enable_x64', True) first thing in the program"
+    ]
+
+
+def assign(model: torch.nn.Module, arrays: Mapping[str, jax.Array], plan: ShardingPlan) -> torch.nn.Module:
+    """Rebinds every name of ``plan`` in ``model`` to the torchax tensor of its canonical array."""
+    tensors = {t.name: t for t in model_tensors(model)}
+    made: dict[str, torch.Tensor] = {}
+    for name, entry in plan.entries.items():
+        canon = plan.canonical(name)
+        if canon not in made:
+            like = tensors[canon].tensor
+            array = arrays[canon]
+            made[canon] = torch.nn.Parameter(wrap(array), like.requires_grad) if entry.kind == "param" else wrap(array)
+        set_tensor(model, name, made[canon], param=entry.kind == "param")
+    return model
+
+
+def match_problems(model: torch.nn.Module, plan: ShardingPlan) -> list[str]:
+    """Every way ``plan`` does not fit ``model``: names, shapes, dtypes, and tensors with no values."""
+    tensors = named_tensors(model)
+    planned = {n: e.shape for n, e in plan.entries.items()}
+    problems = mismatch_problems(planned, {n: tuple(t.shape) for n, t in tensors.items()}, expected_in="plan",
+                                 found_in="model")  # fmt: skip
+    for name, t in tensors.items():
+        entry = plan.entries.get(name)
+        if entry is not None and t.dtype != entry.dtype:
+            problems.append(f"{name}: model dtype {t.dtype} but plan dtype {entry.dtype} (the model changed dtype)")
+        if t.device.type == "meta":
+            problems.append(f"{name} {tuple(t.shape)}: on the meta device (no values); use init_sharded()")
+    return problems
+
+
+def shard(model: torch.nn.Module, plan: ShardingPlan) -> torch.nn.Module:
+    """Places every parameter and buffer of ``model`` as the plan says, in place; ties stay tied.
+
+    Args:
+        model: module with CPU (or already placed torchax) tensors.
+        plan: from `plan` on this model.
+
+    Returns:
+        ``model``, whose tensors are now torchax tensors backed by sharded ``jax.Array`` s.
+
+    Raises:
+        ArgumentError: ``model`` is not a module or ``plan`` not a `ShardingPlan`.
+        ShardingError: the plan does not fit the model (every missing, extra, mis-shaped,
+            re-typed or meta tensor), or an int64 tensor holds values 32 bits cannot
+            (``jax_enable_x64`` off); nothing is moved.
+
+    Example:
+        >>> model = torch.nn.Sequential(torch.nn.Linear(16, 64), torch.nn.ReLU(), torch.nn.Linear(64, 4))
+        >>> model = shard(model, ts.plan(model, ts.make_mesh({"data": 8}), ts.presets.fsdp(min_size=1024)))
+        >>> model[0].weight.jax().sharding.spec
+        P('data', None)
+    """
+    check_model_and_plan(model, plan, doing="shard()")
+    tensors = named_tensors(model)
+    entries = plan.unique_entries()
+    problems = [p for e in entries for p in range_problems(e.name, tensors[e.name])]
+    raise_if_any(problems, header=f"shard(): {type(model).__name__} holds values JAX cannot; nothing was moved")
+    arrays = {e.name: put(tensors[e.name], e.sharding, what=e.name) for e in entries}
+    return assign(model, arrays, plan)
+
+
+def check_model_and_plan(model: Any, plan: Any, *, doing: str) -> None:
+    """Raises if ``model`` is not a module, ``plan`` not a plan, or the plan does not fit the model."""
+    problems = instance_problems("model", model, torch.nn.Module, "a torch.nn.Module")
+    problems += instance_problems("plan", plan, ShardingPlan, "a ShardingPlan from torchshard.plan()")
+    raise_for_arguments(problems, header=f"invalid {doing} arguments")
+    header = f"plan does not fit {type(model).__name__}; re-run plan() on this model after changing it"
+    raise_if_any(match_problems(model, plan), header=header)
+
+
+def batch_leaf_spec(leaf: Any, spec: PartitionSpec) -> PartitionSpec:
+    """``spec`` for batch leaves of at least its rank; lower-rank leaves (scalars) are replicated."""
+    return spec if len(getattr(leaf, "shape", ())) >= len(spec) else PartitionSpec()
+
+
+def shard_batch(batch: Any, mesh: Mesh, spec: SpecLike = ("data",)) -> Any:
+    """Places every tensor of ``batch`` on ``mesh`` (leading dim over ``"data"`` by default), for inference.
+
+    Args:
+        batch: a pytree (tensor, tuple, dict...) of CPU torch tensors, torchax tensors or arrays.
+        mesh: the device mesh.
+        spec: the spec of each leaf; leaves of lower rank are replicated.
+
+    Returns:
+        The same pytree of torchax tensors, ready for ``model(...)`` inside ``torchax.default_env()``.
+
+    Raises:
+        ArgumentError: ``spec`` is not a spec, ``mesh`` not a mesh, or a leaf is not an array
+            with values (a str, a Python number, a meta tensor).
+        ShardingError: every leaf whose sharded dims do not divide by the mesh axes, or whose
+            int64 values 32 bits cannot hold.
+
+    Example:
+        >>> mesh = ts.make_mesh({"data": 8})
+        >>> model = ts.shard(torch.nn.Linear(16, 4), ts.plan(torch.nn.Linear(16, 4), mesh))
+        >>> x = shard_batch(torch.randn(64, 16), mesh)
+        >>> import torchax
+        >>> with torchax.default_env():
+        ...     logits = model(x)
+        >>> logits.shape, logits.jax().sharding.spec
+        (torch.Size([64, 4]), P('data',))
+    """
+    problems = instance_problems("mesh", mesh, Mesh, "a jax Mesh, e.g. make_mesh({'data': 8})")
+    made = parse_spec(spec)
+    problems += [] if made is not None else [f"spec={spec!r} is not {SPEC_HINT}"]
+    leaves = jax.tree.leaves(batch)
+    problems += [p for i, leaf in enumerate(leaves) for p in leaf_problems(f"batch leaf #{i}", leaf)]
+    raise_for_arguments(problems, header="invalid shard_batch() arguments")
+    assert made is not None
+    problems = [p for i, leaf in enumerate(leaves) for p in spec_problems(f"batch leaf #{i}", leaf.shape,
+                                                                        batch_leaf_spec(leaf, made), mesh)]  # fmt: skip
+    problems += [p for i, leaf in enumerate(leaves) for p in range_problems(f"batch leaf #{i}", leaf)]
+    raise_if_any(problems, header=f"batch does not fit {made} on {describe_mesh(mesh)}")
+    return jax.tree.map(lambda x: wrap(put(x, NamedSharding(mesh, batch_leaf_spec(x, made)))), batch)
+
+
+def leaf_problems(name: str, leaf: Any) -> list[str]:
+    """A batch leaf must be an array with values: a torch tensor (not on meta), a numpy or a jax array.
+
+    Example:
+        >>> leaf_problems("batch leaf #0", "abc")
+        ['batch leaf #0 is a str; pass torch tensors, numpy or jax arrays (e.g. torch.tensor(...))']
+    """
+    if isinstance(leaf, torch.Tensor) and leaf.device.type == "meta":
+        return [f"{name} {tuple(leaf.shape)} is on the meta device (no values); pass a tensor with data"]
+    if isinstance(leaf, torch.Tensor | np.ndarray | jax.Array):
+        return []
+    return [f"{name} is a {type(leaf).__name__}; pass torch tensors, numpy or jax arrays (e.g. torch.tensor(...))"]
+
+
+def _ambient_mesh(mesh: Mesh | None, *, tracing: bool) -> Mesh | AbstractMesh:
+    if mesh is not None:
+        return mesh
+    # under jit only the abstract mesh may be read (it is all with_sharding_constraint needs);
+    # an eager transfer needs the concrete one
+    found = jax.sharding.get_abstract_mesh() if tracing else jax.sharding.get_mesh()
+    if found is None or not found.shape:
+        raise ShardingError(
+            "constrain() needs a mesh: pass mesh=, or call it inside Trainer.step / `with jax.set_mesh(mesh):`."
+        )
+    return found
+
+
+def constrain(tensor: torch.Tensor, spec: SpecLike, mesh: Mesh | None = None) -> torch.Tensor:
+    """Constrains an activation's sharding inside ``forward`` (a constraint under jit, a transfer eagerly).
+
+    Args:
+        tensor: a torchax tensor; a plain torch tensor is returned unchanged, so the same
+            ``forward`` still runs in eager, unsharded torch.
+        spec: ``PartitionSpec`` or tuple of axis names / None, e.g. ``("data", None)``.
+        mesh: defaults to the mesh the Trainer traces under or ``jax.set_mesh``'s.
+
+    Returns:
+        The tensor with the requested sharding.
+
+    Raises:
+        ArgumentError: ``mesh`` is not a mesh.
+        ShardingError: no mesh is known, or the spec does not fit the tensor.
+
+    Example:
+        >>> h = torch.ones(8, 4)
+        >>> constrain(h, ("data", None)) is h  # plain torch: unchanged, so forward still runs eagerly
+        True
+    """
+    if mesh is not None:
+        problems = instance_problems("mesh", mesh, (Mesh, AbstractMesh), "a jax Mesh, e.g. make_mesh({'data': 8})")
+        raise_for_arguments(problems, header="invalid constrain() arguments")
+    if not is_jax_tensor(tensor):
+        return tensor
+    where = _ambient_mesh(mesh, tracing=isinstance(unwrap(tensor), jax.core.Tracer))
+    made = parse_spec(spec)
+    if made is None:
+        raise ShardingError(
+            f"constrain(): spec {spec!r} for activation {tuple(tensor.shape)} on {describe_mesh(where)} is not a "
+            f"PartitionSpec or a tuple of axis names / None; write e.g. ('data', None)"
+        )
+    raise_if_any(spec_problems("activation", tuple(tensor.shape), made, where), header="constrain()")
+    return wrap(put(tensor, NamedSharding(where, made)))
+
+
+def spec_of(tensor: torch.Tensor) -> PartitionSpec | None:
+    """The ``PartitionSpec`` of a placed tensor (None if it is not a NamedSharding).
+
+    Example:
+        >>> spec_of(torch.zeros(2)) is None
+        True
+    """
+    sharding = unwrap(tensor).sharding if is_jax_tensor(tensor) else None
+    return sharding.spec if isinstance(sharding, NamedSharding) else None

@@ -1,0 +1,90 @@
+"""What a Trainer accepts: its arguments and each batch, checked before anything moves."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+import numpy as np
+import optax
+import torch
+from jax.sharding import Mesh
+
+from torchshard._base.specs import SPEC_HINT, parse_spec, spec_axes
+from torchshard._base.validate import instance_problems, int_problems, raise_for_arguments
+from torchshard._sharding.plan import ShardingPlan
+from torchshard._train.precision import MixedPrecision
+
+# XLA on CPU aborts ("Expected N threads to join the rendezvous") with ~30 collective-heavy steps queued
+CPU_MAX_IN_FLIGHT = 16
+
+
+def batch_type_problems(leaves: list[Any]) -> list[str]:
+    problems = []
+    for i, leaf in enumerate(leaves):
+        if isinstance(leaf, torch.Tensor) and leaf.device.type == "meta":
+            problems.append(f"batch leaf #{i} {tuple(leaf.shape)} is on the meta device (no values); load real data")
+        elif not isinstance(leaf, torch.Tensor | np.ndarray | jax.Array | int | float | bool | np.generic):
+            problems.append(
+                f"batch leaf #{i} is a {type(leaf).__name__} ({leaf!r:.40}); batches hold tensors or arrays"
+            )
+        elif np.ndim(leaf) > 0 and np.shape(leaf)[0] == 0:
+            problems.append(f"batch leaf #{i} {tuple(np.shape(leaf))} has no rows; skip empty batches")
+    return problems
+
+
+def _optimizer_problems(optimizer: Any) -> list[str]:
+    if isinstance(optimizer, optax.GradientTransformation):
+        return []
+    if isinstance(optimizer, torch.optim.Optimizer):
+        return [f"optimizer is a torch {type(optimizer).__name__}; pass its optax equivalent, e.g. optax.adamw(1e-3)"]
+    if callable(optimizer):
+        name = getattr(optimizer, "__name__", type(optimizer).__name__)
+        return [f"optimizer is the function {name}, not a GradientTransformation; call it, e.g. optax.{name}(1e-3)"]
+    return [
+        f"optimizer must be an optax GradientTransformation such as optax.adamw(1e-3), got {type(optimizer).__name__}"
+    ]
+
+
+def check_trainer_args(
+    model: Any,
+    loss_fn: Any,
+    optimizer: Any,
+    plan: Any,
+    batch_spec: Any,
+    grad_accum_steps: Any,
+    max_in_flight: Any,
+    precision: Any,
+    *,
+    donate: Any,
+    seed: Any,
+    skip_nonfinite: Any,
+) -> None:
+    """Raises one `ArgumentError` listing every argument of ``Trainer(...)`` that is unusable."""
+    problems = instance_problems("model", model, torch.nn.Module, "a torch.nn.Module")
+    problems += [] if callable(loss_fn) else [f"loss_fn must be a function loss_fn(model, batch), got {loss_fn!r:.40}"]
+    problems += _optimizer_problems(optimizer)
+    problems += instance_problems("plan", plan, ShardingPlan, "a ShardingPlan from torchshard.plan()")
+    if isinstance(plan, ShardingPlan) and not isinstance(plan.mesh, Mesh):
+        problems.append("plan is over an AbstractMesh (no devices): plan the model on a mesh from make_mesh to train")
+    problems += int_problems("grad_accum_steps", grad_accum_steps, minimum=1)
+    problems += int_problems("max_in_flight", max_in_flight, minimum=1)
+    problems += int_problems("seed", seed, minimum=0)
+    if isinstance(plan, ShardingPlan) and isinstance(plan.mesh, Mesh) and isinstance(max_in_flight, int):
+        cpu = plan.mesh.devices.flat[0].platform == "cpu"
+        if cpu and max_in_flight > CPU_MAX_IN_FLIGHT:
+            problems.append(
+                f"max_in_flight={max_in_flight}: XLA on CPU aborts with ~30 steps queued; use at most "
+                f"{CPU_MAX_IN_FLIGHT}"
+            )
+    problems += [f"{n}={v!r} must be True or False" for n, v in (("donate", donate), ("skip_nonfinite", skip_nonfinite))
+                 if not isinstance(v, bool)]  # fmt: skip
+    if precision is not None:
+        problems += instance_problems("precision", precision, MixedPrecision, "None or a torchshard.MixedPrecision")
+    spec = parse_spec(batch_spec)
+    if spec is None:
+        problems.append(f"batch_spec={batch_spec!r} is not {SPEC_HINT}")
+    elif isinstance(plan, ShardingPlan):
+        unknown = [a for a in spec_axes(spec) if a not in plan.mesh.shape]
+        problems += [f"batch_spec axis {a!r} is not in the mesh {list(plan.mesh.shape)}" for a in unknown]
+    raise_for_arguments(problems, header="invalid Trainer arguments")

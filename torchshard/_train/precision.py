@@ -1,0 +1,86 @@
+"""Mixed precision: fp32 master weights and optimizer state, bf16 forward and backward inside the step."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import torch
+from jax.sharding import NamedSharding
+
+from torchshard._base.validate import raise_for_arguments
+from torchshard._bridge.tensors import jax_dtype
+from torchshard._sharding.placement import put
+
+
+@dataclasses.dataclass(frozen=True)
+class MixedPrecision:
+    """Where each dtype is used in a `Trainer` step: storage (``param_dtype``) and compute (``compute_dtype``).
+
+    Parameters and optimizer state are stored in ``param_dtype`` (the master copy, also what
+    checkpoints and `to_torch_state_dict` hold). Inside the jitted step each floating parameter
+    is cast to ``compute_dtype`` on its own shard, so FSDP all-gathers move the small dtype;
+    the forward and backward run in it, and the cast's gradient hands optax gradients in
+    ``param_dtype``. Integer tensors and buffers are never cast.
+
+    PyTorch FSDP2 users: ``MixedPrecisionPolicy(param_dtype=torch.bfloat16)`` on fp32 modules is
+    ``MixedPrecision(compute_dtype=torch.bfloat16, param_dtype=torch.float32)`` here (FSDP2's
+    ``param_dtype`` is the compute dtype; its sharded storage dtype is the module's own), and its
+    ``cast_forward_inputs=True`` is ``cast_inputs=True``.
+
+    Args:
+        compute_dtype: dtype of the forward and backward (``torch.bfloat16`` or ``torch.float16``...).
+        param_dtype: dtype parameters and optimizer state are stored and updated in.
+        cast_inputs: cast floating batch tensors to ``compute_dtype`` before ``loss_fn`` sees them.
+
+    Raises:
+        ArgumentError: a dtype that is not a floating torch dtype.
+
+    Example:
+        >>> policy = MixedPrecision()
+        >>> policy.compute_dtype, policy.param_dtype
+        (torch.bfloat16, torch.float32)
+    """
+
+    compute_dtype: torch.dtype = torch.bfloat16
+    param_dtype: torch.dtype = torch.float32
+    cast_inputs: bool = dataclasses.field(default=True, kw_only=True)
+
+    def __post_init__(self) -> None:
+        problems = [
+            f"{name}={value!r} must be a floating torch dtype such as torch.bfloat16 or torch.float32"
+            for name, value in (("compute_dtype", self.compute_dtype), ("param_dtype", self.param_dtype))
+            if not isinstance(value, torch.dtype) or not value.is_floating_point
+        ]
+        if not isinstance(self.cast_inputs, bool):
+            problems.append(f"cast_inputs={self.cast_inputs!r} must be True or False")
+        raise_for_arguments(problems, header="invalid MixedPrecision")
+
+    def compute(self, x: jax.Array) -> jax.Array:
+        """``x`` in the compute dtype if it is floating; integers and booleans unchanged."""
+        return _cast(x, jax_dtype(self.compute_dtype))
+
+    def stored(self, x: jax.Array) -> jax.Array:
+        """``x`` in the storage dtype if it is floating; integers and booleans unchanged."""
+        return _cast(x, jax_dtype(self.param_dtype))
+
+
+def _cast(x: jax.Array, dtype: Any) -> jax.Array:
+    if not jnp.issubdtype(x.dtype, jnp.floating) or x.dtype == dtype:
+        return x
+    return x.astype(dtype)
+
+
+def cast_on_shards(x: jax.Array, sharding: NamedSharding | None, policy: MixedPrecision) -> jax.Array:
+    """The compute-dtype copy of a parameter (a traced value), kept on the parameter's own shards.
+
+    Pinning the cast to the parameter's sharding makes GSPMD convert each shard before any
+    all-gather, so FSDP moves the small dtype (and the gradient comes back in it, converted
+    to the storage dtype on the shard).
+    """
+    cast = policy.compute(x)
+    if cast is x or sharding is None:
+        return cast
+    return put(cast, sharding)

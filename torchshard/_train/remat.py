@@ -1,0 +1,166 @@
+"""Activation checkpointing: chosen modules' forwards run under ``jax.checkpoint`` with a named policy."""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING, Any
+
+import jax
+import torch
+
+from torchshard._base.errors import ShardingError
+from torchshard._base.validate import closest_names, raise_for_arguments
+from torchshard._bridge.env import continue_from, current_key
+from torchshard._bridge.module_call import Forward, PureForward, module_arrays, split
+from torchshard._bridge.module_tensors import named_tensors
+from torchshard._bridge.tensors import set_array
+
+if TYPE_CHECKING:
+    from torchshard._train.scan import ScanGroup
+
+# policies that take where to offload to: they are given the device → pinned host pair
+_OFFLOAD = ("offload_dot_with_no_batch_dims",)
+POLICIES = tuple(
+    sorted(
+        name
+        for name in dir(jax.checkpoint_policies)
+        if not name.startswith("_") and (name.endswith("saveable") or name in _OFFLOAD)
+    )
+)
+
+
+@dataclasses.dataclass(frozen=True)
+class Remat:
+    """Activation checkpointing for `Trainer` (``remat=``): which modules, and what their backward may reuse.
+
+    The forward of every module whose ``named_modules()`` name ``re.fullmatch``-es one of
+    ``modules`` runs under ``jax.checkpoint``: its activations are recomputed in the backward
+    instead of kept, except what ``policy`` saves. Losses and gradients are unchanged. With
+    ``scan_layers``, a pattern naming the scanned layers checkpoints the scan's body (XLA on CPU
+    honours checkpoints only inside such loops).
+
+    Args:
+        modules: one regex or several, over module names such as ``model.layers.3``.
+        policy: a ``jax.checkpoint_policies`` name: ``"nothing_saveable"`` (recompute all),
+            ``"dots_saveable"`` (keep matmul outputs), ``"dots_with_no_batch_dims_saveable"``,
+            ``"everything_saveable"``, or ``"offload_dot_with_no_batch_dims"`` (keep matmul outputs in
+            pinned host memory, on backends that have it); or a policy function.
+
+    Raises:
+        ArgumentError: a pattern that is not a valid regex, or an unknown policy.
+
+    Example:
+        >>> Remat(r"model\\.layers\\.\\d+", policy="dots_saveable").modules
+        ('model\\\\.layers\\\\.\\\\d+',)
+    """
+
+    modules: str | Sequence[str]
+    policy: str | Callable[..., Any] = "nothing_saveable"
+
+    def __post_init__(self) -> None:
+        patterns = (self.modules,) if isinstance(self.modules, str) else tuple(self.modules)
+        object.__setattr__(self, "modules", patterns)
+        problems = [f"remat pattern {p!r} is not a string" for p in patterns if not isinstance(p, str)]
+        problems += [f"remat pattern {p!r} is not a valid regex ({e})" for p, e in _regex_errors(patterns)]
+        if not patterns:
+            problems.append("remat names no module pattern; pass e.g. r'model\\.layers\\.\\d+'")
+        if not callable(self.policy) and self.policy not in POLICIES:
+            problems.append(f"remat policy {self.policy!r} is not one of {list(POLICIES)} or a policy function")
+        raise_for_arguments(problems, header="invalid Remat")
+
+    def jax_policy(self) -> Callable[..., Any]:
+        """The policy as ``jax.checkpoint`` takes it."""
+        if callable(self.policy):
+            return self.policy
+        policy = getattr(jax.checkpoint_policies, self.policy)
+        return policy("device", "pinned_host") if self.policy in _OFFLOAD else policy
+
+
+def _regex_errors(patterns: Sequence[Any]) -> list[tuple[str, re.error]]:
+    errors = []
+    for pattern in patterns:
+        try:
+            re.compile(pattern)
+        except (re.error, TypeError) as err:
+            if isinstance(err, re.error):
+                errors.append((pattern, err))
+    return errors
+
+
+RematLike = str | Sequence[str] | Remat | None
+
+
+def as_remat(remat: RematLike) -> Remat | None:
+    """``Trainer(remat=...)`` as a `Remat` (a pattern or list of patterns means the default policy)."""
+    if remat is None or isinstance(remat, Remat):
+        return remat
+    if isinstance(remat, str) or (isinstance(remat, Sequence) and all(isinstance(p, str) for p in remat)):
+        return Remat(remat)
+    raise_for_arguments(
+        [f"remat={remat!r} must be a module-name regex, a list of them, or torchshard.Remat(modules, policy=...)"],
+        header="invalid Trainer arguments",
+    )
+    return None
+
+
+def remat_targets(model: torch.nn.Module, remat: Remat) -> list[str]:
+    """Names of the modules to checkpoint (outermost only); a pattern matching none is a `ShardingError`."""
+    names = [name for name, _ in model.named_modules() if name]
+    problems = []
+    for pattern in remat.modules:
+        if not any(re.fullmatch(pattern, n) for n in names):
+            close = closest_names(pattern, names)
+            problems.append(f"remat pattern {pattern!r} matches no module of {type(model).__name__}; closest: {close}")
+    if problems:
+        raise ShardingError(problems, header=f"invalid remat for {type(model).__name__} ({len(problems)} problem(s))")
+    chosen = [n for n in names if any(re.fullmatch(p, n) for p in remat.modules)]
+    return [n for n in chosen if not any(n.startswith(outer + ".") for outer in chosen)]
+
+
+def checkpointed(module: torch.nn.Module, forward: Forward, policy: Callable[..., Any]) -> Forward:
+    """``forward`` of ``module`` run under ``jax.checkpoint``; buffers it updates are written back."""
+
+    def call(*args: Any, **kwargs: Any) -> Any:
+        inputs, spec = split((args, kwargs))
+        state, buffers = module_arrays(module)
+        pure = PureForward(module, forward, spec, buffers)
+        # the key goes in and comes out: dropout draws what it would unwrapped, and the same when recomputed
+        out, new_buffers, key = jax.checkpoint(pure.__call__, policy=policy)(state, inputs, current_key())
+        continue_from(key)
+        tensors = named_tensors(module)
+        for name, array in new_buffers.items():
+            set_array(tensors[name], array)
+        return pure.rebuild(out)
+
+    return call
+
+
+def scan_remat(groups: tuple[ScanGroup, ...], targets: list[str], remat: Any) -> tuple[dict[str, Any], list[str]]:
+    """Remat targets that are scanned blocks become their scan body's policy; the rest stay module targets.
+
+    Every block of a scan runs one body, so a pattern must name all blocks of a scanned list, or
+    the same submodule of all of them.
+    """
+    policies, rest, problems = {}, [], []
+    for group in groups:
+        blocks = {f"{group.prefix}.{i}" for i in range(group.count)}
+        chosen = blocks & set(targets)
+        if chosen and chosen != blocks:
+            problems.append(f"remat names {sorted(chosen)} but not every block of the scanned {group.prefix}")
+        if chosen:
+            policies[group.prefix] = remat.jax_policy()
+        inside = {_relative(group.prefix, t) for t in targets if t.startswith(group.prefix + ".") and t not in blocks}
+        for index, name in inside:
+            if any((i, name) not in inside for i in range(group.count)):
+                problems.append(f"remat names {group.prefix}.{index}.{name} but not the same module of every block")
+    rest = [t for t in targets if not any(t == f"{g.prefix}.{i}" for g in groups for i in range(g.count))]
+    if problems:
+        raise ShardingError(problems, header="remat cannot apply to scanned layers unevenly: all blocks run one body")
+    return policies, rest
+
+
+def _relative(prefix: str, name: str) -> tuple[int, str]:
+    index, _, rest = name[len(prefix) + 1 :].partition(".")
+    return int(index), rest

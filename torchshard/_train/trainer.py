@@ -1,0 +1,399 @@
+"""Trainer: forward, backward and the optax update of a sharded torch module as one jitted call."""
+
+from __future__ import annotations
+
+import collections
+import threading
+import weakref
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import torch
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+from torchshard._base.errors import ShardingError, raise_if_any
+from torchshard._base.specs import SpecLike, parse_spec
+from torchshard._base.validate import (
+    describe_mesh,
+    raise_for_arguments,
+    spec_problems,
+)
+from torchshard._bridge.layer_view import LayerView, StackedArray
+from torchshard._bridge.module_tensors import named_tensors, set_tensor
+from torchshard._bridge.tensors import rebind, set_array, unwrap
+from torchshard._multihost.worker import heartbeat
+from torchshard._sharding.placement import batch_leaf_spec, put, shard
+from torchshard._sharding.plan import ShardingPlan
+from torchshard._sharding.process import global_shape
+from torchshard._train.checks import batch_type_problems, check_trainer_args
+from torchshard._train.precision import MixedPrecision
+from torchshard._train.remat import RematLike, as_remat, remat_targets, scan_remat
+from torchshard._train.scan import Layout, ScanGroup, ScanLike, find_groups
+from torchshard._train.step import Arrays, LossFn, Runtime, Step, TrainState, state_shardings
+
+
+def _groups(model: torch.nn.Module, plan: ShardingPlan) -> tuple[list[str], list[str], list[str]]:
+    """Canonical names split into trainable params, buffers (carried and updated) and frozen params."""
+    tensors = named_tensors(model)
+    params, buffers, frozen = [], [], []
+    for entry in plan.unique_entries():
+        if entry.kind == "buffer":
+            buffers.append(entry.name)
+        elif tensors[entry.name].requires_grad:
+            params.append(entry.name)
+        else:
+            frozen.append(entry.name)
+    return params, buffers, frozen
+
+
+def _scan_spec_problems(groups: tuple[ScanGroup, ...], plan: ShardingPlan) -> list[str]:
+    problems = []
+    for group in groups:
+        for key, names in group.members():
+            specs = {plan.spec(n) for n in names}
+            if len(specs) > 1:
+                problems.append(
+                    f"{key}: the layers are sharded differently ({', '.join(f'{n} {plan.spec(n)}' for n in names)}); "
+                    f"a scan stacks them, so give every layer the same spec"
+                )
+    return problems
+
+
+def _stack(arrays: list[jax.Array], sharding: NamedSharding) -> jax.Array:
+    return jax.jit(lambda *xs: jnp.stack(xs), out_shardings=sharding)(*arrays)
+
+
+class Trainer:
+    """Trains a sharded torch module with one fused, jitted, donated step per call.
+
+    Args:
+        model: the module; its tensors are placed by ``plan`` (CPU tensors are moved).
+        loss_fn: ``loss_fn(model, batch) -> loss`` in plain torch (or ``(loss, {name: metric})``).
+        optimizer: an optax ``GradientTransformation``.
+        plan: the `ShardingPlan` of ``model``.
+        batch_spec: spec for every batch leaf (default: leading dim over ``"data"``).
+        grad_accum_steps: micro-batches per step, accumulated inside the jitted step.
+        donate: donate params, buffers and optimizer state to the step (halves their memory).
+        seed: seeds the per-step RNG key used by dropout and other random torch ops.
+        max_in_flight: steps dispatched before waiting for the oldest (bounds queued work; at
+            most 16 on CPU, where XLA aborts with ~30 collective-heavy steps queued).
+        precision: a `MixedPrecision` policy (bf16 compute, fp32 master weights); None computes
+            in the parameters' own dtype.
+        remat: activation checkpointing: a module-name regex, a list of them, or a `Remat`.
+        scan_layers: run ModuleLists of identical blocks as one ``lax.scan`` over stacked weights:
+            ``True`` (every such list), a ModuleList name or a list of names.
+        skip_nonfinite: a step whose loss or gradients are not finite changes no parameter,
+            buffer or optimizer state; its metrics say ``"skipped": 1.0``.
+
+    Raises:
+        ArgumentError: an argument of the wrong type or value (all listed); nothing is moved.
+        ShardingError: the plan does not fit the model, a remat pattern matches no module, or a
+            list cannot be scanned (with why).
+
+    Example:
+        >>> import optax
+        >>> model = torch.nn.Sequential(torch.nn.Linear(16, 64), torch.nn.ReLU(), torch.nn.Linear(64, 4))
+        >>> p = ts.plan(model, ts.make_mesh({"data": 8}), ts.presets.fsdp(min_size=1024))
+        >>> loss_fn = lambda m, b: torch.nn.functional.cross_entropy(m(b[0]), b[1])
+        >>> trainer = Trainer(model, loss_fn, optax.adamw(1e-3), p)
+        >>> x, y = torch.randn(32, 16), torch.randint(0, 4, (32,))
+        >>> metrics = trainer.step((x, y))
+        >>> sorted(metrics), trainer.step_count
+        (['grad_norm', 'loss'], 1)
+    """
+
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        loss_fn: LossFn,
+        optimizer: optax.GradientTransformation,
+        plan: ShardingPlan,
+        *,
+        batch_spec: SpecLike = ("data",),
+        grad_accum_steps: int = 1,
+        donate: bool = True,
+        seed: int = 0,
+        max_in_flight: int = 8,
+        precision: MixedPrecision | None = None,
+        remat: RematLike = None,
+        scan_layers: ScanLike = False,
+        skip_nonfinite: bool = False,
+    ) -> None:
+        check_trainer_args(model, loss_fn, optimizer, plan, batch_spec, grad_accum_steps, max_in_flight, precision,
+                    donate=donate, seed=seed, skip_nonfinite=skip_nonfinite)  # fmt: skip
+        remat_ = as_remat(remat)
+        self.plan = plan
+        self.optimizer = optimizer
+        self.precision = precision
+        self.batch_spec = parse_spec(batch_spec) or PartitionSpec()
+        self.grad_accum_steps = grad_accum_steps
+        self.max_in_flight = max_in_flight
+        scan_groups = find_groups(model, scan_layers)
+        targets = remat_targets(model, remat_) if remat_ is not None else []
+        body_policies, targets = scan_remat(scan_groups, targets, remat_)
+        raise_if_any(_scan_spec_problems(scan_groups, plan), header="scan_layers cannot stack this plan")
+        self.layout = Layout(scan_groups)
+        self._lock = threading.RLock()
+        self._model = self._take(shard(model, plan))
+        self._tensors = named_tensors(self._model)
+        self._names = _groups(self._model, plan)
+        self._replicated = NamedSharding(plan.mesh, PartitionSpec())
+        self._base_key = jax.device_put(jax.random.key_data(jax.random.key(seed)), self._replicated)
+        self._in_flight: collections.deque[jax.Array] = collections.deque()
+        self._stacks: dict[str, StackedArray] = {}
+        self._frozen = self._physical(self._names[2])
+        self._state = self._initial_state()
+        self._views()
+        runtime = Runtime(self._model, loss_fn, precision, self._shardings(), scan_groups, tuple(targets),
+                          remat_.jax_policy() if remat_ is not None else None, body_policies)  # fmt: skip
+        step = Step(runtime, optimizer, grad_accum_steps, self._constrain_batch, skip_nonfinite)
+        self._step_fn = self._compile(step, donate)
+
+    def _take(self, model: torch.nn.Module) -> torch.nn.Module:
+        """Makes this Trainer the module's owner; arrays another Trainer may donate are copied first."""
+        previous = getattr(model, "_torchshard_trainer", None)
+        if previous is not None and previous() is not None:
+            tensors = named_tensors(model)
+            copies = jax.jit(lambda t: jax.tree.map(jnp.copy, t))({n: unwrap(t) for n, t in tensors.items()})
+            rebind(tensors, copies)
+        model._torchshard_trainer = weakref.ref(self)  # type: ignore[assignment]
+        if self.precision is not None:
+            self._store_in_param_dtype(model)
+        return model
+
+    def _store_in_param_dtype(self, model: torch.nn.Module) -> None:
+        assert self.precision is not None
+        params = {
+            n: t for n, t in named_tensors(model).items() if n in self.plan and self.plan.entries[n].kind == "param"
+        }
+        arrays = {n: unwrap(t) for n, t in params.items()}
+        stored = jax.jit(lambda t: jax.tree.map(self.precision.stored, t))(arrays)  # type: ignore[union-attr]
+        rebind(params, stored)
+
+    @property
+    def mesh(self) -> Mesh:
+        """The device mesh the plan places tensors on."""
+        mesh = self.plan.mesh
+        assert isinstance(mesh, Mesh)  # checked when the Trainer was built
+        return mesh
+
+    @property
+    def model(self) -> torch.nn.Module:
+        """The module, bound to the latest parameters and buffers."""
+        return self._model
+
+    @property
+    def state(self) -> TrainState:
+        return self._state
+
+    @property
+    def step_count(self) -> int:
+        return int(self._state.step)
+
+    @property
+    def rng_key(self) -> jax.Array:
+        """Raw key data (uint32) the per-step keys are folded from: part of a resumable state."""
+        return self._base_key
+
+    def _physical(self, names: list[str]) -> Arrays:
+        """Train-state key → array for ``names``: per-layer tensors of scanned blocks stacked."""
+        stacks = self.layout.stacks()
+        arrays = {}
+        for key in self.layout.keys(names):
+            if key in stacks:
+                layers = [unwrap(self._tensors[n]) for n in stacks[key]]
+                spec = PartitionSpec(None, *self.plan.spec(stacks[key][0]))
+                arrays[key] = _stack(layers, NamedSharding(self.plan.mesh, spec))
+            else:
+                arrays[key] = unwrap(self._tensors[key])
+        return arrays
+
+    def _views(self) -> None:
+        """Per-layer tensors of scanned blocks become views of the stacked state (no second copy)."""
+        params = {n for n, _ in self._model.named_parameters(remove_duplicate=False)}
+        for key, names in self.layout.stacks().items():
+            array = {**self._state.params, **self._state.buffers, **self._frozen}[key]
+            self._stacks[key] = stack = StackedArray(array)
+            for i, name in enumerate(names):
+                old = self._tensors[name]
+                is_param = name in params
+                view = LayerView(stack, i, param=is_param, requires_grad=old.requires_grad)
+                set_tensor(self._model, name, view, param=is_param)
+        self._tensors = named_tensors(self._model)
+
+    def _shardings(self) -> dict[str, NamedSharding]:
+        arrays = {**self._state.params, **self._frozen}
+        return {k: a.sharding for k, a in arrays.items() if isinstance(a.sharding, NamedSharding)}
+
+    def _initial_state(self) -> TrainState:
+        params_names, buffer_names, _ = self._names
+        params = self._physical(params_names)
+        shapes = jax.eval_shape(self.optimizer.init, params)
+        shardings = state_shardings(shapes, params, self._replicated)
+        opt_state = jax.jit(self.optimizer.init, out_shardings=shardings)(params)
+        step = jax.device_put(jnp.zeros((), jnp.int32), self._replicated)
+        return TrainState(params, self._physical(buffer_names), opt_state, step)
+
+    def state_shardings(self) -> TrainState:
+        """The pinned sharding of every leaf of `state` (the plan's for params and buffers)."""
+        return jax.tree.map(lambda x: x.sharding, self._state)
+
+    def physical_arrays(self) -> Arrays:
+        """Every tensor of the module by train-state key (scanned layers stacked): what a checkpoint stores."""
+        arrays = {k: unwrap(t) for k, t in self._tensors.items() if not isinstance(t, LayerView)}
+        canonical = {self.plan.canonical(n) for n in self.plan}
+        arrays = {k: v for k, v in arrays.items() if k in canonical}
+        return {**arrays, **self._state.params, **self._state.buffers, **self._frozen}
+
+    def tensor_dtypes(self) -> dict[str, torch.dtype]:
+        """The torch dtype each tensor is stored in (the master dtype under `MixedPrecision`)."""
+        dtypes = {n: e.dtype for n, e in self.plan.entries.items()}
+        if self.precision is None:
+            return dtypes
+        params = {n for n, e in self.plan.entries.items() if e.kind == "param"}
+        return {n: self.precision.param_dtype if n in params and d.is_floating_point else d for n, d in dtypes.items()}
+
+    def _compile(self, step: Step, donate: bool) -> Callable[..., Any]:
+        out = (self.state_shardings(), self._replicated)
+        return jax.jit(step.__call__, donate_argnums=(0,) if donate else (), out_shardings=out)
+
+    def _constrain_batch(self, x: jax.Array) -> jax.Array:
+        return put(x, self._leaf_sharding(x))
+
+    def _leaf_sharding(self, x: Any) -> NamedSharding:
+        return NamedSharding(self.mesh, batch_leaf_spec(x, self.batch_spec))
+
+    def place_batch(self, batch: Any, *, local: bool = False) -> Any:
+        """Places every leaf of ``batch`` (torch CPU/torchax tensors, numpy, jax) with ``batch_spec``.
+
+        Args:
+            batch: the global batch, the same on every process; or, with ``local``, only this
+                process's rows (see `torchshard.distributed.local_batch_slice`).
+            local: ``batch`` is this process's slice of the global batch.
+
+        Raises:
+            ArgumentError: a leaf that is not a tensor or array (e.g. a string), on the meta device,
+                or with no rows.
+            ShardingError: every leaf whose sharded dims do not divide by the mesh axes.
+        """
+        leaves = jax.tree.leaves(batch)
+        if not local and all(isinstance(x, jax.Array) and x.sharding == self._leaf_sharding(x) for x in leaves):
+            return batch  # already placed (by place_batch or prefetch): nothing to check or move
+        raise_for_arguments(batch_type_problems(leaves), header="invalid batch")
+        problems = [p for i, leaf in enumerate(leaves) for p in self._batch_problems(i, leaf, local=local)]
+        raise_if_any(problems, header=f"batch does not fit batch_spec {self.batch_spec} on {describe_mesh(self.mesh)}")
+        return jax.tree.map(lambda x: put(x, self._leaf_sharding(x), process_local=local), batch)
+
+    def _batch_problems(self, index: int, leaf: Any, *, local: bool = False) -> list[str]:
+        shape = tuple(np.shape(leaf))
+        if local:
+            what = f"process-local batch leaf #{index}"
+            shape, problems = global_shape(shape, self._leaf_sharding(leaf), what=what)
+            if problems:
+                return problems
+        spec = batch_leaf_spec(leaf, self.batch_spec)
+        factors = {0: ("grad_accum_steps", self.grad_accum_steps)} if shape else {}
+        return spec_problems(f"batch leaf #{index}", shape, spec, self.mesh, factors=factors,
+                             fix=lambda multiple: f"use a batch size that is a multiple of {multiple}")  # fmt: skip
+
+    def step(self, batch: Any, *, local: bool = False) -> dict[str, jax.Array]:
+        """Runs one training step on ``batch``; returns metrics as unsynchronised jax scalars.
+
+        ``float(metrics["loss"])`` waits for the value; not reading it lets steps overlap,
+        up to ``max_in_flight`` queued steps. In a multi-process run the metrics are the same
+        on every process. Calls from several threads run one at a time.
+
+        Args:
+            batch: a pytree (tensor, tuple, dict...) of torch CPU tensors or placed tensors: by
+                default the global batch, the same on every process.
+            local: ``batch`` holds only this process's rows of the global batch (each host loads
+                its own slice; see `torchshard.distributed.local_batch_slice`).
+
+        Returns:
+            ``{"loss": ..., "grad_norm": ..., **aux}`` (and ``"skipped"`` with ``skip_nonfinite``).
+
+        Raises:
+            ShardingError: the batch does not fit, ``loss_fn`` returns something other than a loss
+                tensor, or another Trainer has since taken over this module.
+        """
+        with self._lock:
+            self._check_owner()
+            args = self._step_args(batch, local=local)
+            with jax.set_mesh(self.mesh):  # constrain() inside forward reads the mesh it is traced under
+                self._state, metrics = self._step_fn(*args)
+            self._bind()
+            self._throttle(metrics["loss"])
+        heartbeat()  # progress for the launcher's hang watchdog (nothing outside a launched run)
+        return metrics
+
+    def _check_owner(self) -> None:
+        owner = getattr(self._model, "_torchshard_trainer", None)
+        if owner is None or owner() is not self:
+            raise ShardingError(
+                "another Trainer has been built on this Trainer's module since, and owns its tensors now; "
+                "train with the newer Trainer (or deep-copy the module before building a second one)"
+            )
+
+    def lower(self, batch: Any) -> jax.stages.Lowered:
+        """The step lowered for ``batch``, without running it or donating anything.
+
+        Args:
+            batch: as for `step`.
+
+        Returns:
+            A ``jax.stages.Lowered``; ``.compile().as_text()`` is the partitioned HLO that `step` runs.
+
+        Example:
+            >>> model = torch.nn.Linear(16, 4)
+            >>> p = ts.plan(model, ts.make_mesh({"data": 8}))
+            >>> trainer = Trainer(model, lambda m, b: m(b).square().mean(), __import__("optax").sgd(0.1), p)
+            >>> hlo = trainer.lower(torch.randn(32, 16)).compile().as_text()
+            >>> "all-reduce" in hlo  # data parallel: the gradients are summed over "data"
+            True
+        """
+        with self._lock:
+            args = self._step_args(batch)
+            with jax.set_mesh(self.mesh):
+                return self._step_fn.lower(*args)  # type: ignore[attr-defined]
+
+    def _step_args(self, batch: Any, *, local: bool = False) -> tuple[Any, ...]:
+        placed = self.place_batch(jax.tree.map(unwrap, batch), local=local)
+        return self._state, self._frozen, placed, self._base_key
+
+    def _throttle(self, marker: jax.Array) -> None:
+        self._in_flight.append(marker)
+        while len(self._in_flight) > self.max_in_flight:
+            self._in_flight.popleft().block_until_ready()
+
+    def _bind(self) -> None:
+        arrays = {**self._state.params, **self._state.buffers}
+        for key, array in arrays.items():
+            if key in self._stacks:
+                self._stacks[key].replace(array)
+            else:
+                set_array(self._tensors[key], array)
+
+    def load_state(self, state: TrainState, *, rng_key: jax.Array | None = None, frozen: Arrays | None = None) -> None:
+        """Replaces the training state (e.g. from a checkpoint); arrays must already be placed.
+
+        Args:
+            state: the new `TrainState`, sharded as `state_shardings` says.
+            rng_key: the `rng_key` to continue from (kept if None).
+            frozen: new arrays for frozen (``requires_grad=False``) parameters, by train-state key.
+        """
+        with self._lock:
+            self._state = state
+            if rng_key is not None:
+                self._base_key = rng_key
+            if frozen:
+                self._frozen = {**self._frozen, **frozen}
+                for key, array in frozen.items():
+                    if key in self._stacks:
+                        self._stacks[key].replace(array)
+                    else:
+                        set_array(self._tensors[key], array)
+            self._bind()
