@@ -1,0 +1,105 @@
+"""The package's own imports point down the layering, with no circles (read with ast, nothing imported)."""
+
+from __future__ import annotations
+
+import ast
+import pathlib
+
+import pytest
+
+PACKAGE = pathlib.Path(__file__).resolve().parent.parent / "torchshard"
+# top to bottom: a layer may import the layers below it, never one above; public faces sit on top
+LAYERS = ("_report", "_ckpt", "_train", "_parallel", "_multihost", "_spmd", "_presets", "_sharding", "_bridge", "_base")
+PUBLIC_FACES = ("__init__", "__main__", "launch", "presets", "collectives", "distributed", "inspect")
+
+
+def _module_name(path: pathlib.Path) -> str:
+    parts = path.relative_to(PACKAGE.parent).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def _imports(path: pathlib.Path) -> set[str]:
+    """Every torchshard module ``path`` imports, at any depth of the file (lazy imports count)."""
+    found: set[str] = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            found |= {a.name for a in node.names if a.name.startswith("torchshard")}
+        elif isinstance(node, ast.ImportFrom) and node.level == 0 and (node.module or "").startswith("torchshard"):
+            module = node.module or ""
+            # `from torchshard._x import y` imports y as a module when y is one
+            found |= {f"{module}.{a.name}" if _exists(f"{module}.{a.name}") else module for a in node.names}
+    return found
+
+
+def _exists(module: str) -> bool:
+    base = PACKAGE.parent.joinpath(*module.split("."))
+    return base.with_suffix(".py").exists() or (base / "__init__.py").exists()
+
+
+def _graph() -> dict[str, set[str]]:
+    return {_module_name(p): {m for m in _imports(p) if m != _module_name(p)} for p in PACKAGE.rglob("*.py")}
+
+
+def _layer(module: str) -> str | None:
+    parts = module.split(".")
+    return parts[1] if len(parts) > 1 and parts[1] in LAYERS else None
+
+
+def test_top_level_holds_only_public_faces():
+    private = sorted(p.stem for p in PACKAGE.glob("*.py") if p.stem not in PUBLIC_FACES)
+    assert private == [], f"private modules belong in a layer's folder ({', '.join(LAYERS)}), not at the top: {private}"
+
+
+def test_every_layer_says_what_it_is_for_and_may_import():
+    for layer in LAYERS:
+        doc = ast.get_docstring(ast.parse((PACKAGE / layer / "__init__.py").read_text())) or ""
+        assert "import" in doc.lower(), f"{layer}/__init__.py must say what the folder is for and what it may import"
+
+
+def test_imports_point_down_the_layers():
+    upward = []
+    for module, imports in _graph().items():
+        mine = _layer(module)
+        if mine is None:
+            continue  # public faces may import any layer
+        for imported in imports:
+            theirs = _layer(imported)
+            if theirs is None and imported != "torchshard":
+                upward.append(f"{module} imports the public face {imported}")
+            elif theirs is not None and LAYERS.index(theirs) < LAYERS.index(mine):
+                upward.append(f"{module} ({mine}) imports {imported} ({theirs}), a layer above it")
+    assert upward == [], "imports must point down " + " > ".join(LAYERS) + ":\n" + "\n".join(sorted(upward))
+
+
+def _cycle(graph: dict[str, set[str]]) -> list[str] | None:
+    state: dict[str, int] = {}  # 1: on the current path, 2: done
+    path: list[str] = []
+
+    def visit(node: str) -> list[str] | None:
+        state[node], _ = 1, path.append(node)
+        for nxt in sorted(graph.get(node, ())):
+            if state.get(nxt) == 1:
+                return [*path[path.index(nxt) :], nxt]
+            if nxt not in state and (found := visit(nxt)):
+                return found
+        state[node], _ = 2, path.pop()
+        return None
+
+    for node in sorted(graph):
+        if node not in state and (found := visit(node)):
+            return found
+    return None
+
+
+def test_no_import_circles():
+    graph = {m: {i for i in deps if not i.endswith("__init__")} for m, deps in _graph().items()}
+    # the package's __init__ imports everything; a module importing `torchshard` itself is checked by the layer test
+    graph = {m: deps - {"torchshard"} for m, deps in graph.items()}
+    assert _cycle(graph) is None, "import circle: " + " -> ".join(_cycle(graph) or [])
+
+
+@pytest.mark.parametrize(
+    "graph, expected", [({"a": {"b"}, "b": {"a"}}, ["a", "b", "a"]), ({"a": {"b"}, "b": set()}, None)]
+)
+def test_the_circle_finder_finds_circles(graph, expected):
+    assert _cycle(graph) == expected
