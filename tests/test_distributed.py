@@ -484,3 +484,23 @@ def test_a_hung_run_prints_each_workers_stack_and_stops():
     )
     assert re.search(r"\[rank 1\]   File .*mp_hang_script\.py\", line \d+ in deadlock", result.stdout), result.stdout
     assert "for 3 s; ranks 0, 1 are stalled" in result.stderr
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("failing", [0, 1])
+def test_a_save_that_fails_on_one_process_ends_on_every_process(tmp_path, failing):
+    """Without agreeing on failures, the other process would wait at the save's barrier until the hang timeout."""
+    command = [sys.executable, "-m", "torchshard.launch", "--nproc", "2", "--cpu-devices-per-proc", "1"]
+    command += ["--hang-timeout", "60", str(TESTS / "mp_save_script.py"), str(tmp_path), str(failing)]
+    result = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=180)
+    assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-4000:]
+    for rank in (0, 1):
+        said = [line.split("] ", 1)[1] for line in result.stdout.splitlines() if line.startswith(f"[rank {rank}]")]
+        lines = {line.split(":")[0]: line for line in said if line.split(":")[0] in ("save", "export", "after")}
+        assert lines["save"].startswith("save: CheckpointError: "), said
+        if failing == 0:  # process 1 has nothing to do before the first barrier: it learns of process 0's failure there
+            expected = "No space left on device" if rank == 0 else "process(es) [0] failed"
+            assert expected in lines["save"], said
+        # only process 0 writes an export's files
+        assert lines["export"].startswith("export: CheckpointError: " if failing == 0 else "export: saved"), said
+        assert lines["after"].startswith("after: loss "), said

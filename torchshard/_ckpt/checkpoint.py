@@ -5,9 +5,11 @@ from __future__ import annotations
 import contextlib
 import os
 import pathlib
-from typing import Any
+from collections.abc import Callable
+from typing import Any, TypeVar
 
 import jax
+import numpy as np
 import torch
 from jax.experimental import multihost_utils
 
@@ -50,6 +52,7 @@ from torchshard._sharding.plan import ShardingPlan
 from torchshard._train.trainer import Trainer
 
 PathLike = str | os.PathLike[str]
+T = TypeVar("T")
 
 
 def primary() -> bool:
@@ -61,6 +64,33 @@ def sync(name: str) -> None:
     """Waits for every process (a no-op in a single-process run)."""
     if jax.process_count() > 1:
         multihost_utils.sync_global_devices(name)
+
+
+def together(name: str, work: Callable[[], T]) -> T:
+    """Runs ``work`` on every process, then every process raises if any process's ``work`` raised.
+
+    A process that raised alone would leave the others waiting at the next barrier for ever: so a
+    failure (a `CheckpointError`) is held until every process has reported in at ``name``, the
+    failed process raises its own error and every other one a `CheckpointError` naming it.
+    """
+    failure: CheckpointError | None = None
+    result: Any = None
+    try:
+        result = work()
+    except CheckpointError as e:
+        failure = e
+    failed = [0] if failure is not None else []
+    if jax.process_count() > 1:
+        flags = multihost_utils.process_allgather(np.int32(failure is not None))
+        failed = [i for i, flag in enumerate(np.ravel(flags)) if flag]
+    if failure is not None:
+        raise failure
+    if failed:
+        raise CheckpointError(
+            f"process(es) {failed} failed at {name} (their own errors say why); this process stopped with them, so no "
+            f"process waits for the others; earlier steps are intact"
+        )
+    return result
 
 
 def _target_problems(target: Any) -> list[str]:
@@ -97,6 +127,14 @@ def _write(tmp: pathlib.Path, final: pathlib.Path, tree: dict[str, Any], meta: d
             with contextlib.suppress(OSError):  # best effort: the next save removes what is left
                 discard(tmp)
         raise write_failure(final, e, cleanup="the partial save was removed; earlier steps are intact") from e
+
+
+def _write_and_commit(
+    tmp: pathlib.Path, final: pathlib.Path, tree: dict[str, Any], meta: dict[str, Any], keep_last: int | None, step: int
+) -> None:
+    _write(tmp, final, tree, meta)
+    if primary():
+        _finish(tmp, final, keep_last, step)
 
 
 def _finish(tmp: pathlib.Path, final: pathlib.Path, keep_last: int | None, step: int) -> None:
@@ -165,12 +203,8 @@ def save(path: PathLike, target: Target, *, step: int | None = None, keep_last: 
     stacks = target.layout.stacks() if isinstance(target, Trainer) else {}
     meta = metadata(type(model).__name__, canonical_names(model), tree, step, stacks=stacks)
     final = root / step_name(step)
-    tmp = _begin(final)
-    sync("torchshard-save-begin")
-    _write(tmp, final, tree, meta)
-    if primary():
-        _finish(tmp, final, keep_last, step)
-    sync("torchshard-save-end")
+    tmp = together("torchshard-save-begin", lambda: _begin(final))
+    together("torchshard-save-end", lambda: _write_and_commit(tmp, final, tree, meta, keep_last, step))
     return final
 
 

@@ -16,7 +16,7 @@ import torch
 
 from torchshard._base.validate import instance_problems, int_problems, raise_for_arguments
 from torchshard._bridge.module_tensors import canonical_names, state_dict_names
-from torchshard._ckpt.checkpoint import primary, sync
+from torchshard._ckpt.checkpoint import primary, together
 from torchshard._ckpt.export import torch_tensor
 from torchshard._ckpt.state import Target, export_arrays, model_of, torch_dtypes
 from torchshard._ckpt.stepdir import TMP, commit, discard, path_problems, settle, write_failure
@@ -114,6 +114,22 @@ def _swap(staging: pathlib.Path, out: pathlib.Path) -> None:
     discard(old)
 
 
+def _export_files(out: pathlib.Path, files: Any, index: Any) -> None:
+    import safetensors
+
+    staging = None
+    try:
+        staging = _begin(out) if primary() else None
+        _write(staging, files, index)
+        if staging is not None:
+            _swap(staging, out)
+    except (OSError, safetensors.SafetensorError) as e:
+        if staging is not None:
+            with contextlib.suppress(OSError):
+                discard(staging)
+        raise write_failure(out, e, cleanup="the previous export is intact") from e
+
+
 def save_safetensors(path: PathLike, target: Target, *, max_shard_bytes: int = 5 * 10**9) -> pathlib.Path:
     """Writes HF-style sharded safetensors: ``model-0000i-of-0000N.safetensors`` + the index.
 
@@ -150,21 +166,8 @@ def save_safetensors(path: PathLike, target: Target, *, max_shard_bytes: int = 5
         >>> save_safetensors(tempfile.mkdtemp(), model, max_shard_bytes=2 * 10**9).name
         'model.safetensors.index.json'
     """
-    import safetensors
-
     _check_args(path, target, max_shard_bytes)
     files, index = _export(target, max_shard_bytes)
     out = pathlib.Path(os.path.abspath(path))
-    staging = None
-    try:
-        staging = _begin(out) if primary() else None
-        _write(staging, files, index)
-        if staging is not None:
-            _swap(staging, out)
-    except (OSError, safetensors.SafetensorError) as e:
-        if staging is not None:
-            with contextlib.suppress(OSError):
-                discard(staging)
-        raise write_failure(out, e, cleanup="the previous export is intact") from e
-    sync("torchshard-safetensors-end")
+    together("torchshard-safetensors-end", lambda: _export_files(out, files, index))
     return pathlib.Path(path) / _INDEX
