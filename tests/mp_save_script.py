@@ -13,37 +13,42 @@ import os
 import pathlib
 import sys
 
+import optax
+import torch
+
 import torchshard as ts
 
-ts.distributed.initialize()
 
-import optax  # noqa: E402
-import torch  # noqa: E402
+def main() -> None:
+    ts.distributed.initialize()
+    root, failing = pathlib.Path(sys.argv[1]), int(sys.argv[2])
+    rank = ts.distributed.process_index()
+    if rank == failing:
+        mkdir = os.mkdir
 
-root, failing = pathlib.Path(sys.argv[1]), int(sys.argv[2])
-rank = ts.distributed.process_index()
-if rank == failing:
-    mkdir = os.mkdir
+        def full_disk(path, *args, **kwargs):
+            if str(path).startswith(str(root)):
+                raise OSError(errno.ENOSPC, "No space left on device", str(path))
+            return mkdir(path, *args, **kwargs)
 
-    def full_disk(path, *args, **kwargs):
-        if str(path).startswith(str(root)):
-            raise OSError(errno.ENOSPC, "No space left on device", str(path))
-        return mkdir(path, *args, **kwargs)
+        os.mkdir = full_disk  # os.makedirs and pathlib's mkdir call it too
 
-    os.mkdir = full_disk  # os.makedirs and pathlib's mkdir call it too
+    model = torch.nn.Linear(4, 2)
+    plan = ts.plan(model, ts.make_mesh({"data": 2}))
+    trainer = ts.Trainer(model, lambda m, b: m(b).square().mean(), optax.sgd(0.1), plan)
+    batch = torch.ones(2, 4)
+    trainer.step(batch)
+    for name, save in (
+        ("save", lambda: ts.save(root / "ckpt", trainer)),
+        ("export", lambda: ts.save_safetensors(root / "export", trainer)),
+    ):
+        try:
+            save()
+            print(f"{name}: saved", flush=True)
+        except ts.CheckpointError as e:
+            print(f"{name}: CheckpointError: {str(e).splitlines()[0]}", flush=True)
+    print(f"after: loss {float(trainer.step(batch)['loss']):.6f}", flush=True)
 
-model = torch.nn.Linear(4, 2)
-plan = ts.plan(model, ts.make_mesh({"data": 2}))
-trainer = ts.Trainer(model, lambda m, b: m(b).square().mean(), optax.sgd(0.1), plan)
-batch = torch.ones(2, 4)
-trainer.step(batch)
-for name, save in (
-    ("save", lambda: ts.save(root / "ckpt", trainer)),
-    ("export", lambda: ts.save_safetensors(root / "export", trainer)),
-):
-    try:
-        save()
-        print(f"{name}: saved", flush=True)
-    except ts.CheckpointError as e:
-        print(f"{name}: CheckpointError: {str(e).splitlines()[0]}", flush=True)
-print(f"after: loss {float(trainer.step(batch)['loss']):.6f}", flush=True)
+
+if __name__ == "__main__":
+    main()
