@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import dataclasses
-import re
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
@@ -11,7 +10,7 @@ import jax
 import torch
 
 from torchshard._base.errors import ShardingError
-from torchshard._base.validate import closest_names, raise_for_arguments
+from torchshard._base.validate import closest_names, compiled, raise_for_arguments, regex_problem
 from torchshard._bridge.env import continue_from, current_key
 from torchshard._bridge.module_call import Forward, PureForward, module_arrays, split
 from torchshard._bridge.module_tensors import named_tensors
@@ -63,7 +62,7 @@ class Remat:
         patterns = (self.modules,) if isinstance(self.modules, str) else tuple(self.modules)
         object.__setattr__(self, "modules", patterns)
         problems = [f"remat pattern {p!r} is not a string" for p in patterns if not isinstance(p, str)]
-        problems += [f"remat pattern {p!r} is not a valid regex ({e})" for p, e in _regex_errors(patterns)]
+        problems += [f"remat pattern {p!r} {why}" for p in patterns if isinstance(p, str) and (why := regex_problem(p))]
         if not patterns:
             problems.append("remat names no module pattern; pass e.g. r'model\\.layers\\.\\d+'")
         if not callable(self.policy) and self.policy not in POLICIES:
@@ -76,17 +75,6 @@ class Remat:
             return self.policy
         policy = getattr(jax.checkpoint_policies, self.policy)
         return policy("device", "pinned_host") if self.policy in _OFFLOAD else policy
-
-
-def _regex_errors(patterns: Sequence[Any]) -> list[tuple[str, re.error]]:
-    errors = []
-    for pattern in patterns:
-        try:
-            re.compile(pattern)
-        except (re.error, TypeError) as err:
-            if isinstance(err, re.error):
-                errors.append((pattern, err))
-    return errors
 
 
 RematLike = str | Sequence[str] | Remat | None
@@ -110,12 +98,12 @@ def remat_targets(model: torch.nn.Module, remat: Remat) -> list[str]:
     names = [name for name, _ in model.named_modules() if name]
     problems = []
     for pattern in remat.modules:
-        if not any(re.fullmatch(pattern, n) for n in names):
+        if not any(compiled(pattern).fullmatch(n) for n in names):
             close = closest_names(pattern, names)
             problems.append(f"remat pattern {pattern!r} matches no module of {type(model).__name__}; closest: {close}")
     if problems:
         raise ShardingError(problems, header=f"invalid remat for {type(model).__name__} ({len(problems)} problem(s))")
-    chosen = [n for n in names if any(re.fullmatch(p, n) for p in remat.modules)]
+    chosen = [n for n in names if any(compiled(p).fullmatch(n) for p in remat.modules)]
     return [n for n in chosen if not any(n.startswith(outer + ".") for outer in chosen)]
 
 
