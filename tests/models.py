@@ -90,3 +90,19 @@ def tiny_llama(*, layers=2, seed=0, meta=False, **overrides):
     torch.manual_seed(seed)
     with torch.device("meta" if meta else "cpu"):
         return transformers.LlamaForCausalLM(transformers.LlamaConfig(**(config | overrides)))
+
+
+class Rotary(nn.Module):
+    """A projection under torchtitan's rotary embedding: a complex ``freqs_cis`` buffer (persistent, as there)."""
+
+    def __init__(self, dim=16, seq=8):
+        super().__init__()
+        self.proj = nn.Linear(dim, dim)
+        freqs = 1.0 / (10000 ** (torch.arange(0, dim, 2).float() / dim))
+        angles = torch.outer(torch.arange(seq).float(), freqs)
+        self.register_buffer("freqs_cis", torch.polar(torch.ones_like(angles), angles))
+
+    def forward(self, x):  # [batch, seq, dim]
+        h = self.proj(x)
+        pairs = torch.view_as_complex(h.float().reshape(*h.shape[:-1], -1, 2))
+        return torch.view_as_real(pairs * self.freqs_cis[: x.shape[1]]).flatten(-2)

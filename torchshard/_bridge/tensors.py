@@ -88,8 +88,18 @@ def jax_dtype(dtype: torch.dtype) -> np.dtype:
     return np.dtype(held.kind + "4") if not x64 and held.itemsize == 8 and held.kind in "iuf" else held
 
 
+# numpy holds these as ml_dtypes types torch cannot take; torch has a dtype of the same name and width
+_BY_BITS = ("bfloat16", "float8_e4m3fn", "float8_e5m2", "float8_e4m3fnuz", "float8_e5m2fnuz", "float8_e8m0fnu")
+
+
 def to_torch(host: np.ndarray, dtype: torch.dtype) -> torch.Tensor:
-    """A numpy array (from a jax array) as a writable CPU torch tensor of ``dtype``."""
-    if host.dtype.name == "bfloat16":
-        return torch.from_numpy(host.view(np.int16).copy()).view(torch.bfloat16).to(dtype)
+    """A numpy array (from a jax array) as a writable CPU torch tensor of ``dtype``.
+
+    Raises:
+        TypeError: torch has no dtype for the array's (e.g. int4).
+    """
+    if host.dtype.name in _BY_BITS:
+        same = getattr(torch, host.dtype.name)
+        bits = np.int16 if host.dtype.itemsize == 2 else np.uint8
+        return torch.from_numpy(host.view(bits).copy()).view(same).to(dtype)
     return torch.from_numpy(np.array(host)).to(dtype)  # a copy: torch warns on read-only numpy

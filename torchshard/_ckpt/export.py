@@ -10,7 +10,7 @@ import numpy as np
 import torch
 from jax.experimental import multihost_utils
 
-from torchshard._base.errors import raise_if_any
+from torchshard._base.errors import CheckpointError, raise_if_any
 from torchshard._base.validate import instance_problems, mismatch_problems, raise_for_arguments
 from torchshard._bridge.module_tensors import canonical_names, named_tensors, state_dict_names
 from torchshard._bridge.tensors import to_torch
@@ -28,9 +28,20 @@ def host_array(array: jax.Array) -> np.ndarray:
     return np.asarray(multihost_utils.process_allgather(array, tiled=True))
 
 
-def torch_tensor(array: jax.Array, dtype: torch.dtype) -> torch.Tensor:
-    """A placed array as a CPU torch tensor of ``dtype`` (a collective when it spans processes)."""
-    return to_torch(host_array(array), dtype)
+def torch_tensor(array: jax.Array, dtype: torch.dtype, *, name: str) -> torch.Tensor:
+    """A placed array as a CPU torch tensor of ``dtype`` (a collective when it spans processes).
+
+    Raises:
+        CheckpointError: torch has no dtype for the array's (``name`` says which tensor).
+    """
+    host = host_array(array)
+    try:
+        return to_torch(host, dtype)
+    except TypeError as e:
+        raise CheckpointError(
+            f"{name} {tuple(array.shape)} {array.dtype}: torch has no dtype for it ({e}); cast it to one torch has "
+            f"(e.g. int8) before exporting"
+        ) from e
 
 
 def to_torch_state_dict(target: Target) -> dict[str, torch.Tensor]:
@@ -72,7 +83,7 @@ def to_torch_state_dict(target: Target) -> dict[str, torch.Tensor]:
     for name in state_dict_names(model):
         canon = canonical[name]
         if canon not in made:
-            made[canon] = torch_tensor(arrays[canon], dtypes[canon])
+            made[canon] = torch_tensor(arrays[canon], dtypes[canon], name=canon)
     return {name: made[canonical[name]] for name in state_dict_names(model)}
 
 

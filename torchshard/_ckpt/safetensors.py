@@ -14,6 +14,7 @@ from typing import Any
 
 import torch
 
+from torchshard._base.errors import CheckpointError
 from torchshard._base.validate import instance_problems, int_problems, raise_for_arguments
 from torchshard._bridge.module_tensors import canonical_names, state_dict_names
 from torchshard._ckpt.checkpoint import primary, together
@@ -91,7 +92,7 @@ def _export(target: Target, max_shard_bytes: int) -> tuple[Iterator[tuple[str, d
     shards = _shards(sizes, max_shard_bytes)
     names = [_shard_name(i, len(shards)) for i in range(len(shards))]
     pairs = list(zip(names, shards, strict=True))
-    files = ((f, {n: torch_tensor(arrays[n], dtypes[n]).contiguous() for n in s}) for f, s in pairs)
+    files = ((f, {n: torch_tensor(arrays[n], dtypes[n], name=n).contiguous() for n in s}) for f, s in pairs)
     weight_map = {n: f for f, s in pairs for n in s}
     return files, json.dumps({"metadata": {"total_size": sum(sizes.values())}, "weight_map": weight_map}, indent=2)
 
@@ -123,10 +124,12 @@ def _export_files(out: pathlib.Path, files: Any, index: Any) -> None:
         _write(staging, files, index)
         if staging is not None:
             _swap(staging, out)
-    except (OSError, safetensors.SafetensorError) as e:
+    except (OSError, safetensors.SafetensorError, CheckpointError) as e:
         if staging is not None:
             with contextlib.suppress(OSError):
                 discard(staging)
+        if isinstance(e, CheckpointError):  # a tensor torch cannot hold: its own error names it
+            raise
         raise write_failure(out, e, cleanup="the previous export is intact") from e
 
 
