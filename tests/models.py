@@ -106,3 +106,25 @@ class Rotary(nn.Module):
         h = self.proj(x)
         pairs = torch.view_as_complex(h.float().reshape(*h.shape[:-1], -1, 2))
         return torch.view_as_real(pairs * self.freqs_cis[: x.shape[1]]).flatten(-2)
+
+
+class FusedQKV(nn.Module):
+    """Attention's projections fused into one Linear, exported as separate q/k/v weights by a state_dict hook
+    (as checkpoint-conversion code does); ``private_hook`` uses torch's older ``_register_state_dict_hook``."""
+
+    def __init__(self, dim=16, private_hook=False):
+        super().__init__()
+        self.qkv = nn.Linear(dim, 3 * dim)
+        self.out = nn.Linear(dim, dim)
+        hook = lambda *args: FusedQKV._split(*args)  # noqa: E731  # torch marks a function registered publicly
+        (self._register_state_dict_hook if private_hook else self.register_state_dict_post_hook)(hook)
+
+    @staticmethod
+    def _split(module, state_dict, prefix, local_metadata):
+        fused = state_dict.pop(prefix + "qkv.weight")
+        for name, part in zip("qkv", fused.chunk(3), strict=True):
+            state_dict[f"{prefix}{name}.weight"] = part * 1.0  # tensor math, not only a view
+
+    def forward(self, x):
+        q, k, v = self.qkv(x).chunk(3, dim=-1)
+        return self.out(torch.softmax(q @ k.transpose(-1, -2), dim=-1) @ v)

@@ -175,6 +175,11 @@ class Trainer:
         rebind(params, stored)
 
     @property
+    def lock(self) -> threading.RLock:
+        """Held while a step runs (or anything else reads or rebinds the module's tensors)."""
+        return self._lock
+
+    @property
     def mesh(self) -> Mesh:
         """The device mesh the plan places tensors on."""
         mesh = self.plan.mesh
