@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import copy
+
 import numpy as np
 import optax
 import pytest
@@ -220,10 +222,41 @@ def test_forwards_that_cannot_scan_raise_when_traced(mesh_fsdp, factory, match):
         trainer.step(batches(64, n=1)[0])
 
 
-def test_a_kv_cache_cannot_go_through_a_scan(mesh_fsdp):
-    model = tiny_llama(use_cache=True)
+def _default_config_model(family):
+    """A transformers model built from its config class's defaults (use_cache=True), only made small."""
+    import transformers
+
+    small = {
+        "llama": ("LlamaConfig", "LlamaForCausalLM", dict(hidden_size=64, intermediate_size=128, vocab_size=128,
+                                                          num_hidden_layers=2, num_attention_heads=4,
+                                                          num_key_value_heads=2)),
+        "gpt2": ("GPT2Config", "GPT2LMHeadModel", dict(n_embd=64, n_layer=2, n_head=4, vocab_size=128, n_positions=64,
+                                                       resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)),
+    }[family]  # fmt: skip
+    config = getattr(transformers, small[0])(**small[2])
+    assert config.use_cache
+    torch.manual_seed(0)
+    return getattr(transformers, small[1])(config)
+
+
+@pytest.mark.parametrize("family", ["llama", "gpt2"])
+def test_a_default_config_with_use_cache_trains_scanned_like_torch(mesh_fsdp, family):
+    """A training step never needs the KV cache: the Trainer builds none, whatever the config says."""
+    reference = _default_config_model(family)
+    model = copy.deepcopy(reference)
     trainer = ts.Trainer(model, llama_loss, optax.sgd(0.1), ts.plan(model, mesh_fsdp), scan_layers=True)
-    with pytest.raises(ShardingError, match=r"model\.layers\.0 got DynamicCache .*use_cache=False"):
+    data = batches(128, n=2)
+    got = [float(trainer.step(b)["loss"]) for b in data]
+    np.testing.assert_allclose(got, torch_losses(reference, llama_loss, torch.optim.SGD(reference.parameters(), lr=0.1),
+                                                 data), rtol=1e-5)  # fmt: skip
+    assert model.config.use_cache  # the user's config is as it was
+
+
+def test_a_kv_cache_asked_for_in_the_call_cannot_go_through_a_scan(mesh_fsdp):
+    model = tiny_llama()
+    loss = lambda m, ids: m(input_ids=ids, labels=ids, use_cache=True).loss  # noqa: E731
+    trainer = ts.Trainer(model, loss, optax.sgd(0.1), ts.plan(model, mesh_fsdp), scan_layers=True)
+    with pytest.raises(ShardingError, match=r"model\.layers\.0 got DynamicCache .*drop use_cache=True from the call"):
         trainer.step(batches(128, n=1)[0])
 
 

@@ -253,8 +253,8 @@ class ScanRun:
         if odd:
             raise ShardingError(
                 f"scan_layers: {self.group.prefix}.0 got {type(odd[0]).__name__} {odd[0]!r:.80}, an argument a scan "
-                f"cannot carry through its blocks; for a KV cache, turn it off (use_cache=False in the call or the "
-                f"model config) while training"
+                f"cannot carry through its blocks; for a KV cache, drop use_cache=True from the call (the Trainer "
+                f"turns the config's use_cache off while it traces a step)"
             )
         pure = PureForward(self.template, self.forward, spec, sorted(self.group.buffers))
         others = arrays[1:]
