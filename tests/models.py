@@ -128,3 +128,20 @@ class FusedQKV(nn.Module):
     def forward(self, x):
         q, k, v = self.qkv(x).chunk(3, dim=-1)
         return self.out(torch.softmax(q @ k.transpose(-1, -2), dim=-1) @ v)
+
+
+class DictStack(nn.Module):
+    """torchtitan's layout: the blocks in an ``nn.ModuleDict`` keyed "0".."N-1", run in insertion order."""
+
+    def __init__(self, vocab=64, dim=32, depth=4):
+        super().__init__()
+        self.embed = nn.Embedding(vocab, dim)
+        self.layers = nn.ModuleDict({str(i): Block(dim, 2 * dim) for i in range(depth)})
+        self.norm = nn.LayerNorm(dim)
+        self.head = nn.Linear(dim, vocab)
+
+    def forward(self, ids):
+        h = self.embed(ids)
+        for layer in self.layers.values():
+            h = layer(h)
+        return self.head(self.norm(h))

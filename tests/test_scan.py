@@ -10,7 +10,7 @@ import pytest
 import torch
 from helpers import assert_close, assert_trees_close, to_numpy, torch_losses
 from jax.sharding import PartitionSpec as P
-from models import Block, BlockStack, tiny_llama
+from models import Block, BlockStack, DictStack, tiny_llama
 from torch import nn
 
 import torchshard as ts
@@ -124,7 +124,7 @@ def _shared():
     [
         (lambda: BlockStack(), "embed", ShardingError, r"embed is a Embedding, not a torch\.nn\.ModuleList"),
         (lambda: BlockStack(), "nope", ShardingError, r"BlockStack has no module named 'nope'"),
-        (lambda: BlockStack(), 3, TypeError, r"scan_layers=3 must be True, False, a ModuleList name"),
+        (lambda: BlockStack(), 3, TypeError, r"scan_layers=3 must be True, False, a ModuleList / ModuleDict name"),
         (lambda: Uneven([Block(), Block(hidden=128)]), "blocks", ShardingError,
          r"blocks\.1 differs from block 0: its parameters or buffers differ"),
         (lambda: Uneven([Block(), Block(dropout=0.1)]), "blocks", ShardingError,
@@ -134,7 +134,7 @@ def _shared():
         (lambda: Uneven([Block()]), "blocks", ShardingError, r"blocks has 1 block\(s\); a scan needs at least 2"),
         (_shared, "blocks", ShardingError, r"blocks\.0\.norm\.weight = blocks\.1\.norm\.weight.* one tensor shared"),
         (lambda: nn.Sequential(nn.Linear(4, 4)), True, ShardingError,
-         r"scan_layers=True found no ModuleList of identical blocks in Sequential"),
+         r"scan_layers=True found no ModuleList or ModuleDict of identical blocks in Sequential"),
     ],
     ids=["not-a-list", "unknown", "bad-type", "shapes", "settings", "types", "one-block", "tied", "none-found"],
 )  # fmt: skip
@@ -295,3 +295,25 @@ def test_a_scanned_checkpoint_loads_into_a_plain_module(tmp_path, mesh_dm):
         module = BlockStack(depth=4)
     ts.load(tmp_path, module, plan=ts.plan(module, mesh_dm, BLOCK_TP))
     assert_trees_close(state_of(module), state_of(trainer.model), tol=0)
+
+
+def test_a_module_dict_of_identical_layers_scans_like_torch_with_per_layer_names(tmp_path, mesh_fsdp):
+    """torchtitan keeps its layers in an nn.ModuleDict ("0".."N-1"): scanned in insertion order."""
+    torch.manual_seed(0)
+    reference = DictStack()
+    data = batches(64, n=3)
+    rules = presets.fsdp(min_size=256)
+    model = copy.deepcopy(reference)
+    trainer = ts.Trainer(model, blocks_loss, optax.sgd(0.1), ts.plan(model, mesh_fsdp, rules), scan_layers=True,
+                         remat=r"layers\.\d+")  # fmt: skip
+    assert "layers.*.up.weight" in trainer.state.params
+    got = [float(trainer.step(b)["loss"]) for b in data[:2]]
+    expected = torch_losses(reference, blocks_loss, torch.optim.SGD(reference.parameters(), lr=0.1), data)
+    np.testing.assert_allclose(got, expected[:2], rtol=1e-5)
+    exported = ts.to_torch_state_dict(trainer)
+    assert list(exported) == list(reference.state_dict())
+    ts.save(tmp_path, trainer)
+    plain = DictStack()
+    unscanned = ts.Trainer(plain, blocks_loss, optax.sgd(0.1), ts.plan(plain, mesh_fsdp, rules))
+    ts.load(tmp_path, unscanned)
+    np.testing.assert_allclose(float(unscanned.step(data[2])["loss"]), expected[2], rtol=1e-5)

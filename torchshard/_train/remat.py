@@ -133,22 +133,24 @@ def scan_remat(groups: tuple[ScanGroup, ...], targets: list[str], remat: Any) ->
     """
     policies, rest, problems = {}, [], []
     for group in groups:
-        blocks = {f"{group.prefix}.{i}" for i in range(group.count)}
+        blocks = {group.block(i) for i in range(group.count)}
         chosen = blocks & set(targets)
         if chosen and chosen != blocks:
             problems.append(f"remat names {sorted(chosen)} but not every block of the scanned {group.prefix}")
         if chosen:
             policies[group.prefix] = remat.jax_policy()
-        inside = {_relative(group.prefix, t) for t in targets if t.startswith(group.prefix + ".") and t not in blocks}
+        inside = {_relative(group, t) for t in targets if t.startswith(group.prefix + ".") and t not in blocks}
         for index, name in inside:
             if any((i, name) not in inside for i in range(group.count)):
-                problems.append(f"remat names {group.prefix}.{index}.{name} but not the same module of every block")
-    rest = [t for t in targets if not any(t == f"{g.prefix}.{i}" for g in groups for i in range(g.count))]
+                problems.append(f"remat names {group.block(index)}.{name} but not the same module of every block")
+    rest = [t for t in targets if not any(t == g.block(i) for g in groups for i in range(g.count))]
     if problems:
         raise ShardingError(problems, header="remat cannot apply to scanned layers unevenly: all blocks run one body")
     return policies, rest
 
 
-def _relative(prefix: str, name: str) -> tuple[int, str]:
-    index, _, rest = name[len(prefix) + 1 :].partition(".")
-    return int(index), rest
+def _relative(group: ScanGroup, name: str) -> tuple[int, str]:
+    key, _, rest = name[len(group.prefix) + 1 :].partition(".")
+    index = group.index(key)
+    assert index is not None  # a module inside the scanned container is inside one of its blocks
+    return index, rest
