@@ -145,3 +145,36 @@ class DictStack(nn.Module):
         for layer in self.layers.values():
             h = layer(h)
         return self.head(self.norm(h))
+
+
+class RoutedBlock(Block):
+    """A block gated by a router, as a mixture of experts routes its tokens."""
+
+    def __init__(self, dim=32, experts=4):
+        super().__init__(dim, 2 * dim)
+        self.router = nn.Linear(dim, experts, bias=False)
+
+    def forward(self, x):
+        return super().forward(x * torch.sigmoid(self.router(x).mean(-1, keepdim=True)))
+
+
+class RoutedStack(nn.Module):
+    """Routed blocks whose router logits a forward hook collects into a list during ``forward``, which then
+    adds a load-balancing aux loss: how transformers' MoE models (``output_router_logits=True``) do it."""
+
+    def __init__(self, vocab=64, dim=32, depth=3):
+        super().__init__()
+        self.embed = nn.Embedding(vocab, dim)
+        self.blocks = nn.ModuleList(RoutedBlock(dim) for _ in range(depth))
+        for block in self.blocks:
+            block.router.register_forward_hook(lambda module, args, out: self._collected.append(out))
+        self.head = nn.Linear(dim, vocab)
+        self._collected: list[torch.Tensor] = []
+
+    def forward(self, ids):
+        self._collected = []
+        h = self.embed(ids)
+        for block in self.blocks:
+            h = block(h)
+        aux = sum(torch.softmax(logits, -1).mean((0, 1)).square().sum() for logits in self._collected)
+        return self.head(h), aux

@@ -115,11 +115,12 @@ def checkpointed(module: torch.nn.Module, forward: Forward, policy: Callable[...
         state, buffers = module_arrays(module)
         pure = PureForward(module, forward, spec, buffers)
         # the key goes in and comes out: dropout draws what it would unwrapped, and the same when recomputed
-        out, new_buffers, key = jax.checkpoint(pure.__call__, policy=policy)(state, inputs, current_key())
+        out, new_buffers, key, hooked = jax.checkpoint(pure.__call__, policy=policy)(state, inputs, current_key())
         continue_from(key)
         tensors = named_tensors(module)
         for name, array in new_buffers.items():
             set_array(tensors[name], array)
+        pure.replay_hooks(hooked)  # what submodules' hooks record (MoE router logits) comes from outside the body
         return pure.rebuild(out)
 
     return call

@@ -288,13 +288,15 @@ class ScanRun:
         def body(carry: tuple[jax.Array, jax.Array], layer: Mapping[str, jax.Array]):
             # the key is carried: the blocks draw random numbers in the order a Python loop would
             h, key = carry
-            out, buffers, key = pure(layer, [h, *others], key)
+            out, buffers, key, hooked = pure(layer, [h, *others], key)
             _check_output(self.group.block(0), pure, out, h)
-            return (out[0], key), buffers
+            return (out[0], key), (buffers, hooked)
 
         step = jax.checkpoint(body, policy=self.body_policy) if self.body_policy is not None else body
-        (final, key), self.new_buffers = jax.lax.scan(step, (arrays[0], current_key()), dict(self.params))
+        (final, key), (self.new_buffers, hooked) = jax.lax.scan(step, (arrays[0], current_key()), dict(self.params))
         continue_from(key)
+        for i in range(self.group.count):  # each layer's hooks (MoE router logits), in the order a loop runs them
+            pure.replay_hooks([stacked[i] for stacked in hooked])
         self.result = pure.rebuild([final])
         return self.result
 
