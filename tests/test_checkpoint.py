@@ -70,6 +70,16 @@ def test_a_module_saves_and_loads_onto_its_current_shardings(tmp_path, mesh_dm, 
     assert target.head.weight is target.embed.weight
 
 
+def test_a_relative_path_saves_and_loads(tmp_path, mesh_fsdp, monkeypatch):
+    """The README saves to "ckpt/": orbax takes absolute paths only, so save and load resolve it first."""
+    monkeypatch.chdir(tmp_path)
+    source = sharded(TiedLM, mesh_fsdp, presets.fsdp(min_size=64))
+    target = sharded(TiedLM, mesh_fsdp, presets.fsdp(min_size=64), seed=1)
+    assert ts.save("ckpt/", source) == tmp_path / "ckpt" / "step_00000000"
+    ts.load("ckpt/", target)
+    jax.tree.map(np.testing.assert_array_equal, values(target), values(source))
+
+
 def test_a_trainer_checkpoint_loads_into_a_meta_module_with_a_plan(saved_run, mesh_fsdp):
     saved = saved_run("tiedlm_adamw")
     with torch.device("meta"):

@@ -101,7 +101,7 @@ def _check_save_args(path: Any, target: Any, step: Any, keep_last: Any) -> pathl
     problems = _target_problems(target) + int_problems("step", step, minimum=0, none="the Trainer's step count")
     problems += int_problems("keep_last", keep_last, minimum=1, none="keep every step")
     raise_for_arguments(path_problems("path", path) + problems, header="invalid save() arguments")
-    return pathlib.Path(path)
+    return pathlib.Path(os.path.abspath(path))  # orbax takes absolute paths only; "ckpt/" is relative to the cwd
 
 
 def _begin(final: pathlib.Path) -> pathlib.Path:
@@ -258,7 +258,7 @@ def load(path: PathLike, target: Target, *, step: int | None = None, plan: Shard
         1
     """
     _check_load_args(path, target, step, plan)
-    step_dir = resolve(pathlib.Path(path), step)
+    step_dir = resolve(pathlib.Path(os.path.abspath(path)), step)
     meta = read_meta(step_dir)
     check_files(step_dir, meta["files"])
     model = model_of(target)
