@@ -90,3 +90,91 @@ def tiny_llama(*, layers=2, seed=0, meta=False, **overrides):
     torch.manual_seed(seed)
     with torch.device("meta" if meta else "cpu"):
         return transformers.LlamaForCausalLM(transformers.LlamaConfig(**(config | overrides)))
+
+
+class Rotary(nn.Module):
+    """A projection under torchtitan's rotary embedding: a complex ``freqs_cis`` buffer (persistent, as there)."""
+
+    def __init__(self, dim=16, seq=8):
+        super().__init__()
+        self.proj = nn.Linear(dim, dim)
+        freqs = 1.0 / (10000 ** (torch.arange(0, dim, 2).float() / dim))
+        angles = torch.outer(torch.arange(seq).float(), freqs)
+        self.register_buffer("freqs_cis", torch.polar(torch.ones_like(angles), angles))
+
+    def forward(self, x):  # [batch, seq, dim]
+        h = self.proj(x)
+        pairs = torch.view_as_complex(h.float().reshape(*h.shape[:-1], -1, 2))
+        return torch.view_as_real(pairs * self.freqs_cis[: x.shape[1]]).flatten(-2)
+
+
+class FusedQKV(nn.Module):
+    """Attention's projections fused into one Linear, exported as separate q/k/v weights by a state_dict hook
+    (as checkpoint-conversion code does); ``private_hook`` uses torch's older ``_register_state_dict_hook``."""
+
+    def __init__(self, dim=16, private_hook=False):
+        super().__init__()
+        self.qkv = nn.Linear(dim, 3 * dim)
+        self.out = nn.Linear(dim, dim)
+        hook = lambda *args: FusedQKV._split(*args)  # noqa: E731  # torch marks a function registered publicly
+        (self._register_state_dict_hook if private_hook else self.register_state_dict_post_hook)(hook)
+
+    @staticmethod
+    def _split(module, state_dict, prefix, local_metadata):
+        fused = state_dict.pop(prefix + "qkv.weight")
+        for name, part in zip("qkv", fused.chunk(3), strict=True):
+            state_dict[f"{prefix}{name}.weight"] = part * 1.0  # tensor math, not only a view
+
+    def forward(self, x):
+        q, k, v = self.qkv(x).chunk(3, dim=-1)
+        return self.out(torch.softmax(q @ k.transpose(-1, -2), dim=-1) @ v)
+
+
+class DictStack(nn.Module):
+    """torchtitan's layout: the blocks in an ``nn.ModuleDict`` keyed "0".."N-1", run in insertion order."""
+
+    def __init__(self, vocab=64, dim=32, depth=4):
+        super().__init__()
+        self.embed = nn.Embedding(vocab, dim)
+        self.layers = nn.ModuleDict({str(i): Block(dim, 2 * dim) for i in range(depth)})
+        self.norm = nn.LayerNorm(dim)
+        self.head = nn.Linear(dim, vocab)
+
+    def forward(self, ids):
+        h = self.embed(ids)
+        for layer in self.layers.values():
+            h = layer(h)
+        return self.head(self.norm(h))
+
+
+class RoutedBlock(Block):
+    """A block gated by a router, as a mixture of experts routes its tokens."""
+
+    def __init__(self, dim=32, experts=4):
+        super().__init__(dim, 2 * dim)
+        self.router = nn.Linear(dim, experts, bias=False)
+
+    def forward(self, x):
+        return super().forward(x * torch.sigmoid(self.router(x).mean(-1, keepdim=True)))
+
+
+class RoutedStack(nn.Module):
+    """Routed blocks whose router logits a forward hook collects into a list during ``forward``, which then
+    adds a load-balancing aux loss: how transformers' MoE models (``output_router_logits=True``) do it."""
+
+    def __init__(self, vocab=64, dim=32, depth=3):
+        super().__init__()
+        self.embed = nn.Embedding(vocab, dim)
+        self.blocks = nn.ModuleList(RoutedBlock(dim) for _ in range(depth))
+        for block in self.blocks:
+            block.router.register_forward_hook(lambda module, args, out: self._collected.append(out))
+        self.head = nn.Linear(dim, vocab)
+        self._collected: list[torch.Tensor] = []
+
+    def forward(self, ids):
+        self._collected = []
+        h = self.embed(ids)
+        for block in self.blocks:
+            h = block(h)
+        aux = sum(torch.softmax(logits, -1).mean((0, 1)).square().sum() for logits in self._collected)
+        return self.head(h), aux

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import json
 import pathlib
@@ -28,12 +29,13 @@ from checkpoint_runs import (
     sharded,
     values,
 )
-from helpers import assert_close
-from models import MLP, TiedLM
+from helpers import assert_close, torch_losses
+from models import MLP, Rotary, TiedLM
 from torch import nn
 
 import torchshard as ts
 from torchshard import presets
+from torchshard._bridge.tensors import wrap
 
 
 @pytest.fixture(scope="module")
@@ -68,6 +70,16 @@ def test_a_module_saves_and_loads_onto_its_current_shardings(tmp_path, mesh_dm, 
     assert target.head.weight is target.embed.weight
 
 
+def test_a_relative_path_saves_and_loads(tmp_path, mesh_fsdp, monkeypatch):
+    """The README saves to "ckpt/": orbax takes absolute paths only, so save and load resolve it first."""
+    monkeypatch.chdir(tmp_path)
+    source = sharded(TiedLM, mesh_fsdp, presets.fsdp(min_size=64))
+    target = sharded(TiedLM, mesh_fsdp, presets.fsdp(min_size=64), seed=1)
+    assert ts.save("ckpt/", source) == tmp_path / "ckpt" / "step_00000000"
+    ts.load("ckpt/", target)
+    jax.tree.map(np.testing.assert_array_equal, values(target), values(source))
+
+
 def test_a_trainer_checkpoint_loads_into_a_meta_module_with_a_plan(saved_run, mesh_fsdp):
     saved = saved_run("tiedlm_adamw")
     with torch.device("meta"):
@@ -77,6 +89,34 @@ def test_a_trainer_checkpoint_loads_into_a_meta_module_with_a_plan(saved_run, me
     assert model.embed.weight.jax().sharding == p["embed.weight"]
     assert model.head.weight is model.embed.weight
     assert_close(model.block.up.weight, saved.state.params["block.up.weight"], tol=0)
+
+
+def test_a_trainer_with_a_complex_rope_buffer_saves_loads_and_resumes_like_torch(tmp_path, mesh_fsdp):
+    """torchtitan keeps RoPE's freqs_cis as a complex64 buffer: the checksum used to fail on it (bitcast)."""
+    torch.manual_seed(0)
+    reference = Rotary()
+    loss = lambda m, x: m(x).square().mean()  # noqa: E731
+    g = torch.Generator().manual_seed(1)
+    batches = [torch.randn(8, 8, 16, generator=g) for _ in range(4)]
+    first = ts.Trainer(copy.deepcopy(reference), loss, optax.sgd(0.1), ts.plan(reference, mesh_fsdp))
+    got = [float(first.step(b)["loss"]) for b in batches[:2]]
+    ts.save(tmp_path, first)
+    second = ts.Trainer(Rotary(), loss, optax.sgd(0.1), ts.plan(reference, mesh_fsdp))
+    ts.load(tmp_path, second)
+    assert second.model.freqs_cis.dtype == torch.complex64
+    np.testing.assert_array_equal(np.asarray(second.model.freqs_cis.jax()), reference.freqs_cis.numpy())
+    got += [float(second.step(b)["loss"]) for b in batches[2:]]
+    expected = torch_losses(reference, loss, torch.optim.SGD(reference.parameters(), lr=0.1), batches)
+    np.testing.assert_allclose(got, expected, rtol=1e-5)
+
+
+def test_a_tensor_the_checkpoint_format_cannot_hold_is_a_checkpoint_error_naming_it(tmp_path, mesh_fsdp):
+    model = nn.Linear(4, 4)
+    ts.shard(model, ts.plan(model, mesh_fsdp))
+    model.register_buffer("packed", wrap(jax.numpy.ones((8, 2), jax.numpy.uint4)))  # tensorstore has no uint4
+    with pytest.raises(ts.CheckpointError, match=r"packed \(8, 2\) uint4: the checkpoint format .* cannot hold"):
+        ts.save(tmp_path, model)
+    assert ts.checkpoint_steps(tmp_path) == []
 
 
 @pytest.mark.parametrize(

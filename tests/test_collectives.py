@@ -6,6 +6,7 @@ import jax
 import numpy as np
 import pytest
 import torch
+import torchax
 from helpers import assert_close, to_numpy
 from jax.sharding import AbstractMesh, AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
@@ -198,3 +199,14 @@ def test_result_feeds_the_next_shard_map(mesh_dm):
     total = C.shard_map(lambda t: C.psum(t.sum(), "data"), mesh=mesh_dm, in_specs=P("data"), out_specs=P())
     assert float(to_numpy(total(double(x)))) == 56.0
     assert isinstance(jax.device_get(double(x).jax()), np.ndarray)
+
+
+def test_random_draws_inside_leave_eager_torch_random_ops_working(mesh_fsdp):
+    """Dropout inside the mapped function drew from torchax's key under the trace; the key must not leak out."""
+    drop = C.shard_map(lambda x: torch.nn.functional.dropout(x, 0.5), mesh=mesh_fsdp, in_specs=P("data"),
+                       out_specs=P("data"))  # fmt: skip
+    first, second = to_numpy(drop(torch.ones(16, 64))), to_numpy(drop(torch.ones(16, 64)))
+    assert set(np.unique(first)) == {0.0, 2.0}
+    assert not np.array_equal(first, second)  # the key advances between calls, as torch's generator does
+    with torchax.default_env():
+        assert torch.randn(3, device="jax").shape == (3,)  # eager: raised UnexpectedTracerError

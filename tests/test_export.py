@@ -12,11 +12,12 @@ import optax
 import pytest
 import torch
 from checkpoint_runs import TESTS, TP_LM, Run, lm_batches, make_trainer, read_safetensors, sharded, values
-from models import TiedLM
+from models import FusedQKV, Rotary, TiedLM
 from torch import nn
 
 import torchshard as ts
 from torchshard import presets
+from torchshard._bridge.tensors import wrap
 
 
 def test_to_torch_state_dict_is_plain_torch_with_ties_and_dtypes(mesh_dm):
@@ -39,7 +40,7 @@ SUBPROCESS = """
 import sys
 import torch
 sys.path.insert(0, sys.argv[1])
-from models import TiedLM
+from models import FusedQKV, Rotary, TiedLM
 torch.manual_seed(123)
 model = TiedLM()
 model.load_state_dict(torch.load(sys.argv[2]))
@@ -107,3 +108,42 @@ def test_save_safetensors_writes_hf_style_shards_with_ties_stored_once(tmp_path,
     fresh = TiedLM()
     assert fresh.load_state_dict(tensors, strict=False).missing_keys == ["head.weight"]
     torch.testing.assert_close(fresh.head.weight, state["head.weight"], rtol=0, atol=0)
+
+
+def test_complex_buffers_export_to_torch_and_safetensors(tmp_path, mesh_fsdp):
+    reference = Rotary()
+    model = ts.shard(copy.deepcopy(reference), ts.plan(reference, mesh_fsdp))
+    state = ts.to_torch_state_dict(model)
+    assert state["freqs_cis"].dtype == torch.complex64
+    torch.testing.assert_close(state["freqs_cis"], reference.freqs_cis, rtol=0, atol=0)
+    ts.save_safetensors(tmp_path, model)  # safetensors holds complex64 (C64)
+    torch.testing.assert_close(read_safetensors(tmp_path)[1]["freqs_cis"], reference.freqs_cis, rtol=0, atol=0)
+
+
+def test_a_tensor_torch_has_no_dtype_for_is_a_checkpoint_error_naming_it(tmp_path, mesh_fsdp):
+    model = nn.Linear(4, 4)
+    ts.shard(model, ts.plan(model, mesh_fsdp))
+    model.register_buffer("packed", wrap(jax.numpy.ones((8, 2), jax.numpy.int4)))
+    for export in (ts.to_torch_state_dict, lambda m: ts.save_safetensors(tmp_path, m)):
+        with pytest.raises(ts.CheckpointError, match=r"packed \(8, 2\) int4: torch has no dtype for it"):
+            export(model)
+    assert not (tmp_path.parent / (".torchshard-tmp-" + tmp_path.name)).exists()  # the failed export left nothing
+
+
+@pytest.mark.parametrize("private_hook", [False, True], ids=["post_hook", "private_hook"])
+def test_state_dict_hooks_run_on_gathered_cpu_tensors_as_torch_runs_them(tmp_path, mesh_dm, private_hook):
+    torch.manual_seed(0)
+    reference = nn.Sequential(FusedQKV(private_hook=private_hook), nn.LayerNorm(16))
+    expected = reference.state_dict()
+    assert "0.q.weight" in expected and "0.qkv.weight" not in expected
+    model = copy.deepcopy(reference)
+    ts.shard(model, ts.plan(model, mesh_dm, presets.tensor_parallel(colwise=[r"0\.qkv"], rowwise=[r"0\.out"])))
+    state = ts.to_torch_state_dict(model)
+    assert list(state) == list(expected)
+    for name, tensor in expected.items():
+        torch.testing.assert_close(state[name], tensor, rtol=0, atol=0)
+    ts.save_safetensors(tmp_path, model)
+    index, stored = read_safetensors(tmp_path)
+    assert set(stored) == set(expected) == set(index["weight_map"])
+    for name, tensor in expected.items():
+        torch.testing.assert_close(stored[name], tensor, rtol=0, atol=0)

@@ -343,3 +343,86 @@ def test_padding_row_of_a_vocabulary_sharded_embedding_is_the_only_row_without_g
     trainer = ts.Trainer(model, loss_fn, optax.sgd(1.0), ts.plan(model, mesh, [(r"0\.weight", ("data", None))]))
     trainer.step(ids)
     assert_close(ts.to_torch_state_dict(trainer)["0.weight"], ref[0].weight, what="embedding after one SGD step")
+
+
+# torch's runtime assertions: (name, call on a tensor x of ones(4)); each run eagerly in torch and under torchax
+ASSERTS = {
+    "assert_async": lambda x: torch._assert_async(x.sum() > 0),
+    "assert_async_false": lambda x: torch._assert_async(x.sum() < 0),
+    "assert_async_many": lambda x: torch._assert_async(x > 0),
+    "assert_async_msg": lambda x: torch._assert_async(x.sum() > 0, "positive"),
+    "assert_async_msg_false": lambda x: torch._assert_async(x.sum() < 0, "negative"),
+    "functional_false": lambda x: torch.ops.aten._functional_assert_async.msg(
+        x.sum() < 0, "functional", torch.ops.aten._make_dep_token()
+    ),
+    "assert_scalar_false": lambda x: torch.ops.aten._assert_scalar(x.shape[0] == 3, "three rows"),
+    "tensor_metadata": lambda x: torch.ops.aten._assert_tensor_metadata(x, [4], None, torch.float32),
+    "tensor_metadata_size": lambda x: torch.ops.aten._assert_tensor_metadata(x, [3], None, torch.float32),
+    "constrain": lambda x: torch.ops.aten.sym_constrain_range(x.shape[0], min=0, max=8),
+    "constrain_out": lambda x: torch.ops.aten.sym_constrain_range(x.shape[0], min=0, max=2),
+    "constrain_for_size_out": lambda x: torch.ops.aten.sym_constrain_range_for_size(x.shape[0], min=5, max=8),
+    "functional_constrain_out": lambda x: torch.ops.aten._functional_sym_constrain_range(
+        x.shape[0], 0, 2, torch.ops.aten._make_dep_token()
+    ),
+}
+
+
+def _outcome(call, x):
+    try:
+        call(x)
+    except RuntimeError as e:
+        return f"RuntimeError: {e}"
+    return "ok"
+
+
+@pytest.mark.parametrize("name", ASSERTS)
+def test_runtime_assertions_check_known_values_as_torch_does(name):
+    expected = _outcome(ASSERTS[name], torch.ones(4))
+    with torchax.default_env():
+        assert _outcome(ASSERTS[name], torch.ones(4, device="jax")) == expected
+
+
+def test_a_traced_condition_is_dropped_and_prints_run_every_call(capfd):
+    def checked(x):
+        torch._assert_async(x.sum() < 0, "negative")  # traced: no value to check inside jit
+        torch.ops.aten._print("printed")
+        return x * 2
+
+    jitted = torchax.interop.jax_jit(checked)
+    with torchax.default_env():
+        for _ in range(2):
+            assert_close(jitted(torch.ones(4, device="jax")), 2 * torch.ones(4))
+    jax.effects_barrier()
+    assert capfd.readouterr().out == "printed\nprinted\n"
+
+
+class ShapeChecked(torch.nn.Module):
+    """torchtitan's RoPE checks the rotary table against the sequence with ``torch._assert_async``."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = torch.nn.Linear(16, 16)
+        self.register_buffer("table", torch.ones(8, 16))
+
+    def forward(self, x):
+        torch._assert_async(torch.tensor(self.table.shape[0] >= x.shape[1]), "rotary table shorter than sequence")
+        return self.lin(x) * self.table[: x.shape[1]]
+
+
+def test_a_model_asserting_with_assert_async_trains_like_torch():
+    import optax
+    from helpers import torch_losses
+
+    import torchshard as ts
+
+    torch.manual_seed(0)
+    reference = ShapeChecked()
+    loss = lambda m, x: m(x).square().mean()  # noqa: E731
+    batches = _inputs(3, (8, 4, 16), (8, 4, 16))
+    model = copy.deepcopy(reference)
+    trainer = ts.Trainer(model, loss, optax.sgd(0.1), ts.plan(model, ts.make_mesh({"data": 8})))
+    got = [float(trainer.step(b)["loss"]) for b in batches]
+    expected = torch_losses(reference, loss, torch.optim.SGD(reference.parameters(), lr=0.1), batches)
+    assert_close(torch.tensor(got), torch.tensor(expected), tol=1e-5, what="losses")
+    with torchax.default_env(), pytest.raises(RuntimeError, match="rotary table shorter than sequence"):
+        trainer.model(ts.shard_batch(torch.ones(8, 9, 16), trainer.mesh))  # eager: the condition has a value

@@ -132,6 +132,14 @@ def test_shard_rejects_a_plan_of_another_model(mesh_dm, model_fn, plan_fn, match
         torchshard.shard(model_fn(), plan_fn(mesh_dm))
 
 
+def test_shard_accepts_its_own_narrowed_int64_but_not_a_changed_dtype(mesh_dm):
+    model = nn.Sequential(nn.Linear(8, 8), nn.BatchNorm1d(8))
+    plan = torchshard.plan(model, mesh_dm)
+    torchshard.shard(torchshard.shard(model, plan), plan)  # placed int64 is held as int32: the same dtype
+    with pytest.raises(ShardingError, match=r"0\.weight: model dtype torch\.bfloat16 but plan dtype torch\.float32"):
+        torchshard.shard(nn.Sequential(nn.Linear(8, 8), nn.BatchNorm1d(8)).to(torch.bfloat16), plan)
+
+
 def test_shard_rejects_metamodule_tensors(mesh_dm):
     with torch.device("meta"):
         model = MLP()

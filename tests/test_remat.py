@@ -8,8 +8,8 @@ import numpy as np
 import optax
 import pytest
 import torch
-from helpers import assert_trees_close, to_numpy
-from models import BlockStack, tiny_llama
+from helpers import assert_trees_close, to_numpy, torch_losses
+from models import BlockStack, RoutedStack, tiny_llama
 from torch import nn
 
 import torchshard as ts
@@ -142,3 +142,72 @@ def test_the_outermost_match_is_checkpointed(mesh_fsdp):
 
     targets = remat_targets(BlockStack(depth=2), ts.Remat([r"blocks\.\d+", r"blocks\.\d+\.up"]))
     assert targets == ["blocks.0", "blocks.1"]
+
+
+def routed_loss(model, ids):
+    logits, aux = model(ids[:, :-1])
+    return nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), ids[:, 1:].reshape(-1)) + aux
+
+
+@pytest.mark.parametrize(
+    "kwargs",
+    [dict(remat=r"blocks\.\d+"), dict(scan_layers=True), dict(scan_layers=True, remat=r"blocks\.\d+")],
+    ids=["remat", "scan", "scan+remat"],
+)
+def test_outputs_forward_hooks_collect_inside_a_body_reach_the_loss_like_torch(kwargs):
+    """Hooks that collect a submodule's output (MoE router logits for the aux loss) run inside the
+    checkpointed / scanned body: their tensors are carried out of it, not leaked as tracers."""
+    torch.manual_seed(0)
+    reference = RoutedStack()
+    model = RoutedStack()
+    model.load_state_dict(reference.state_dict())
+    data = batches(n=2)
+    plan = ts.plan(model, ts.make_mesh({"data": 8}))
+    trainer = ts.Trainer(model, routed_loss, optax.sgd(0.1), plan, **kwargs)
+    got = [float(trainer.step(b)["loss"]) for b in data]
+    expected = torch_losses(reference, routed_loss, torch.optim.SGD(reference.parameters(), lr=0.1), data)
+    np.testing.assert_allclose(got, expected, rtol=1e-5)
+    assert_trees_close(state_of(trainer.model), state_of(reference), tol=1e-5)
+
+
+def test_a_forward_hook_that_replaces_an_output_inside_a_body_is_an_error():
+    model = BlockStack(depth=2)
+    model.blocks[0].up.register_forward_hook(lambda module, args, out: out * 2)
+    model.blocks[1].up.register_forward_hook(lambda module, args, out: out * 2)
+    trainer = ts.Trainer(model, blocks_loss, optax.sgd(0.1), ts.plan(model, ts.make_mesh({"data": 8})),
+                         remat=r"blocks\.\d+")  # fmt: skip
+    with pytest.raises(ShardingError, match=r"a forward hook of Linear .* returns a new output.*register it on a"):
+        trainer.step(batches(n=1)[0])
+
+
+@pytest.mark.parametrize(
+    ("family", "kwargs"),
+    [("qwen3_moe", dict(remat=r"model\.layers\.\d+")), ("mixtral", dict(scan_layers=True))],
+)
+def test_moe_router_logits_train_the_aux_loss_under_remat_and_scan_like_torch(family, kwargs):
+    """transformers collects router logits with forward hooks (output_router_logits=True): under remat or
+    scan_layers they leaked out of the body as tracers (UnexpectedTracerError)."""
+    import copy
+
+    from families import MOE, Family, build
+
+    base = next(f for f in MOE if f.model_type == family)
+    reference = build(
+        Family(family, True, (*base.extra, ("output_router_logits", True), ("router_aux_loss_coef", 0.5)))
+    )
+    model = copy.deepcopy(reference)
+
+    def loss_fn(m, ids):
+        out = m(input_ids=ids, labels=ids)
+        return out.loss, {"aux_loss": out.aux_loss}
+
+    g = torch.Generator().manual_seed(0)  # batches whose top-2 routing has no near-tie (a flip moves the aux loss)
+    data = [torch.randint(0, 128, (8, 16), generator=g) for _ in range(2)]
+    trainer = ts.Trainer(model, loss_fn, optax.sgd(0.1), ts.plan(model, ts.make_mesh({"data": 8})), **kwargs)
+    got = [trainer.step(b) for b in data]
+    expected = torch_losses(reference, lambda m, ids: loss_fn(m, ids)[0],
+                            torch.optim.SGD(reference.parameters(), lr=0.1), data)  # fmt: skip
+    np.testing.assert_allclose([float(m["loss"]) for m in got], expected, rtol=1e-5)
+    with torch.no_grad():
+        aux = float(reference(input_ids=data[0], labels=data[0]).aux_loss)
+    assert float(got[0]["aux_loss"]) > 0.1 and aux > 0.1  # the aux loss takes part

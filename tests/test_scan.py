@@ -2,13 +2,15 @@
 
 from __future__ import annotations
 
+import copy
+
 import numpy as np
 import optax
 import pytest
 import torch
 from helpers import assert_close, assert_trees_close, to_numpy, torch_losses
 from jax.sharding import PartitionSpec as P
-from models import Block, BlockStack, tiny_llama
+from models import Block, BlockStack, DictStack, tiny_llama
 from torch import nn
 
 import torchshard as ts
@@ -122,7 +124,7 @@ def _shared():
     [
         (lambda: BlockStack(), "embed", ShardingError, r"embed is a Embedding, not a torch\.nn\.ModuleList"),
         (lambda: BlockStack(), "nope", ShardingError, r"BlockStack has no module named 'nope'"),
-        (lambda: BlockStack(), 3, TypeError, r"scan_layers=3 must be True, False, a ModuleList name"),
+        (lambda: BlockStack(), 3, TypeError, r"scan_layers=3 must be True, False, a ModuleList / ModuleDict name"),
         (lambda: Uneven([Block(), Block(hidden=128)]), "blocks", ShardingError,
          r"blocks\.1 differs from block 0: its parameters or buffers differ"),
         (lambda: Uneven([Block(), Block(dropout=0.1)]), "blocks", ShardingError,
@@ -132,7 +134,7 @@ def _shared():
         (lambda: Uneven([Block()]), "blocks", ShardingError, r"blocks has 1 block\(s\); a scan needs at least 2"),
         (_shared, "blocks", ShardingError, r"blocks\.0\.norm\.weight = blocks\.1\.norm\.weight.* one tensor shared"),
         (lambda: nn.Sequential(nn.Linear(4, 4)), True, ShardingError,
-         r"scan_layers=True found no ModuleList of identical blocks in Sequential"),
+         r"scan_layers=True found no ModuleList or ModuleDict of identical blocks in Sequential"),
     ],
     ids=["not-a-list", "unknown", "bad-type", "shapes", "settings", "types", "one-block", "tied", "none-found"],
 )  # fmt: skip
@@ -220,10 +222,41 @@ def test_forwards_that_cannot_scan_raise_when_traced(mesh_fsdp, factory, match):
         trainer.step(batches(64, n=1)[0])
 
 
-def test_a_kv_cache_cannot_go_through_a_scan(mesh_fsdp):
-    model = tiny_llama(use_cache=True)
+def _default_config_model(family):
+    """A transformers model built from its config class's defaults (use_cache=True), only made small."""
+    import transformers
+
+    small = {
+        "llama": ("LlamaConfig", "LlamaForCausalLM", dict(hidden_size=64, intermediate_size=128, vocab_size=128,
+                                                          num_hidden_layers=2, num_attention_heads=4,
+                                                          num_key_value_heads=2)),
+        "gpt2": ("GPT2Config", "GPT2LMHeadModel", dict(n_embd=64, n_layer=2, n_head=4, vocab_size=128, n_positions=64,
+                                                       resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)),
+    }[family]  # fmt: skip
+    config = getattr(transformers, small[0])(**small[2])
+    assert config.use_cache
+    torch.manual_seed(0)
+    return getattr(transformers, small[1])(config)
+
+
+@pytest.mark.parametrize("family", ["llama", "gpt2"])
+def test_a_default_config_with_use_cache_trains_scanned_like_torch(mesh_fsdp, family):
+    """A training step never needs the KV cache: the Trainer builds none, whatever the config says."""
+    reference = _default_config_model(family)
+    model = copy.deepcopy(reference)
     trainer = ts.Trainer(model, llama_loss, optax.sgd(0.1), ts.plan(model, mesh_fsdp), scan_layers=True)
-    with pytest.raises(ShardingError, match=r"model\.layers\.0 got DynamicCache .*use_cache=False"):
+    data = batches(128, n=2)
+    got = [float(trainer.step(b)["loss"]) for b in data]
+    np.testing.assert_allclose(got, torch_losses(reference, llama_loss, torch.optim.SGD(reference.parameters(), lr=0.1),
+                                                 data), rtol=1e-5)  # fmt: skip
+    assert model.config.use_cache  # the user's config is as it was
+
+
+def test_a_kv_cache_asked_for_in_the_call_cannot_go_through_a_scan(mesh_fsdp):
+    model = tiny_llama()
+    loss = lambda m, ids: m(input_ids=ids, labels=ids, use_cache=True).loss  # noqa: E731
+    trainer = ts.Trainer(model, loss, optax.sgd(0.1), ts.plan(model, mesh_fsdp), scan_layers=True)
+    with pytest.raises(ShardingError, match=r"model\.layers\.0 got DynamicCache .*drop use_cache=True from the call"):
         trainer.step(batches(128, n=1)[0])
 
 
@@ -262,3 +295,25 @@ def test_a_scanned_checkpoint_loads_into_a_plain_module(tmp_path, mesh_dm):
         module = BlockStack(depth=4)
     ts.load(tmp_path, module, plan=ts.plan(module, mesh_dm, BLOCK_TP))
     assert_trees_close(state_of(module), state_of(trainer.model), tol=0)
+
+
+def test_a_module_dict_of_identical_layers_scans_like_torch_with_per_layer_names(tmp_path, mesh_fsdp):
+    """torchtitan keeps its layers in an nn.ModuleDict ("0".."N-1"): scanned in insertion order."""
+    torch.manual_seed(0)
+    reference = DictStack()
+    data = batches(64, n=3)
+    rules = presets.fsdp(min_size=256)
+    model = copy.deepcopy(reference)
+    trainer = ts.Trainer(model, blocks_loss, optax.sgd(0.1), ts.plan(model, mesh_fsdp, rules), scan_layers=True,
+                         remat=r"layers\.\d+")  # fmt: skip
+    assert "layers.*.up.weight" in trainer.state.params
+    got = [float(trainer.step(b)["loss"]) for b in data[:2]]
+    expected = torch_losses(reference, blocks_loss, torch.optim.SGD(reference.parameters(), lr=0.1), data)
+    np.testing.assert_allclose(got, expected[:2], rtol=1e-5)
+    exported = ts.to_torch_state_dict(trainer)
+    assert list(exported) == list(reference.state_dict())
+    ts.save(tmp_path, trainer)
+    plain = DictStack()
+    unscanned = ts.Trainer(plain, blocks_loss, optax.sgd(0.1), ts.plan(plain, mesh_fsdp, rules))
+    ts.load(tmp_path, unscanned)
+    np.testing.assert_allclose(float(unscanned.step(data[2])["loss"]), expected[2], rtol=1e-5)

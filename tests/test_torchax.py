@@ -7,7 +7,9 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 import torch
+import torchax.interop
 
+from torchshard._bridge.env import env
 from torchshard._bridge.tensors import host_array, is_jax_tensor, jax_dtype, to_torch, unwrap, wrap
 
 
@@ -27,6 +29,7 @@ def test_import_prints_nothing_and_leaves_the_backend_alone():
         (torch.int64, np.int32),  # x64 is off: JAX holds 64-bit values in 32 bits
         (torch.float64, np.float32),
         (torch.bool, np.bool_),
+        (torch.complex128, np.complex64),
     ],
 )
 def test_host_dtypes_and_round_trip(dtype, held):
@@ -44,3 +47,39 @@ def test_wrap_and_unwrap_share_the_array():
     assert is_jax_tensor(tensor) and not is_jax_tensor(torch.zeros(1))
     assert unwrap(tensor) is array
     assert unwrap(3) == 3
+
+
+# torch calls that ask for int64 (or float64 / complex128), as model code makes them inside a step
+WIDE = {
+    "arange": lambda x: torch.arange(4, dtype=torch.long),
+    "zeros": lambda x: torch.zeros(3, dtype=torch.int64),
+    "full": lambda x: torch.full((2,), 7, dtype=torch.long),
+    "empty_like": lambda x: torch.empty_like(x, dtype=torch.long).fill_(1),
+    "new_zeros": lambda x: x.new_zeros(3, dtype=torch.long),
+    "ones_like": lambda x: torch.ones_like(x, dtype=torch.long),
+    "tensor_dtype": lambda x: torch.tensor(8, dtype=torch.long),  # transformers' sliding-window cache
+    "tensor_int": lambda x: torch.tensor([1, 2]),
+    "long": lambda x: (x * 3).long(),
+    "to_int64": lambda x: (x * 3).to(torch.int64),
+    "cumsum": lambda x: x.cumsum(0, dtype=torch.int64),
+    "max_dim": lambda x: x.reshape(2, 2).max(1).indices,
+    "min_dim_keepdim": lambda x: x.reshape(2, 2).min(0, keepdim=True).indices,
+    "one_hot": lambda x: torch.nn.functional.one_hot((x * 3).long(), 4),
+    "div_floor": lambda x: torch.div((x * 7).long(), 2, rounding_mode="floor"),
+    "div_trunc": lambda x: torch.div(-(x * 7).long(), 2, rounding_mode="trunc"),
+    "bucketize": lambda x: torch.bucketize(x, torch.tensor([0.0, 0.5])),
+    "double": lambda x: x.double() * 2,
+    "complex128": lambda x: x.to(torch.complex128),
+}
+
+
+@pytest.mark.parametrize("name", WIDE)
+def test_64_bit_requests_are_held_narrowed_without_a_warning_per_call(name):
+    """JAX warned "Explicitly requested dtype int64 ... truncated to int32" at every such call of every step."""
+    x = torch.linspace(0.0, 1.0, 4)
+    expected = WIDE[name](x)
+    traced = torchax.interop.jax_jit(lambda t: WIDE[name](t))
+    with env(), torch.device("jax"):  # the Trainer's step traces under both
+        got = traced(x.to("jax"))
+    assert np.dtype(got.jax().dtype) == jax_dtype(expected.dtype)
+    np.testing.assert_array_equal(np.asarray(got.jax()), expected.numpy().astype(jax_dtype(expected.dtype)))

@@ -189,6 +189,25 @@ def test_batchnorm_running_stats_are_carried_and_updated():
     assert int(to_numpy(trainer.model.bn.num_batches_tracked)) == 3
 
 
+def test_readme_path_plan_shard_trainer_trains_batchnorm_like_torch():
+    """The Quick start's plan → shard → Trainer with BatchNorm: shard() narrows num_batches_tracked to int32,
+    and the Trainer's second look at the plan must accept what shard() placed (it once called it re-typed)."""
+    ref, model = pair(lambda: nn.Sequential(nn.Linear(8, 16), nn.BatchNorm1d(16), nn.ReLU(), nn.Linear(16, 8)))
+    g = torch.Generator().manual_seed(0)
+    batches = [(torch.randn(16, 8, generator=g), torch.randn(16, 8, generator=g)) for _ in range(3)]
+    mesh = ts.make_mesh(MESHES["data4_model2"])
+    rules = presets.tensor_parallel(colwise=["0"], rowwise=["3"]) + presets.fsdp("data", min_size=64)
+    plan = ts.plan(model, mesh, rules)
+    ts.shard(model, plan)
+    trainer = ts.Trainer(model, mse, optax.sgd(0.1), plan)
+    losses = [float(trainer.step(b)["loss"]) for b in batches]
+    expected = torch_losses(ref, mse, torch.optim.SGD(ref.parameters(), lr=0.1), batches)
+    np.testing.assert_allclose(losses, expected, rtol=1e-5)
+    exported = ts.to_torch_state_dict(trainer)
+    assert exported["1.num_batches_tracked"].dtype == torch.int64 and int(exported["1.num_batches_tracked"]) == 3
+    assert_trees_close({k: to_numpy(v) for k, v in exported.items()}, state_of(ref), tol=1e-5)
+
+
 class DropoutProbe(nn.Module):
     """Records the dropout mask of its input in a buffer sharded over the batch."""
 

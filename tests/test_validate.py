@@ -2,6 +2,11 @@
 
 from __future__ import annotations
 
+import re
+import subprocess
+import sys
+import textwrap
+
 import pytest
 from jax.sharding import AbstractMesh
 from jax.sharding import PartitionSpec as P
@@ -10,11 +15,13 @@ from torchshard import ArgumentError, ShardingError
 from torchshard._base.errors import raise_if_any
 from torchshard._base.specs import as_rule_spec, as_spec, entry_axes, parse_spec
 from torchshard._base.validate import (
+    compiled,
     describe_mesh,
     instance_problems,
     int_problems,
     mismatch_problems,
     raise_for_arguments,
+    regex_problem,
     spec_problems,
 )
 
@@ -154,3 +161,70 @@ def test_concrete_and_rule_specs():
 def test_entry_axes_and_mesh_names():
     assert entry_axes(("data", "model")) == ("data", "model")
     assert describe_mesh(MESH) == "Mesh(data=4, model=2)"
+
+
+@pytest.mark.parametrize(
+    ("pattern", "problem"),
+    [
+        (r"layers\.\d+", None),
+        ("[[", r"is not a valid regex \(unterminated character set at position 0\)"),
+        ("[[a]", r"is ambiguous: Python warns 'Possible nested set at position 1'.*escape a literal '\['"),
+        ("[a&&b]", r"is ambiguous: Python warns 'Possible set intersection at position 2'"),
+        ("[a~~b]", r"is ambiguous: Python warns 'Possible set symmetric difference at position 2'"),
+        (3, r"is a int, not a regex string"),
+    ],
+)
+def test_regex_problem(pattern, problem):
+    found = regex_problem(pattern)
+    assert found is None if problem is None else re.match(problem, found), found
+
+
+def test_a_regex_python_compiled_before_is_still_judged_the_same():
+    """re caches compiled patterns and warns only when it parses one: the check must not depend on that."""
+    with pytest.warns(FutureWarning):
+        re.compile("[[b]")
+    assert regex_problem("[[b]") is not None
+    with pytest.raises(ShardingError, match=r"regex '\[\[b\]' is ambiguous"):
+        compiled("[[b]")
+
+
+# every public entry that takes a regex, called as a user would under `python -W error`
+ENTRIES = {
+    "Rules": "ts.Rules([(PATTERN, ())])",
+    "Remat": "ts.Remat(PATTERN)",
+    "Trainer(remat=)": "ts.Trainer(model, lambda m, b: m(b).sum(), optax.sgd(0.1), plan, remat=PATTERN)",
+    "tensor_parallel": "ts.presets.tensor_parallel(colwise=[PATTERN])",
+    "expert_parallel": "ts.presets.expert_parallel([PATTERN])",
+    "from_hf_tp_plan": "ts.presets.from_hf_tp_plan({PATTERN: 'colwise'})",
+    "visualize_plan": "ts.visualize_plan(plan, names=PATTERN)",
+}
+
+
+def test_no_regex_entry_lets_pythons_warning_or_error_through_under_w_error():
+    script = textwrap.dedent(
+        """
+        import torchshard as ts
+        ts.use_cpu_devices(8)
+        import optax, torch
+        model = torch.nn.Sequential(torch.nn.Linear(4, 4))
+        plan = ts.plan(model, ts.make_mesh({"data": 8}))
+        for entry, call in ENTRIES.items():
+            for PATTERN in ["[[a]", "[[", "x("]:
+                try:
+                    eval(call)
+                except ts.ShardingError as e:
+                    print(entry, repr(PATTERN), "ShardingError")
+                except BaseException as e:
+                    print(entry, repr(PATTERN), type(e).__name__, str(e)[:80])
+                else:
+                    print(entry, repr(PATTERN), "accepted")
+        """
+    )
+    done = subprocess.run([sys.executable, "-W", "error", "-c", f"ENTRIES = {ENTRIES!r}\n{script}"],
+                          capture_output=True, text=True, timeout=300)  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    lines = done.stdout.splitlines()
+    assert len(lines) == 3 * len(ENTRIES), done.stdout
+    # a tp_plan key is a module path, not a regex ('*' = a layer index): its characters are literal
+    odd = [line for line in lines if not line.endswith("ShardingError") and not line.startswith("from_hf_tp_plan")]
+    assert odd == [], "\n".join(odd)

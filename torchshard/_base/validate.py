@@ -3,13 +3,16 @@
 from __future__ import annotations
 
 import difflib
+import functools
 import math
+import re
+import warnings
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from jax.sharding import AbstractMesh, Mesh, PartitionSpec
 
-from torchshard._base.errors import ArgumentError, raise_if_any
+from torchshard._base.errors import ArgumentError, ShardingError, raise_if_any
 from torchshard._base.specs import entry_axes
 
 AnyMesh = Mesh | AbstractMesh
@@ -155,6 +158,65 @@ def instance_problems(name: str, value: Any, kind: type | tuple[type, ...], expe
         ['plan must be a ShardingPlan from torchshard.plan(), got dict']
     """
     return [] if isinstance(value, kind) else [f"{name} must be {expected}, got {type(value).__name__}"]
+
+
+@functools.lru_cache(maxsize=4096)
+def _checked_compile(pattern: str) -> tuple[re.Pattern[str] | None, str | None]:
+    with warnings.catch_warnings(record=True) as caught:
+        # Python warns (a FutureWarning, an error under -W error) of a set whose meaning a later
+        # Python will change ('[[', '&&', '--', '~~' inside [...]): seen here, never raised.
+        # re.UNICODE, redundant for str patterns, keys re's cache apart from plain compiles, so the
+        # pattern is parsed (and the warning seen) even if the program compiled it before.
+        warnings.simplefilter("always", FutureWarning)
+        try:
+            compiled = re.compile(pattern, re.UNICODE)
+        except re.error as err:
+            return None, f"is not a valid regex ({err})"
+    ambiguous = [str(w.message) for w in caught if issubclass(w.category, FutureWarning)]
+    if ambiguous:
+        return None, (
+            f"is ambiguous: Python warns '{ambiguous[0]}' (a future Python will read it differently); escape a "
+            f"literal '[', '&', '-', '~' or '|' inside [...] with a backslash"
+        )
+    return compiled, None
+
+
+def regex_problem(pattern: Any) -> str | None:
+    """Why ``pattern`` cannot be a regex, as a phrase after its name; None for a usable one.
+
+    Every regex torchshard takes from a user (rules, remat, expert patterns, tp_plan keys, plan
+    filters) goes through this one check and `compiled`, so a bad one is always a
+    `ShardingError` and never a warning or ``re.error`` from Python's ``re``.
+
+    Example:
+        >>> regex_problem(r"layers\\.\\d+") is None
+        True
+        >>> regex_problem("layers.(")
+        'is not a valid regex (missing ), unterminated subpattern at position 7)'
+        >>> regex_problem("[[a]")
+        "is ambiguous: Python warns 'Possible nested set at position 1' (a future Python will read it ...; ..."
+    """
+    if not isinstance(pattern, str):
+        return f"is a {type(pattern).__name__}, not a regex string"
+    return _checked_compile(pattern)[1]
+
+
+def compiled(pattern: str) -> re.Pattern[str]:
+    """``pattern`` compiled through the check of `regex_problem` (cached).
+
+    Raises:
+        ShardingError: the pattern is not a usable regex (callers check arguments first, to list every problem).
+
+    Example:
+        >>> compiled(r"fc\\d").fullmatch("fc1") is not None
+        True
+    """
+    if not isinstance(pattern, str):
+        raise ArgumentError([f"regex {pattern!r} {regex_problem(pattern)}"], header="invalid regex")
+    made, problem = _checked_compile(pattern)
+    if made is None:
+        raise ShardingError(f"regex {pattern!r} {problem}")
+    return made
 
 
 def closest_names(pattern: str, names: Sequence[str]) -> list[str]:

@@ -10,9 +10,9 @@ import jax
 import torch
 
 from torchshard._bridge import autocast, init_ops
-from torchshard._bridge.fixes import batch_norm_stats
+from torchshard._bridge.fixes import batch_norm_stats, narrow_dtypes
 from torchshard._bridge.loaded import Environment, torchax
-from torchshard._bridge.ops import attention, cross_entropy, embedding, gather, grouped_mm, linear, same_dtype
+from torchshard._bridge.ops import asserts, attention, cross_entropy, embedding, gather, grouped_mm, linear, same_dtype
 from torchshard._bridge.registry import register
 
 _fixed_envs: set[int] = set()
@@ -31,6 +31,7 @@ def _install_lowerings(tx: Environment) -> None:
     # one line per file: deleting a workaround deletes its file and its line here
     autocast.install(tx)
     batch_norm_stats.install(tx)  # google/torchax#22
+    narrow_dtypes.install(tx)
     init_ops.install(tx)
     gather.install(tx)
     embedding.install(tx)
@@ -38,6 +39,7 @@ def _install_lowerings(tx: Environment) -> None:
     grouped_mm.install(tx)
     attention.install(tx)
     cross_entropy.install(tx)
+    asserts.install(tx)
     same_dtype.install(tx)  # last: it wraps the lowerings above
 
 

@@ -72,5 +72,39 @@ def canonical_names(model: torch.nn.Module) -> dict[str, str]:
 
 
 def state_dict_names(model: torch.nn.Module) -> list[str]:
-    """The keys torch's ``state_dict()`` has (persistent buffers only, tied aliases included), in order."""
-    return list(model.state_dict(keep_vars=True))
+    """The tensors torch's ``state_dict()`` lists before any hook runs: params and persistent buffers, in its order.
+
+    Read from the modules, not by calling ``state_dict()``: its hooks would run on whatever tensors
+    the module holds (torchax tensors outside their environment). See `custom_state_dict`.
+
+    Example:
+        >>> model = torch.nn.BatchNorm1d(2)
+        >>> model.register_buffer("cache", torch.zeros(2), persistent=False)
+        >>> state_dict_names(model) == list(model.state_dict())
+        True
+    """
+    names = []
+    for prefix, module in model.named_modules(remove_duplicate=False):
+        head = prefix + "." if prefix else ""
+        names += [head + n for n, t in module._parameters.items() if t is not None]
+        skip = module._non_persistent_buffers_set
+        names += [head + n for n, t in module._buffers.items() if t is not None and n not in skip]
+    return names
+
+
+def custom_state_dict(model: torch.nn.Module) -> bool:
+    """Whether torch's ``state_dict()`` of ``model`` runs code of its own: hooks, or an overridden save.
+
+    Such code may rename, split or compute tensors (a fused projection exported as q/k/v), so an
+    export must run it, on CPU tensors; otherwise the tensors and `state_dict_names` are the whole story.
+    """
+    base = torch.nn.Module
+    for module in model.modules():
+        kind = type(module)
+        if module._state_dict_hooks or module._state_dict_pre_hooks:
+            return True
+        if kind.state_dict is not base.state_dict or kind._save_to_state_dict is not base._save_to_state_dict:
+            return True
+        if kind.get_extra_state is not base.get_extra_state:
+            return True
+    return False

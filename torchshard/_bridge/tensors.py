@@ -75,21 +75,27 @@ def host_array(t: torch.Tensor) -> np.ndarray:
     if t.dtype == torch.bfloat16:
         return t.view(torch.int16).numpy().view(jax.numpy.bfloat16)
     arr = t.numpy()
-    x64 = jax.config.jax_enable_x64  # type: ignore[attr-defined]
-    if not x64 and arr.dtype.itemsize == 8 and arr.dtype.kind in "iuf":
-        arr = arr.astype(arr.dtype.kind + "4")
-    return arr
+    held = jax.dtypes.canonicalize_dtype(arr.dtype)
+    return arr if held == arr.dtype else arr.astype(held)
 
 
 def jax_dtype(dtype: torch.dtype) -> np.dtype:
-    """The dtype JAX holds a torch tensor of ``dtype`` in (int64 → int32 unless x64 is on)."""
-    held = np.dtype(mappings.t2j_dtype(dtype))
-    x64 = jax.config.jax_enable_x64  # type: ignore[attr-defined]
-    return np.dtype(held.kind + "4") if not x64 and held.itemsize == 8 and held.kind in "iuf" else held
+    """The dtype JAX holds a torch tensor of ``dtype`` in (int64 → int32, complex128 → complex64 unless x64 is on)."""
+    return np.dtype(jax.dtypes.canonicalize_dtype(mappings.t2j_dtype(dtype)))
+
+
+# numpy holds these as ml_dtypes types torch cannot take; torch has a dtype of the same name and width
+_BY_BITS = ("bfloat16", "float8_e4m3fn", "float8_e5m2", "float8_e4m3fnuz", "float8_e5m2fnuz", "float8_e8m0fnu")
 
 
 def to_torch(host: np.ndarray, dtype: torch.dtype) -> torch.Tensor:
-    """A numpy array (from a jax array) as a writable CPU torch tensor of ``dtype``."""
-    if host.dtype.name == "bfloat16":
-        return torch.from_numpy(host.view(np.int16).copy()).view(torch.bfloat16).to(dtype)
+    """A numpy array (from a jax array) as a writable CPU torch tensor of ``dtype``.
+
+    Raises:
+        TypeError: torch has no dtype for the array's (e.g. int4).
+    """
+    if host.dtype.name in _BY_BITS:
+        same = getattr(torch, host.dtype.name)
+        bits = np.int16 if host.dtype.itemsize == 2 else np.uint8
+        return torch.from_numpy(host.view(bits).copy()).view(same).to(dtype)
     return torch.from_numpy(np.array(host)).to(dtype)  # a copy: torch warns on read-only numpy

@@ -18,7 +18,7 @@ from torchshard._base.validate import instance_problems, int_problems, raise_for
 from torchshard._bridge.module_tensors import canonical_names, named_tensors
 from torchshard._bridge.tensors import rebind
 from torchshard._ckpt.meta import checksum_problems, metadata, read_meta, write_meta
-from torchshard._ckpt.orbax import read_state, write_state
+from torchshard._ckpt.orbax import read_state, unwritable, write_state
 from torchshard._ckpt.restore import (
     Destination,
     destination_arrays,
@@ -101,7 +101,7 @@ def _check_save_args(path: Any, target: Any, step: Any, keep_last: Any) -> pathl
     problems = _target_problems(target) + int_problems("step", step, minimum=0, none="the Trainer's step count")
     problems += int_problems("keep_last", keep_last, minimum=1, none="keep every step")
     raise_for_arguments(path_problems("path", path) + problems, header="invalid save() arguments")
-    return pathlib.Path(path)
+    return pathlib.Path(os.path.abspath(path))  # orbax takes absolute paths only; "ckpt/" is relative to the cwd
 
 
 def _begin(final: pathlib.Path) -> pathlib.Path:
@@ -199,6 +199,7 @@ def save(path: PathLike, target: Target, *, step: int | None = None, keep_last: 
     root = _check_save_args(path, target, step, keep_last)
     step = (target.step_count if isinstance(target, Trainer) else 0) if step is None else step
     tree = state_tree(target, doing="save()")
+    raise_if_any(unwritable(tree), header="save(): nothing was written", error=CheckpointError)
     model = model_of(target)
     stacks = target.layout.stacks() if isinstance(target, Trainer) else {}
     meta = metadata(type(model).__name__, canonical_names(model), tree, step, stacks=stacks)
@@ -257,7 +258,7 @@ def load(path: PathLike, target: Target, *, step: int | None = None, plan: Shard
         1
     """
     _check_load_args(path, target, step, plan)
-    step_dir = resolve(pathlib.Path(path), step)
+    step_dir = resolve(pathlib.Path(os.path.abspath(path)), step)
     meta = read_meta(step_dir)
     check_files(step_dir, meta["files"])
     model = model_of(target)

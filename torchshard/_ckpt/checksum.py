@@ -9,12 +9,17 @@ import jax.numpy as jnp
 
 
 def _words(x: jax.Array) -> jax.Array:
-    """The bits of ``x`` as uint32 words (64-bit values give two words each)."""
+    """The bits of ``x`` as uint32 words (64-bit values give two words each, complex ones those of both parts)."""
+    if jnp.issubdtype(x.dtype, jax.dtypes.prng_key):
+        return _words(jax.random.key_data(x))
+    if jnp.issubdtype(x.dtype, jnp.complexfloating):  # bitcast takes no complex operand: the parts, side by side
+        return _words(jnp.stack([jnp.real(x), jnp.imag(x)], axis=-1))
     if x.dtype == jnp.bool_:
         return x.astype(jnp.uint32)
-    if x.dtype.itemsize >= 4:
+    bits = jax.dtypes.itemsize_bits(x.dtype)  # 4 for int4 / float4, which take one byte each in numpy
+    if bits >= 32:
         return jax.lax.bitcast_convert_type(x, jnp.uint32)
-    return jax.lax.bitcast_convert_type(x, jnp.dtype(f"uint{8 * x.dtype.itemsize}")).astype(jnp.uint32)
+    return jax.lax.bitcast_convert_type(x, jnp.dtype(f"uint{bits}")).astype(jnp.uint32)
 
 
 def _positions(shape: tuple[int, ...]) -> jax.Array:

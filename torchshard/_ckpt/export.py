@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Mapping
 from typing import Any
 
@@ -10,10 +11,10 @@ import numpy as np
 import torch
 from jax.experimental import multihost_utils
 
-from torchshard._base.errors import raise_if_any
+from torchshard._base.errors import CheckpointError, raise_if_any
 from torchshard._base.validate import instance_problems, mismatch_problems, raise_for_arguments
-from torchshard._bridge.module_tensors import canonical_names, named_tensors, state_dict_names
-from torchshard._bridge.tensors import to_torch
+from torchshard._bridge.module_tensors import canonical_names, custom_state_dict, named_tensors, state_dict_names
+from torchshard._bridge.tensors import bound, to_torch
 from torchshard._ckpt.restore import Destination, plan_destination
 from torchshard._ckpt.state import Target, export_arrays, model_of, torch_dtypes
 from torchshard._sharding.placement import assign, put, range_problems
@@ -28,9 +29,20 @@ def host_array(array: jax.Array) -> np.ndarray:
     return np.asarray(multihost_utils.process_allgather(array, tiled=True))
 
 
-def torch_tensor(array: jax.Array, dtype: torch.dtype) -> torch.Tensor:
-    """A placed array as a CPU torch tensor of ``dtype`` (a collective when it spans processes)."""
-    return to_torch(host_array(array), dtype)
+def torch_tensor(array: jax.Array, dtype: torch.dtype, *, name: str) -> torch.Tensor:
+    """A placed array as a CPU torch tensor of ``dtype`` (a collective when it spans processes).
+
+    Raises:
+        CheckpointError: torch has no dtype for the array's (``name`` says which tensor).
+    """
+    host = host_array(array)
+    try:
+        return to_torch(host, dtype)
+    except TypeError as e:
+        raise CheckpointError(
+            f"{name} {tuple(array.shape)} {array.dtype}: torch has no dtype for it ({e}); cast it to one torch has "
+            f"(e.g. int8) before exporting"
+        ) from e
 
 
 def to_torch_state_dict(target: Target) -> dict[str, torch.Tensor]:
@@ -38,8 +50,11 @@ def to_torch_state_dict(target: Target) -> dict[str, torch.Tensor]:
 
     The result is what ``model.state_dict()`` of the unsharded torch module would be: the same
     keys in the same order, CPU tensors in the original dtypes, tied names sharing one tensor
-    object. It loads with ``load_state_dict`` in a process that never imports JAX. With several
-    processes every process must call it (arrays are gathered with a collective).
+    object. The tensors are gathered first and torch's own ``state_dict`` then runs on them, so
+    state_dict hooks (a fused projection exported as separate weights) see CPU tensors and give
+    the names and values torch would. It loads with ``load_state_dict`` in a process that never
+    imports JAX. With several processes every process must call it (arrays are gathered with a
+    collective).
 
     Args:
         target: a `Trainer` or a sharded module.
@@ -50,6 +65,7 @@ def to_torch_state_dict(target: Target) -> dict[str, torch.Tensor]:
     Raises:
         ArgumentError: ``target`` is not a Trainer or module.
         ShardingError: the module's tensors are not placed.
+        CheckpointError: a tensor whose dtype torch has none for.
 
     Example:
         >>> model = torch.nn.Linear(16, 4)
@@ -64,16 +80,25 @@ def to_torch_state_dict(target: Target) -> dict[str, torch.Tensor]:
     """
     problems = instance_problems("target", target, (Trainer, torch.nn.Module), "a Trainer or a sharded module")
     raise_for_arguments(problems, header="invalid to_torch_state_dict() arguments")
+    return torch_state_dict(target, doing="to_torch_state_dict()")
+
+
+def torch_state_dict(target: Target, *, doing: str) -> dict[str, torch.Tensor]:
+    """Every tensor gathered to CPU, then torch's ``state_dict`` of the module run over them (hooks included)."""
     model = model_of(target)
-    arrays = export_arrays(target, doing="to_torch_state_dict()")
+    arrays = export_arrays(target, doing=doing)
     canonical = canonical_names(model)
     dtypes = torch_dtypes(target)
+    # custom state_dict code may read any tensor; plain torch saves only params and persistent buffers
+    names = list(canonical) if custom_state_dict(model) else state_dict_names(model)
     made: dict[str, torch.Tensor] = {}
-    for name in state_dict_names(model):
+    for name in names:
         canon = canonical[name]
         if canon not in made:
-            made[canon] = torch_tensor(arrays[canon], dtypes[canon])
-    return {name: made[canonical[name]] for name in state_dict_names(model)}
+            made[canon] = torch_tensor(arrays[canon], dtypes[canon], name=canon)
+    owner = target.lock if isinstance(target, Trainer) else contextlib.nullcontext()
+    with owner, bound(model, {name: made[canonical[name]] for name in names}):
+        return model.state_dict(keep_vars=True)  # keep_vars: the gathered tensors themselves, so ties stay one
 
 
 def from_torch_state_dict(

@@ -8,6 +8,27 @@ from typing import Any
 from torchshard._base.errors import CheckpointError
 
 
+def unwritable(tree: dict[str, Any]) -> list[str]:
+    """Every array of ``tree`` whose dtype orbax's storage (tensorstore) cannot hold, named, with the fix."""
+    import jax
+    import tensorstore
+
+    problems = []
+    for path, leaf in jax.tree_util.tree_leaves_with_path(tree):
+        dtype = getattr(leaf, "dtype", None)
+        if dtype is None or jax.dtypes.issubdtype(dtype, jax.dtypes.extended):
+            continue  # orbax handles (or reports) non-array and extended leaves such as PRNG keys itself
+        try:
+            tensorstore.dtype(str(dtype))
+        except ValueError:
+            name = path[1].key if len(path) == 2 and path[0].key == "model" else jax.tree_util.keystr(path)
+            problems.append(
+                f"{name} {tuple(leaf.shape)} {dtype}: the checkpoint format (orbax/tensorstore) cannot hold {dtype}; "
+                f"cast it to a dtype it holds (e.g. uint8), or keep it out of the module"
+            )
+    return problems
+
+
 def write_state(directory: pathlib.Path, tree: dict[str, Any]) -> None:
     """Every process writes its own shards of ``tree``; the primary finalises (orbax PyTree format)."""
     import orbax.checkpoint as ocp

@@ -14,10 +14,11 @@ from typing import Any
 
 import torch
 
+from torchshard._base.errors import CheckpointError
 from torchshard._base.validate import instance_problems, int_problems, raise_for_arguments
-from torchshard._bridge.module_tensors import canonical_names, state_dict_names
+from torchshard._bridge.module_tensors import canonical_names, custom_state_dict, state_dict_names
 from torchshard._ckpt.checkpoint import primary, together
-from torchshard._ckpt.export import torch_tensor
+from torchshard._ckpt.export import torch_state_dict, torch_tensor
 from torchshard._ckpt.state import Target, export_arrays, model_of, torch_dtypes
 from torchshard._ckpt.stepdir import TMP, commit, discard, path_problems, settle, write_failure
 from torchshard._train.trainer import Trainer
@@ -80,23 +81,49 @@ def _begin(out: pathlib.Path) -> pathlib.Path:
     return staging
 
 
-def _export(target: Target, max_shard_bytes: int) -> tuple[Iterator[tuple[str, dict[str, torch.Tensor]]], str]:
-    """The files (name → tensors, gathered lazily one file at a time) and the index JSON of an export."""
+Files = Iterator[tuple[str, dict[str, torch.Tensor]]]
+
+
+def _export(target: Target, max_shard_bytes: int) -> tuple[Files, str]:
+    """The files (name → tensors) and the index JSON of an export."""
     model = model_of(target)
+    if custom_state_dict(model):
+        return _computed(torch_state_dict(target, doing="save_safetensors()"), max_shard_bytes)
     arrays = export_arrays(target, doing="save_safetensors()")
     canonical = canonical_names(model)
     dtypes = torch_dtypes(target)
     stored = [n for n in dict.fromkeys(canonical[n] for n in state_dict_names(model))]
     sizes = {n: arrays[n].size * dtypes[n].itemsize for n in stored}
+    pairs = _files(sizes, max_shard_bytes)
+    # gathered lazily, one file at a time: host memory holds one file's tensors
+    files = ((f, {n: torch_tensor(arrays[n], dtypes[n], name=n).contiguous() for n in s}) for f, s in pairs)
+    return files, _index(sizes, pairs)
+
+
+def _computed(state: Mapping[str, torch.Tensor], max_shard_bytes: int) -> tuple[Files, str]:
+    """An export of a state_dict that the module's own code computed (hooks): tied tensors once, each a copy."""
+    first: dict[int, str] = {}
+    for name, tensor in state.items():
+        first.setdefault(id(tensor), name)  # a tied tensor is stored under its first name
+    stored = list(first.values())
+    sizes = {n: state[n].numel() * state[n].element_size() for n in stored}
+    pairs = _files(sizes, max_shard_bytes)
+    # a copy each: tensors a hook split from one (views of one storage) cannot share a safetensors file
+    files = ((f, {n: state[n].detach().clone(memory_format=torch.contiguous_format) for n in s}) for f, s in pairs)
+    return files, _index(sizes, pairs)
+
+
+def _files(sizes: Mapping[str, int], max_shard_bytes: int) -> list[tuple[str, list[str]]]:
     shards = _shards(sizes, max_shard_bytes)
-    names = [_shard_name(i, len(shards)) for i in range(len(shards))]
-    pairs = list(zip(names, shards, strict=True))
-    files = ((f, {n: torch_tensor(arrays[n], dtypes[n]).contiguous() for n in s}) for f, s in pairs)
+    return [(_shard_name(i, len(shards)), s) for i, s in enumerate(shards)]
+
+
+def _index(sizes: Mapping[str, int], pairs: list[tuple[str, list[str]]]) -> str:
     weight_map = {n: f for f, s in pairs for n in s}
-    return files, json.dumps({"metadata": {"total_size": sum(sizes.values())}, "weight_map": weight_map}, indent=2)
+    return json.dumps({"metadata": {"total_size": sum(sizes.values())}, "weight_map": weight_map}, indent=2)
 
 
-def _write(staging: pathlib.Path | None, files: Iterator[tuple[str, dict[str, torch.Tensor]]], index: str) -> None:
+def _write(staging: pathlib.Path | None, files: Files, index: str) -> None:
     import safetensors.torch
 
     for name, tensors in files:  # gathering is a collective: every process runs it
@@ -123,10 +150,12 @@ def _export_files(out: pathlib.Path, files: Any, index: Any) -> None:
         _write(staging, files, index)
         if staging is not None:
             _swap(staging, out)
-    except (OSError, safetensors.SafetensorError) as e:
+    except (OSError, safetensors.SafetensorError, CheckpointError) as e:
         if staging is not None:
             with contextlib.suppress(OSError):
                 discard(staging)
+        if isinstance(e, CheckpointError):  # a tensor torch cannot hold: its own error names it
+            raise
         raise write_failure(out, e, cleanup="the previous export is intact") from e
 
 

@@ -7,6 +7,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from torchshard._base.errors import raise_if_any
+from torchshard._base.validate import compiled
 from torchshard._presets.tables import AxisName, Layout
 from torchshard._sharding.rules import Rule, Rules
 
@@ -121,7 +122,7 @@ def expert_patterns(ep_plan: Mapping[str, str] | None, tp_plan: Mapping[str, str
 
 def unmatched_entries(plan: Mapping[str, str], names: Sequence[str]) -> list[tuple[str, str]]:
     """(key, style) of plan entries that match no module or tensor in ``names``."""
-    return [(k, s) for k, s in plan.items() if not any(re.fullmatch(hf_pattern(k), n) for n in names)]
+    return [(k, s) for k, s in plan.items() if not any(compiled(hf_pattern(k)).fullmatch(n) for n in names)]
 
 
 def layout_problems(tp_plan: Mapping[str, str], modules: Mapping[str, Any], tensors: Sequence[str]) -> list[str]:
@@ -134,8 +135,8 @@ def layout_problems(tp_plan: Mapping[str, str], modules: Mapping[str, Any], tens
     for key, style in tp_plan.items():
         if style not in _HF_STYLES:
             continue
-        owners = [n for n in modules if re.fullmatch(hf_pattern(key), n)]
-        laid_out = [t for t in tensors if re.fullmatch(_tensor_pattern(key), t)]
+        owners = [n for n in modules if compiled(hf_pattern(key)).fullmatch(n)]
+        laid_out = [t for t in tensors if compiled(_tensor_pattern(key)).fullmatch(t)]
         if owners and not laid_out:
             own = sorted({t.rsplit(".", 1)[-1] for t in tensors if t.startswith(owners[0] + ".")})
             problems.append(

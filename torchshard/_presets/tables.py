@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import dataclasses
 import math
-import re
 import sys
 from collections.abc import Sequence
 
@@ -12,7 +11,7 @@ import torch
 from jax.sharding import AbstractMesh, Mesh, PartitionSpec
 
 from torchshard._base.specs import entry_axes, spec_axes
-from torchshard._base.validate import closest_names, describe_mesh, int_problems, raise_for_arguments
+from torchshard._base.validate import closest_names, compiled, describe_mesh, int_problems, raise_for_arguments
 from torchshard._sharding.rules import Rule, Rules, SpecTransform, TensorInfo
 
 AxisName = str | tuple[str, ...]
@@ -117,7 +116,7 @@ class ExpertParallel(SpecTransform):
 
     def __call__(self, info: TensorInfo, spec: PartitionSpec) -> PartitionSpec:
         axes = entry_axes(self.axis)
-        if not info.shape or not any(re.fullmatch(p, info.name) for p in self.patterns):
+        if not info.shape or not any(compiled(p).fullmatch(info.name) for p in self.patterns):
             return spec
         if set(spec_axes(spec)) & set(axes) or len(spec) > len(info.shape):
             return spec  # already there, or a rank problem plan reports
@@ -135,7 +134,7 @@ class ExpertParallel(SpecTransform):
             f"{closest_names(p, names)}); name the stacked "
             f"expert weights, e.g. r'.*experts\\.gate_up_proj'"
             for p in self.patterns
-            if not any(re.fullmatch(p, n) for n in names)
+            if not any(compiled(p).fullmatch(n) for n in names)
         ]
 
 

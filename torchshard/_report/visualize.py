@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import math
-import re
 import sys
 from collections.abc import Mapping, Sequence
 from typing import TextIO
@@ -15,7 +14,7 @@ from jax.sharding import AbstractMesh, Mesh, NamedSharding, PartitionSpec, Shard
 from torchshard._base.errors import ShardingError
 from torchshard._base.format import columns, fmt_bytes, fmt_shape
 from torchshard._base.specs import entry_axes, spec_axes
-from torchshard._base.validate import describe_mesh
+from torchshard._base.validate import compiled, describe_mesh, instance_problems, raise_for_arguments, regex_problem
 from torchshard._bridge.tensors import is_jax_tensor, unwrap
 from torchshard._sharding.plan import PlanEntry, ShardingPlan
 
@@ -151,7 +150,7 @@ def _plan_rows(plan: ShardingPlan, pattern: str | None) -> list[tuple[str, ...]]
     rows: list[tuple[str, ...]] = []
     for entry in plan.unique_entries():
         names = aliases[entry.name]
-        if pattern is not None and not any(re.search(pattern, n) for n in names):
+        if pattern is not None and not any(compiled(pattern).search(n) for n in names):
             continue
         cells = (fmt_shape(entry.shape), _pieces(entry), fmt_shape(entry.shard_shape), _copies(entry.spec, plan.mesh))
         rows.append((" = ".join(names), *cells, fmt_bytes(entry.bytes_per_device)))
@@ -183,6 +182,9 @@ def visualize_plan(
         grids: also draw the device grid of each 1-D/2-D tensor, as `visualize` does.
         file: where to write; defaults to ``sys.stdout``.
 
+    Raises:
+        ArgumentError: ``plan`` is not a plan, or ``names`` is not a usable regex.
+
     Example:
         >>> layers = torch.nn.Sequential(torch.nn.Linear(32, 64), torch.nn.Linear(64, 64), torch.nn.Linear(64, 16))
         >>> p = ts.plan(layers, ts.make_mesh({"data": 8}), [(r"1\\.weight", ("data", None))])
@@ -193,6 +195,10 @@ def visualize_plan(
         1.bias    64     1       64     8 (data)  256 B
         6 tensors, 14.56 KiB per device of 28.56 KiB; 5 fully replicated (12.56 KiB on every device)
     """
+    problems = instance_problems("plan", plan, ShardingPlan, "a ShardingPlan from torchshard.plan()")
+    why = regex_problem(names) if names is not None else None
+    problems += [f"names={names!r} {why}; pass a regex over tensor names, e.g. r'layers\\.0\\.'"] if why else []
+    raise_for_arguments(problems, header="invalid visualize_plan() arguments")
     rows = _plan_rows(plan, names)
     head = f"{describe_mesh(plan.mesh)}: {len(rows)} of {len(plan.unique_entries())} tensors shown"
     lines = columns([("tensor", "shape", "pieces", "shard", "copies", "bytes/device"), *rows])

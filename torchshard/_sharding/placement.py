@@ -21,7 +21,7 @@ from torchshard._base.validate import (
     spec_problems,
 )
 from torchshard._bridge.module_tensors import model_tensors, named_tensors, set_tensor
-from torchshard._bridge.tensors import host_array, is_jax_tensor, unwrap, wrap
+from torchshard._bridge.tensors import host_array, is_jax_tensor, jax_dtype, unwrap, wrap
 from torchshard._sharding.plan import ShardingPlan
 
 
@@ -101,11 +101,19 @@ def match_problems(model: torch.nn.Module, plan: ShardingPlan) -> list[str]:
                                  found_in="model")  # fmt: skip
     for name, t in tensors.items():
         entry = plan.entries.get(name)
-        if entry is not None and t.dtype != entry.dtype:
+        if entry is not None and not _same_dtype(t, entry.dtype):
             problems.append(f"{name}: model dtype {t.dtype} but plan dtype {entry.dtype} (the model changed dtype)")
         if t.device.type == "meta":
             problems.append(f"{name} {tuple(t.shape)}: on the meta device (no values); use init_sharded()")
     return problems
+
+
+def _same_dtype(tensor: torch.Tensor, planned: torch.dtype) -> bool:
+    """Whether ``tensor`` holds the plan's dtype; a placed one holds it as JAX does (int64 as int32 unless x64)."""
+    # shard() narrows 64-bit tensors, so a Trainer built on a sharded module sees int32 where the plan says int64
+    if is_jax_tensor(tensor):
+        return jax_dtype(tensor.dtype) == jax_dtype(planned)
+    return tensor.dtype == planned
 
 
 def shard(model: torch.nn.Module, plan: ShardingPlan) -> torch.nn.Module:

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import dataclasses
 import re
-import warnings
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from typing import Any
 
@@ -13,6 +12,7 @@ from jax.sharding import AbstractMesh, Mesh, PartitionSpec
 
 from torchshard._base.errors import ArgumentError, raise_if_any
 from torchshard._base.specs import SPEC_HINT, RuleSpecLike, SpecFn, TensorInfo, as_rule_spec
+from torchshard._base.validate import compiled, regex_problem
 
 
 class SpecTransform:
@@ -46,7 +46,7 @@ class Rule:
 
     @property
     def regex(self) -> re.Pattern[str]:
-        return re.compile(self.pattern)
+        return compiled(self.pattern)
 
     def matches(self, name: str) -> bool:
         return self.regex.fullmatch(name) is not None
@@ -64,13 +64,9 @@ def _check_row(row: Any, index: int) -> str | None:
         return None
     if not isinstance(row, tuple | list) or len(row) != 2 or not isinstance(row[0], str):
         return f"rule #{index} {row!r} is not a (pattern, spec) pair; write e.g. (r'.*\\.weight', ('data', None))"
-    try:
-        with warnings.catch_warnings():
-            # "possible nested set" ('[[') is a FutureWarning; the regex is judged by its error alone
-            warnings.simplefilter("ignore", FutureWarning)
-            re.compile(row[0])
-    except re.error as err:
-        return f"rule #{index} pattern {row[0]!r} is not a valid regex ({err}); escape dots and brackets"
+    problem = regex_problem(row[0])
+    if problem is not None:
+        return f"rule #{index} pattern {row[0]!r} {problem}; escape dots and brackets"
     if as_rule_spec(row[1]) is None:
         return f"rule #{index} ({row[0]!r}) spec {row[1]!r} is not {SPEC_HINT} or P(('data', 'model'))"
     return None

@@ -13,7 +13,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 from torchshard._base.errors import ShardingError, raise_if_any
 from torchshard._base.specs import parse_spec
 from torchshard._base.validate import axis_problems, describe_mesh, spec_problems
-from torchshard._bridge.env import env
+from torchshard._bridge.env import continue_from, current_key, env, seeded
 from torchshard._bridge.tensors import jax_view, torch_view
 from torchshard._sharding.placement import put
 
@@ -45,6 +45,10 @@ def _per_item(specs: Specs, count: int | None, what: str) -> tuple[PartitionSpec
 
 def _axis_problems(specs: Sequence[PartitionSpec], mesh: Mesh, what: str) -> list[str]:
     return [p for i, s in enumerate(specs) for p in axis_problems(f"{what}[{i}] {s} on {describe_mesh(mesh)}", s, mesh)]
+
+
+def _is_spec(x: Any) -> bool:
+    return isinstance(x, PartitionSpec)
 
 
 def _as_tuple(specs: tuple[PartitionSpec, ...] | PartitionSpec, count: int) -> tuple[PartitionSpec, ...]:
@@ -128,11 +132,13 @@ def shard_map(
         header="shard_map specs name bad mesh axes",
     )
 
-    def body(*arrays: jax.Array) -> Any:
-        with env(), torch.device("jax"):
+    def body(key: jax.Array, *arrays: jax.Array) -> Any:
+        # torch random ops inside draw from torchax's key: this call's, in and out as an array, so
+        # no traced key is left behind in the environment and the next call draws fresh numbers
+        with env(), torch.device("jax"), seeded(key):
             out = fn(*torch_view(arrays))
             _check_outputs(out, out_tree, mesh)
-            return jax_view(out)
+            return jax_view(out), current_key()
 
     compiled: dict[tuple[PartitionSpec, ...], Callable[..., Any]] = {}
 
@@ -141,9 +147,14 @@ def shard_map(
         specs = _as_tuple(_per_item(in_tree, len(args), "in_specs"), len(args))
         _check_inputs(args, specs, mesh)
         if specs not in compiled:
-            mapped = jax.shard_map(body, mesh=mesh, in_specs=specs, out_specs=out_tree, check_vma=check_vma)
-            compiled[specs] = jax.jit(mapped)
+            mapped = jax.shard_map(body, mesh=mesh, in_specs=(PartitionSpec(), *specs),
+                                   out_specs=(out_tree, PartitionSpec()), check_vma=check_vma)  # fmt: skip
+            # the outputs keep exactly the out_specs' shardings (a tuple of outputs alone would drop trailing Nones)
+            shardings = jax.tree.map(lambda s: NamedSharding(mesh, s), out_tree, is_leaf=_is_spec)
+            compiled[specs] = jax.jit(mapped, out_shardings=(shardings, NamedSharding(mesh, PartitionSpec())))
         arrays = [put(a, NamedSharding(mesh, s)) for a, s in zip(args, specs, strict=True)]
-        return torch_view(compiled[specs](*arrays))
+        out, key = compiled[specs](current_key(), *arrays)
+        continue_from(key)
+        return torch_view(out)
 
     return call

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import dataclasses
-import re
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
@@ -11,7 +10,7 @@ import jax
 import torch
 
 from torchshard._base.errors import ShardingError
-from torchshard._base.validate import closest_names, raise_for_arguments
+from torchshard._base.validate import closest_names, compiled, raise_for_arguments, regex_problem
 from torchshard._bridge.env import continue_from, current_key
 from torchshard._bridge.module_call import Forward, PureForward, module_arrays, split
 from torchshard._bridge.module_tensors import named_tensors
@@ -63,7 +62,7 @@ class Remat:
         patterns = (self.modules,) if isinstance(self.modules, str) else tuple(self.modules)
         object.__setattr__(self, "modules", patterns)
         problems = [f"remat pattern {p!r} is not a string" for p in patterns if not isinstance(p, str)]
-        problems += [f"remat pattern {p!r} is not a valid regex ({e})" for p, e in _regex_errors(patterns)]
+        problems += [f"remat pattern {p!r} {why}" for p in patterns if isinstance(p, str) and (why := regex_problem(p))]
         if not patterns:
             problems.append("remat names no module pattern; pass e.g. r'model\\.layers\\.\\d+'")
         if not callable(self.policy) and self.policy not in POLICIES:
@@ -76,17 +75,6 @@ class Remat:
             return self.policy
         policy = getattr(jax.checkpoint_policies, self.policy)
         return policy("device", "pinned_host") if self.policy in _OFFLOAD else policy
-
-
-def _regex_errors(patterns: Sequence[Any]) -> list[tuple[str, re.error]]:
-    errors = []
-    for pattern in patterns:
-        try:
-            re.compile(pattern)
-        except (re.error, TypeError) as err:
-            if isinstance(err, re.error):
-                errors.append((pattern, err))
-    return errors
 
 
 RematLike = str | Sequence[str] | Remat | None
@@ -110,12 +98,12 @@ def remat_targets(model: torch.nn.Module, remat: Remat) -> list[str]:
     names = [name for name, _ in model.named_modules() if name]
     problems = []
     for pattern in remat.modules:
-        if not any(re.fullmatch(pattern, n) for n in names):
+        if not any(compiled(pattern).fullmatch(n) for n in names):
             close = closest_names(pattern, names)
             problems.append(f"remat pattern {pattern!r} matches no module of {type(model).__name__}; closest: {close}")
     if problems:
         raise ShardingError(problems, header=f"invalid remat for {type(model).__name__} ({len(problems)} problem(s))")
-    chosen = [n for n in names if any(re.fullmatch(p, n) for p in remat.modules)]
+    chosen = [n for n in names if any(compiled(p).fullmatch(n) for p in remat.modules)]
     return [n for n in chosen if not any(n.startswith(outer + ".") for outer in chosen)]
 
 
@@ -127,11 +115,12 @@ def checkpointed(module: torch.nn.Module, forward: Forward, policy: Callable[...
         state, buffers = module_arrays(module)
         pure = PureForward(module, forward, spec, buffers)
         # the key goes in and comes out: dropout draws what it would unwrapped, and the same when recomputed
-        out, new_buffers, key = jax.checkpoint(pure.__call__, policy=policy)(state, inputs, current_key())
+        out, new_buffers, key, hooked = jax.checkpoint(pure.__call__, policy=policy)(state, inputs, current_key())
         continue_from(key)
         tensors = named_tensors(module)
         for name, array in new_buffers.items():
             set_array(tensors[name], array)
+        pure.replay_hooks(hooked)  # what submodules' hooks record (MoE router logits) comes from outside the body
         return pure.rebuild(out)
 
     return call
@@ -145,22 +134,24 @@ def scan_remat(groups: tuple[ScanGroup, ...], targets: list[str], remat: Any) ->
     """
     policies, rest, problems = {}, [], []
     for group in groups:
-        blocks = {f"{group.prefix}.{i}" for i in range(group.count)}
+        blocks = {group.block(i) for i in range(group.count)}
         chosen = blocks & set(targets)
         if chosen and chosen != blocks:
             problems.append(f"remat names {sorted(chosen)} but not every block of the scanned {group.prefix}")
         if chosen:
             policies[group.prefix] = remat.jax_policy()
-        inside = {_relative(group.prefix, t) for t in targets if t.startswith(group.prefix + ".") and t not in blocks}
+        inside = {_relative(group, t) for t in targets if t.startswith(group.prefix + ".") and t not in blocks}
         for index, name in inside:
             if any((i, name) not in inside for i in range(group.count)):
-                problems.append(f"remat names {group.prefix}.{index}.{name} but not the same module of every block")
-    rest = [t for t in targets if not any(t == f"{g.prefix}.{i}" for g in groups for i in range(g.count))]
+                problems.append(f"remat names {group.block(index)}.{name} but not the same module of every block")
+    rest = [t for t in targets if not any(t == g.block(i) for g in groups for i in range(g.count))]
     if problems:
         raise ShardingError(problems, header="remat cannot apply to scanned layers unevenly: all blocks run one body")
     return policies, rest
 
 
-def _relative(prefix: str, name: str) -> tuple[int, str]:
-    index, _, rest = name[len(prefix) + 1 :].partition(".")
-    return int(index), rest
+def _relative(group: ScanGroup, name: str) -> tuple[int, str]:
+    key, _, rest = name[len(group.prefix) + 1 :].partition(".")
+    index = group.index(key)
+    assert index is not None  # a module inside the scanned container is inside one of its blocks
+    return index, rest

@@ -1,4 +1,4 @@
-"""Scan over layers: a ModuleList of identical blocks runs as one ``lax.scan`` over stacked weights."""
+"""Scan over layers: a ModuleList (or ModuleDict) of identical blocks runs as one ``lax.scan`` over stacked weights."""
 
 from __future__ import annotations
 
@@ -30,16 +30,26 @@ class ScanLayersWarning(UserWarning):
 
 @dataclasses.dataclass(frozen=True)
 class ScanGroup:
-    """One scanned ModuleList: its name, its number of blocks, and each block's tensor names."""
+    """One scanned ModuleList or ModuleDict: its name, its number of blocks, and each block's tensor names."""
 
     prefix: str
     count: int
     suffixes: tuple[str, ...]  # tensor names relative to a block, canonical ones only
     buffers: frozenset[str]
+    keys: tuple[str, ...] = ()  # a ModuleDict's keys in order ("0".."N-1" in torchtitan); a ModuleList's indices
+
+    def block(self, index: int) -> str:
+        """The torch name of block ``index``, e.g. ``model.layers.3``."""
+        return f"{self.prefix}.{self.keys[index] if self.keys else index}"
+
+    def index(self, key: str) -> int | None:
+        """The position of the block named ``prefix.key`` (None if there is none)."""
+        keys = self.keys or tuple(str(i) for i in range(self.count))
+        return keys.index(key) if key in keys else None
 
     def name(self, index: int, suffix: str) -> str:
         """The torch name of one block's tensor, e.g. ``model.layers.3.mlp.up.weight``."""
-        return f"{self.prefix}.{index}.{suffix}"
+        return f"{self.block(index)}.{suffix}"
 
     def stacked(self, suffix: str) -> str:
         """The train-state key of a tensor stacked over the blocks, e.g. ``model.layers.*.mlp.up.weight``."""
@@ -83,19 +93,28 @@ def _block_difference(first: torch.nn.Module, other: torch.nn.Module) -> str | N
     return None
 
 
+def _named_blocks(container: torch.nn.Module) -> list[tuple[str, torch.nn.Module]]:
+    """(key, block) of a ModuleList (its indices) or a ModuleDict (its keys, in insertion order)."""
+    if isinstance(container, torch.nn.ModuleDict):
+        return list(container.items())
+    assert isinstance(container, torch.nn.ModuleList)
+    return [(str(i), block) for i, block in enumerate(container)]
+
+
 def block_problems(model: torch.nn.Module, prefix: str) -> list[str]:
-    """Why the ModuleList ``prefix`` of ``model`` cannot run as a scan (empty if it can)."""
-    blocks = model.get_submodule(prefix)
-    if not isinstance(blocks, torch.nn.ModuleList):
-        return [f"{prefix} is a {type(blocks).__name__}, not a torch.nn.ModuleList"]
+    """Why the ModuleList (or ModuleDict) ``prefix`` of ``model`` cannot run as a scan (empty if it can)."""
+    container = model.get_submodule(prefix)
+    if not isinstance(container, torch.nn.ModuleList | torch.nn.ModuleDict):
+        return [f"{prefix} is a {type(container).__name__}, not a torch.nn.ModuleList or ModuleDict"]
+    blocks = _named_blocks(container)
     if len(blocks) < 2:
         return [f"{prefix} has {len(blocks)} block(s); a scan needs at least 2"]
-    problems = []
-    for i, block in enumerate(blocks):
-        if type(block) is not type(blocks[0]):
-            problems.append(f"{prefix}.{i} is a {type(block).__name__}, block 0 a {type(blocks[0]).__name__}")
-        elif (why := _block_difference(blocks[0], block)) is not None:
-            problems.append(f"{prefix}.{i} differs from block 0: {why}")
+    (key0, first), problems = blocks[0], []
+    for key, block in blocks:
+        if type(block) is not type(first):
+            problems.append(f"{prefix}.{key} is a {type(block).__name__}, block {key0} a {type(first).__name__}")
+        elif (why := _block_difference(first, block)) is not None:
+            problems.append(f"{prefix}.{key} differs from block {key0}: {why}")
     return problems + _tie_problems(model, prefix)
 
 
@@ -114,24 +133,33 @@ def _tie_problems(model: torch.nn.Module, prefix: str) -> list[str]:
 
 
 def _same_block(prefix: str, a: str, b: str) -> bool:
-    head = re.compile(re.escape(prefix) + r"\.(\d+)\.")
+    head = re.compile(re.escape(prefix) + r"\.([^.]+)\.")
     ma, mb = head.match(a), head.match(b)
     return ma is not None and mb is not None and ma.group(1) == mb.group(1)
 
 
+def _stack_like(module: torch.nn.Module) -> bool:
+    # a ModuleDict counts when all its values are of one kind (torchtitan's layers); one of assorted
+    # modules is not a stack of layers, and scan_layers=True passes it by without a warning
+    if isinstance(module, torch.nn.ModuleDict):
+        return len(module) > 1 and len({type(m) for m in module.values()}) == 1
+    return isinstance(module, torch.nn.ModuleList)
+
+
 def _module_lists(model: torch.nn.Module) -> list[str]:
-    found = [n for n, m in model.named_modules() if isinstance(m, torch.nn.ModuleList) and n]
+    found = [n for n, m in model.named_modules() if _stack_like(m) and n]
     return [n for n in found if not any(n.startswith(outer + ".") for outer in found if outer != n)]
 
 
 def _group(model: torch.nn.Module, prefix: str) -> ScanGroup:
-    blocks = model.get_submodule(prefix)
-    assert isinstance(blocks, torch.nn.ModuleList)
-    tensors = model_tensors(blocks[0])
+    container = model.get_submodule(prefix)
+    blocks = _named_blocks(container)
+    tensors = model_tensors(blocks[0][1])
     canonical = set(tie_groups(tensors).values())
     suffixes = tuple(t.name for t in tensors if t.name in canonical)
     buffers = frozenset(t.name for t in tensors if t.kind == "buffer")
-    return ScanGroup(prefix, len(blocks), suffixes, buffers)
+    keys = tuple(k for k, _ in blocks) if isinstance(container, torch.nn.ModuleDict) else ()
+    return ScanGroup(prefix, len(blocks), suffixes, buffers, keys)
 
 
 def find_groups(model: torch.nn.Module, scan_layers: ScanLike) -> tuple[ScanGroup, ...]:
@@ -148,7 +176,7 @@ def find_groups(model: torch.nn.Module, scan_layers: ScanLike) -> tuple[ScanGrou
     names = [scan_layers] if isinstance(scan_layers, str) else scan_layers
     if not isinstance(names, Sequence) or not all(isinstance(n, str) for n in names):
         raise_for_arguments(
-            [f"scan_layers={scan_layers!r} must be True, False, a ModuleList name or a list of names"],
+            [f"scan_layers={scan_layers!r} must be True, False, a ModuleList / ModuleDict name or a list of names"],
             header="invalid Trainer arguments",
         )
     known = {n for n, _ in model.named_modules()}
@@ -170,18 +198,16 @@ def _found_groups(model: torch.nn.Module) -> tuple[ScanGroup, ...]:
             groups.append(_group(model, prefix))
     if not groups:
         raise ShardingError(
-            f"scan_layers=True found no ModuleList of identical blocks in {type(model).__name__}"
+            f"scan_layers=True found no ModuleList or ModuleDict of identical blocks in {type(model).__name__}"
             + (f" ({'; '.join(reasons)})" if reasons else "")
             + "; pass scan_layers=False"
         )
     return tuple(groups)
 
 
-def blocks_of(model: torch.nn.Module, group: ScanGroup) -> torch.nn.ModuleList:
-    """The ModuleList a group scans."""
-    blocks = model.get_submodule(group.prefix)
-    assert isinstance(blocks, torch.nn.ModuleList)  # find_groups checked it
-    return blocks
+def blocks_of(model: torch.nn.Module, group: ScanGroup) -> list[torch.nn.Module]:
+    """The blocks a group scans, in the order the model runs them."""
+    return [block for _, block in _named_blocks(model.get_submodule(group.prefix))]
 
 
 def _simple_leaf(value: Any) -> bool:
@@ -212,7 +238,7 @@ class ScanRun:
         return lambda *args, **kwargs: self.call(index, args, kwargs)
 
     def call(self, index: int, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
-        where = f"scan_layers: {self.group.prefix}.{index}"
+        where = f"scan_layers: {self.group.block(index)}"
         if index != self.calls:
             raise ShardingError(
                 f"{where} was called when block {self.calls} was next; a scan runs every block once, in order "
@@ -252,9 +278,9 @@ class ScanRun:
         odd = [leaf for leaf in spec.statics() if not _simple_leaf(leaf) and not isinstance(leaf, torch.Tensor)]
         if odd:
             raise ShardingError(
-                f"scan_layers: {self.group.prefix}.0 got {type(odd[0]).__name__} {odd[0]!r:.80}, an argument a scan "
-                f"cannot carry through its blocks; for a KV cache, turn it off (use_cache=False in the call or the "
-                f"model config) while training"
+                f"scan_layers: {self.group.block(0)} got {type(odd[0]).__name__} {odd[0]!r:.80}, an argument a scan "
+                f"cannot carry through its blocks; for a KV cache, drop use_cache=True from the call (the Trainer "
+                f"turns the config's use_cache off while it traces a step)"
             )
         pure = PureForward(self.template, self.forward, spec, sorted(self.group.buffers))
         others = arrays[1:]
@@ -262,13 +288,15 @@ class ScanRun:
         def body(carry: tuple[jax.Array, jax.Array], layer: Mapping[str, jax.Array]):
             # the key is carried: the blocks draw random numbers in the order a Python loop would
             h, key = carry
-            out, buffers, key = pure(layer, [h, *others], key)
-            _check_output(self.group.prefix, pure, out, h)
-            return (out[0], key), buffers
+            out, buffers, key, hooked = pure(layer, [h, *others], key)
+            _check_output(self.group.block(0), pure, out, h)
+            return (out[0], key), (buffers, hooked)
 
         step = jax.checkpoint(body, policy=self.body_policy) if self.body_policy is not None else body
-        (final, key), self.new_buffers = jax.lax.scan(step, (arrays[0], current_key()), dict(self.params))
+        (final, key), (self.new_buffers, hooked) = jax.lax.scan(step, (arrays[0], current_key()), dict(self.params))
         continue_from(key)
+        for i in range(self.group.count):  # each layer's hooks (MoE router logits), in the order a loop runs them
+            pure.replay_hooks([stacked[i] for stacked in hooked])
         self.result = pure.rebuild([final])
         return self.result
 
@@ -281,17 +309,17 @@ class ScanRun:
             )
 
 
-def _check_output(prefix: str, pure: PureForward, out: Sequence[jax.Array], h: jax.Array) -> None:
+def _check_output(first: str, pure: PureForward, out: Sequence[jax.Array], h: jax.Array) -> None:
     assert pure.output is not None
     extra = [leaf for leaf in pure.output.statics() if leaf is not None and not _simple_leaf(leaf)]
     if len(out) != 1 or pure.output.tensor_at != (0,) or extra:
         raise ShardingError(
-            f"scan_layers: {prefix}.0 returned {len(out)} tensor(s); a scanned block may return only its hidden "
+            f"scan_layers: {first} returned {len(out)} tensor(s); a scanned block may return only its hidden "
             f"state (first), e.g. turn output_attentions off"
         )
     if out[0].shape != h.shape or out[0].dtype != h.dtype:
         raise ShardingError(
-            f"scan_layers: {prefix}.0 maps a hidden state {h.dtype}{list(h.shape)} to {out[0].dtype}"
+            f"scan_layers: {first} maps a hidden state {h.dtype}{list(h.shape)} to {out[0].dtype}"
             f"{list(out[0].shape)}; a scan needs the same shape and dtype in and out (cast the input first)"
         )
 

@@ -17,6 +17,7 @@ from jax.sharding import NamedSharding
 from torchshard._base.errors import ShardingError
 from torchshard._bridge.env import env, seeded
 from torchshard._bridge.tensors import bound, is_jax_tensor, unwrap, wrap
+from torchshard._train.kv_cache import no_kv_cache
 from torchshard._train.precision import MixedPrecision, cast_on_shards
 from torchshard._train.remat import checkpointed
 from torchshard._train.scan import ScanGroup, ScanRun, blocks_of, layer_slices
@@ -221,7 +222,11 @@ class Runtime:
         with seeded(key), env(), torch.device("jax"):
             values = self._values(state)
             runs = self._runs(state)
-            with bound(self.model, values), _forwards(self.model, self.remat, self.remat_policy, runs):
+            with (
+                bound(self.model, values),
+                _forwards(self.model, self.remat, self.remat_policy, runs),
+                no_kv_cache(self.model),
+            ):
                 out = call_loss(self.loss_fn, self.model, jax.tree.map(wrap, self._inputs(batch)))
             for run in runs:
                 run.finish()

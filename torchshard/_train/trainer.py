@@ -84,8 +84,9 @@ class Trainer:
         precision: a `MixedPrecision` policy (bf16 compute, fp32 master weights); None computes
             in the parameters' own dtype.
         remat: activation checkpointing: a module-name regex, a list of them, or a `Remat`.
-        scan_layers: run ModuleLists of identical blocks as one ``lax.scan`` over stacked weights:
-            ``True`` (every such list), a ModuleList name or a list of names.
+        scan_layers: run ModuleLists (or ModuleDicts, as torchtitan keeps its layers) of identical
+            blocks as one ``lax.scan`` over stacked weights: ``True`` (every such list), a name or a
+            list of names.
         skip_nonfinite: a step whose loss or gradients are not finite changes no parameter,
             buffer or optimizer state; its metrics say ``"skipped": 1.0``.
 
@@ -173,6 +174,11 @@ class Trainer:
         arrays = {n: unwrap(t) for n, t in params.items()}
         stored = jax.jit(lambda t: jax.tree.map(self.precision.stored, t))(arrays)  # type: ignore[union-attr]
         rebind(params, stored)
+
+    @property
+    def lock(self) -> threading.RLock:
+        """Held while a step runs (or anything else reads or rebinds the module's tensors)."""
+        return self._lock
 
     @property
     def mesh(self) -> Mesh:

@@ -1,0 +1,162 @@
+"""README.md as written: every ```python block runs, and every command it shows exists with its flags.
+
+A block that continues an earlier example (it uses a ``model`` or ``trainer`` it does not build)
+says so in an HTML comment right above it, ``<!-- readme-test: setup=NAME (what it provides) -->``,
+invisible on the rendered page; ``SETUPS[NAME]`` builds those names (tiny sizes) and, where the
+block only builds something, ``THEN[NAME]`` uses it once. Every other block runs on its own.
+Shell commands (``python3 dev.py test``, ``python -m torchshard plan ...``, benchmarks) take minutes, so
+they are not run: each command must exist and accept every flag the README gives it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import io
+import re
+import runpy
+import shlex
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import optax
+import pytest
+import torch
+
+import torchshard as ts
+
+ROOT = Path(__file__).resolve().parents[1]
+README = (ROOT / "README.md").read_text()
+BLOCK = re.compile(r"(?:<!-- readme-test: setup=(?P<setup>\w+)[^>]*-->\n)?```(?P<lang>\w*)\n(?P<body>.*?)```", re.S)
+BLOCKS = [(m["lang"], m["setup"], m["body"], README[: m.start()].count("\n") + 1) for m in BLOCK.finditer(README)]
+PYTHON = [(setup, body, line) for lang, setup, body, line in BLOCKS if lang == "python"]
+
+
+def _ids(vocab: int = 128) -> torch.Tensor:
+    return torch.randint(0, vocab, (8, 16), generator=torch.Generator().manual_seed(0))
+
+
+def _tiny_llama_config() -> Any:
+    import transformers
+
+    return transformers.LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                                    num_key_value_heads=2, vocab_size=128)  # fmt: skip
+
+
+def _hf_llama() -> dict[str, Any]:
+    import transformers
+
+    model = transformers.LlamaForCausalLM(_tiny_llama_config())  # use_cache=True, as configs default
+    mesh = ts.make_mesh({"data": 4, "model": 2})
+    plan = ts.plan(model, mesh, ts.presets.hf_rules(model))
+    loss_fn = lambda m, ids: m(input_ids=ids, labels=ids).loss  # noqa: E731
+    return {"ts": ts, "optax": optax, "model": model, "loss_fn": loss_fn, "plan": plan, "ids": _ids()}
+
+
+def _trainers() -> dict[str, Any]:
+    def trainer(mesh_axes: dict[str, int]) -> ts.Trainer:
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.ReLU(), torch.nn.Linear(32, 4))
+        plan = ts.plan(model, ts.make_mesh(mesh_axes), ts.presets.fsdp(min_size=64))
+        return ts.Trainer(model, lambda m, b: m(b).square().mean(), optax.adamw(1e-3), plan)
+
+    first = trainer({"data": 8})
+    first.step(torch.randn(8, 16))
+    return {"ts": ts, "trainer": first, "other_trainer": trainer({"data": 4, "model": 2})}
+
+
+def _hf_config() -> dict[str, Any]:
+    import transformers
+
+    return {"ts": ts, "optax": optax, "transformers": transformers, "config": _tiny_llama_config(), "ids": _ids()}
+
+
+def _hf_moe() -> dict[str, Any]:
+    import transformers
+
+    config = transformers.MixtralConfig(hidden_size=64, intermediate_size=64, num_hidden_layers=2, vocab_size=128,
+                                        num_attention_heads=4, num_key_value_heads=2, num_local_experts=4)  # fmt: skip
+    return {"ts": ts, "model": transformers.MixtralForCausalLM(config)}
+
+
+SETUPS: dict[str, Callable[[], dict[str, Any]]] = {
+    "hf_llama": _hf_llama,
+    "trainers": _trainers,
+    "hf_config": _hf_config,
+    "hf_moe": _hf_moe,
+}
+
+
+def _after_checkpoints(ns: dict[str, Any]) -> None:
+    assert ns["other_trainer"].step_count == ns["trainer"].step_count == 1
+    assert list(ns["sd"]) == list(ns["trainer"].model.state_dict())
+    assert Path("export/model.safetensors.index.json").exists()
+
+
+THEN: dict[str, Callable[[dict[str, Any]], None]] = {
+    "hf_llama": lambda ns: ns["trainer"].step(ns["ids"]),  # bf16, remat and scan, from a default config
+    "trainers": _after_checkpoints,
+}
+
+
+def test_the_readme_has_python_blocks_and_each_setup_it_names_exists():
+    assert len(PYTHON) >= 5
+    assert {setup for setup, _, _ in PYTHON if setup} <= set(SETUPS)
+
+
+@pytest.mark.parametrize(("setup", "body", "line"), PYTHON, ids=[f"line{line}" for _, _, line in PYTHON])
+def test_python_block_runs_as_written(setup, body, line, tmp_path, monkeypatch, capsys):
+    monkeypatch.chdir(tmp_path)  # blocks write checkpoints and exports to relative paths
+    ns = SETUPS[setup]() if setup else {}
+    exec(compile(body, f"README.md:{line}", "exec"), ns)
+    if setup in THEN:
+        THEN[setup](ns)
+
+
+# --- commands: they exist and take the flags shown ------------------------------------------------
+
+
+def _commands() -> list[str]:
+    spans = re.findall(r"`(python3? [^`]+)`", README)
+    lines = [ln.split("#")[0].strip() for lang, _, body, _ in BLOCKS if lang == "bash" for ln in body.splitlines()]
+    return sorted({" ".join(c.split()) for c in spans + lines if c.startswith(("python ", "python3 "))})
+
+
+def _options(parser: argparse.ArgumentParser) -> set[str]:
+    return {o for action in parser._actions for o in action.option_strings}  # private: argparse has no public list
+
+
+def _launch_options() -> set[str]:
+    import torchshard.launch
+
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out), pytest.raises(SystemExit):
+        torchshard.launch.parse_args(["--help"])
+    return set(re.findall(r"--[\w-]+", out.getvalue()))
+
+
+def _command_problems(command: str) -> list[str]:
+    words = shlex.split(command)[1:]
+    flags = [w for w in words if w.startswith("--")]
+    if words[0] == "dev.py":
+        dev = runpy.run_path(str(ROOT / "dev.py"), run_name="readme_check")
+        return [] if words[1] in dev["COMMANDS"] else [f"{command}: dev.py has no command {words[1]!r}"]
+    if words[:2] == ["-m", "torchshard"]:
+        from torchshard.__main__ import build_parser
+
+        plan = build_parser()._subparsers._group_actions[0].choices[words[2]]
+        return [f"{command}: no option {f}" for f in flags if f not in _options(plan)]
+    if words[:2] == ["-m", "torchshard.launch"]:
+        return [f"{command}: no option {f}" for f in flags if f not in _launch_options()]
+    script = ROOT / words[0]
+    if not script.is_file():
+        return [f"{command}: no file {words[0]}"]
+    source = script.read_text()
+    return [f"{command}: {words[0]} has no option {f}" for f in flags if f'"{f}"' not in source]
+
+
+def test_every_command_the_readme_shows_exists_with_its_flags():
+    commands = _commands()
+    assert any("dev.py test" in c for c in commands) and any("-m torchshard plan" in c for c in commands)
+    assert [p for c in commands for p in _command_problems(c)] == []
