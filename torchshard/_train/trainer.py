@@ -138,7 +138,7 @@ class Trainer:
         raise_if_any(_scan_spec_problems(scan_groups, plan), header="scan_layers cannot stack this plan")
         self.layout = Layout(scan_groups)
         self._lock = threading.RLock()
-        self._model = self._take(shard(model, plan))
+        self._model = self._own(model)
         self._tensors = named_tensors(self._model)
         self._names = _groups(self._model, plan)
         self._replicated = NamedSharding(plan.mesh, PartitionSpec())
@@ -152,6 +152,10 @@ class Trainer:
                           remat_.jax_policy() if remat_ is not None else None, body_policies)  # fmt: skip
         step = Step(runtime, optimizer, grad_accum_steps, self._constrain_batch, skip_nonfinite)
         self._step_fn = self._compile(step, donate)
+
+    def _own(self, model: torch.nn.Module) -> torch.nn.Module:
+        """Places ``model``'s tensors as the plan says and makes this Trainer their owner."""
+        return self._take(shard(model, self.plan))
 
     def _take(self, model: torch.nn.Module) -> torch.nn.Module:
         """Makes this Trainer the module's owner; arrays another Trainer may donate are copied first."""
