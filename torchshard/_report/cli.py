@@ -272,7 +272,7 @@ def check_compile_args(args: argparse.Namespace) -> int | None:
     """Options that need ``--compile`` and what ``--compile`` needs; returns ``--device-memory`` in bytes."""
     given = [f"--{name.replace('_', '-')}" for name in COMPILE_ONLY if getattr(args, name, None) is not None]
     if given and not args.compile:
-        raise UsageError(f"{', '.join(given)} only apply with --compile (which compiles the training step)")
+        raise UsageError(f"{', '.join(given)} given without --compile; add --compile to compile the training step")
     if args.compile and args.batch is None:
         raise UsageError("--compile needs --batch, e.g. --batch 256x4096 for [batch, sequence] token ids")
     return parse_size(args.device_memory) if args.device_memory is not None else None
