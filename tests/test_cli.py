@@ -340,7 +340,7 @@ def test_device_memory_too_small_exits_3(capsys, tmp_path, monkeypatch):
     assert code == EXIT_OK, err
     assert "peak = arguments + outputs - aliased + temporaries" in out
     assert re.search(r"^fits in 1\.00 GiB per device: peak .*, margin .* \(\d+\.\d%\)$", out, re.MULTILINE)
-    assert "compiling it for 8 devices" in err
+    assert "compiling it for 8 simulated devices" in err
 
 
 def test_compile_in_a_fresh_process_simulates_the_devices(tmp_path):

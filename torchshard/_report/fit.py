@@ -222,7 +222,7 @@ def compile_report(
         with progress.stage("tracing and lowering the training step"):
             lowered = trainer.lower(batch)
         begun = time.perf_counter()
-        with progress.stage(f"compiling it for {plan.mesh.size} devices (minutes for billions of parameters)"):
+        with progress.stage(f"compiling it for {plan.mesh.size} simulated devices"):
             compiled = lowered.compile()
         compile_seconds = time.perf_counter() - begun
     _notes(caught)
