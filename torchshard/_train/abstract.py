@@ -18,7 +18,9 @@ from torchshard._train.trainer import Trainer
 
 
 def _leaf_struct(leaf: Any) -> tuple[tuple[int, ...], Any]:
-    """(shape, jax dtype) of a batch leaf: a torch tensor (``meta`` included), an array or a ShapeDtypeStruct."""
+    """(shape, jax dtype) of a batch leaf: a torch tensor (``meta`` too), an array, a ShapeDtypeStruct, a number."""
+    if not hasattr(leaf, "dtype"):
+        leaf = jnp.asarray(leaf)  # a Python scalar: its shape and dtype are jax's
     dtype = jax_dtype(leaf.dtype) if isinstance(leaf.dtype, torch.dtype) else jnp.dtype(leaf.dtype)
     return tuple(leaf.shape), dtype
 
