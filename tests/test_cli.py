@@ -2,22 +2,28 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
+import os
 import re
 import subprocess
 import sys
 import textwrap
 import time
+from pathlib import Path
 
+import optax
 import pytest
+import torch
 from jax.sharding import AbstractMesh, AxisType
 from jax.sharding import PartitionSpec as P
-from models import MLP
+from models import MLP, tiny_llama
 
 import torchshard as ts
 from torchshard import presets
-from torchshard.__main__ import EXIT_INVALID_PLAN, EXIT_OK, EXIT_USAGE, main
+from torchshard.__main__ import EXIT_DOES_NOT_FIT, EXIT_INVALID_PLAN, EXIT_OK, EXIT_USAGE, main
+from torchshard.presets import hf_rules
 
 
 def _run(capsys, *argv):
@@ -158,7 +164,23 @@ USAGE = {
     "no attribute": (["models:Nope", "--mesh", "data=8"], r"'models' has no attribute 'Nope'"),
     "not a module": (["os:getcwd", "--mesh", "data=8"], r"the factory returned a str, not a torch.nn.Module"),
     "bad compare": (["models:MLP", "--mesh", "data=8", "--compare", "zero"], r"--compare 'zero': give a preset"),
-    "hf without tp plan": (["models:MLP", "--mesh", "model=8", "--preset", "hf"], r"MLP has no config.base_model"),
+    "hf on a plain model": (["models:MLP", "--mesh", "data=4,model=2", "--preset", "hf"],
+                            r"--preset hf: MLP is not a transformers model \(no \.config\); use fsdp\+tp"),
+    "compile options alone": (["models:MLP", "--mesh", "data=8", "--batch", "8x4", "--scan"],
+                              r"--batch, --scan given without --compile"),
+    "compile without batch": (["models:MLP", "--mesh", "data=8", "--compile"], r"--compile needs --batch, e.g."),
+    "bad batch": (["models:MLP", "--mesh", "data=8", "--compile", "--batch", "8xfoo"],
+                  r"--batch '8xfoo': write each leaf as sizes joined by x"),
+    "bad batch dtype": (["models:MLP", "--mesh", "data=8", "--compile", "--batch", "8x32:floaty"],
+                        r"'floaty' is not a torch dtype"),
+    "bad device memory": (["models:MLP", "--mesh", "data=8", "--compile", "--batch", "8x32", "--device-memory", "8 pb"],
+                          r"--device-memory '8 pb': write a size such as 80GiB"),
+    "no default loss": (["models:MLP", "--mesh", "data=8", "--compile", "--batch", "8x32:float32"],
+                        r"MLP\.forward takes no input_ids and labels, so there is no default loss; pass --loss"),
+    "more devices than started": (["models:MLP", "--mesh", "data=16", "--compile", "--batch", "16x32:float32"],
+                                  r"needs 16 CPU devices, but JAX already started with 8 in this process"),
+    "free axis with compile": (["models:MLP", "--mesh", "data=-1", "--compile", "--batch", "16x32"],
+                               r"--compile: give every mesh axis a positive size"),
 }  # fmt: skip
 
 
@@ -195,8 +217,18 @@ _MEASURED = (
 
 def _cli(tmp_path, *argv):
     start = time.perf_counter()
+    # the torchshard under test, also when it is not the installed one (a git worktree)
+    env = {
+        **os.environ,
+        "PYTHONPATH": os.pathsep.join([str(Path(ts.__file__).parents[1]), os.environ.get("PYTHONPATH", "")]),
+    }
     done = subprocess.run(
-        [sys.executable, "-c", _MEASURED, "plan", *argv], cwd=tmp_path, capture_output=True, text=True, timeout=300
+        [sys.executable, "-c", _MEASURED, "plan", *argv],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env=env,
     )
     return done, time.perf_counter() - start
 
@@ -226,3 +258,96 @@ def test_invalid_plan_exit_code_in_a_real_process(tmp_path):
     done, _ = _cli(tmp_path, "tiny:build", "--mesh", "data=8", "--rules", rules)
     assert done.returncode == EXIT_INVALID_PLAN
     assert "unknown mesh axis 'model'" in done.stderr
+
+
+TINY_LM = """
+import transformers
+
+def build():
+    config = transformers.LlamaConfig(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                                      intermediate_size=128, vocab_size=128, use_cache=False)
+    return transformers.LlamaForCausalLM(config)
+"""
+MLP_FILES = {
+    "mlp.py": "from torch import nn\n\n"
+    "def build():\n    return nn.Sequential(nn.Linear(32, 64), nn.ReLU(), nn.Linear(64, 16))\n",
+    "mse.py": "from torch.nn import functional as F\n\n"
+    "def loss(model, batch):\n    return F.mse_loss(model(batch[0]), batch[1])\n",
+}
+MLP_COMPILE = ["mlp.py:build", "--preset", "fsdp", "--compile", "--batch", "32x32:float32,32x16:float32",
+               "--loss", "mse.py:loss", "--optimizer", "adam"]  # fmt: skip
+COMPILED_KEYS = {"argument_bytes", "temp_bytes", "output_bytes", "alias_bytes", "peak_bytes"}
+
+
+def test_preset_hf_is_hf_rules(capsys, tmp_path):
+    lm = _file(tmp_path, "tiny_lm.py", TINY_LM)
+    code, out, err = _run(capsys, f"{lm}:build", "--mesh", "data=4,model=2", "--preset", "hf", "--format", "json")
+    model = tiny_llama(meta=True)
+    assert code == EXIT_OK, err
+    assert json.loads(out)["tensors"] == ts.plan(model, ts.make_mesh({"data": 4, "model": 2}), hf_rules(model)).rows()
+
+
+def test_help_describes_every_preset(capsys):
+    with pytest.raises(SystemExit):
+        main(["plan", "--help"])
+    out = capsys.readouterr().out
+    for name in ("fsdp", "tp", "fsdp+tp", "hf"):
+        assert re.search(rf"^  {re.escape(name)} +\S", out, re.MULTILINE), name
+    assert "presets.hf_rules(model, axis=TP_AXIS, fsdp_axis=FSDP_AXIS)" in " ".join(out.split())
+
+
+def lm_loss(model, ids):
+    return model(input_ids=ids, labels=ids, use_cache=False).loss
+
+
+def test_compiled_figures_are_the_real_trainers(capsys, tmp_path):
+    lm = _file(tmp_path, "tiny_lm.py", TINY_LM)
+    argv = ["--mesh", "data=4,model=2", "--preset", "hf", "--compile", "--batch", "8x16", "--scan", "--remat",
+            r"model\.layers\.\d+", "--precision", "bf16", "--format", "json"]  # fmt: skip
+    code, out, err = _run(capsys, f"{lm}:build", *argv)
+    assert code == EXIT_OK, err
+    data = json.loads(out)
+    model = tiny_llama()
+    plan = ts.plan(model, ts.make_mesh({"data": 4, "model": 2}), hf_rules(model))
+    trainer = ts.Trainer(model, lm_loss, optax.adamw(1e-4), plan, scan_layers=True, remat=r"model\.layers\.\d+",
+                         precision=ts.MixedPrecision())  # fmt: skip
+    batch = torch.randint(0, 128, (8, 16))
+    assert data["compiled"] == dataclasses.asdict(ts.inspect.memory(trainer, batch))
+    stats = trainer.lower(batch).compile().memory_analysis()
+    assert (data["compiled"]["argument_bytes"], data["compiled"]["temp_bytes"], data["compiled"]["output_bytes"],
+            data["compiled"]["alias_bytes"]) == (stats.argument_size_in_bytes, stats.temp_size_in_bytes,
+                                                 stats.output_size_in_bytes, stats.alias_size_in_bytes)  # fmt: skip
+    assert math.isfinite(float(trainer.step(batch)["loss"]))  # the program measured is one that runs
+    assert data["compile"]["plan_argument_bytes"] == pytest.approx(data["compiled"]["argument_bytes"], rel=0.01)
+    mem = data["per_device_bytes"]
+    assert mem["params"] == plan.bytes_per_device("param")  # fp32 already: MixedPrecision stores fp32
+    assert data["simulated_devices"] == 8 and "device_memory" not in data
+
+
+def test_device_memory_too_small_exits_3(capsys, tmp_path, monkeypatch):
+    for name, text in MLP_FILES.items():
+        _file(tmp_path, name, text)
+    monkeypatch.chdir(tmp_path)
+    code, out, err = _run(capsys, *MLP_COMPILE, "--mesh", "data=8", "--device-memory", "1KiB", "--format", "json")
+    assert code == EXIT_DOES_NOT_FIT, err
+    data = json.loads(out)
+    compiled = data["compiled"]
+    assert set(compiled) == COMPILED_KEYS
+    peak = compiled["argument_bytes"] + compiled["output_bytes"] - compiled["alias_bytes"] + compiled["temp_bytes"]
+    assert compiled["peak_bytes"] == peak > 1024
+    assert data["device_memory"] == {"bytes": 1024, "fits": False, "margin_bytes": 1024 - peak}
+    code, out, err = _run(capsys, *MLP_COMPILE, "--mesh", "data=8", "--device-memory", "1GiB")
+    assert code == EXIT_OK, err
+    assert "peak = arguments + outputs - aliased + temporaries" in out
+    assert re.search(r"^fits in 1\.00 GiB per device: peak .*, margin .* \(\d+\.\d%\)$", out, re.MULTILINE)
+    assert "compiling it for 8 simulated devices" in err
+
+
+def test_compile_in_a_fresh_process_simulates_the_devices(tmp_path):
+    for name, text in MLP_FILES.items():
+        _file(tmp_path, name, text)
+    done, _ = _cli(tmp_path, *MLP_COMPILE, "--mesh", "data=16", "--device-memory", "100B")
+    assert done.returncode == EXIT_DOES_NOT_FIT, done.stderr
+    assert done.stdout.startswith("Sequential on Mesh(data=16) (16 simulated CPU devices)")
+    assert "compiled training step per device (XLA:CPU on 16 simulated devices" in done.stdout
+    assert re.search(r"^does not fit in 100 B per device: peak .* is .* over$", done.stdout, re.MULTILINE)

@@ -17,19 +17,37 @@ import torch
 
 from torchshard._base.errors import ShardingError, UnusedRuleWarning
 from torchshard._base.format import columns, fmt_bytes, fmt_shape
+from torchshard._presets.hf import hf_rules
 from torchshard._presets.hf_plan import from_hf_tp_plan
 from torchshard._presets.tables import common_tensor_parallel, fsdp
+from torchshard._report.fit import (
+    COMPILE_ONLY,
+    PRECISIONS,
+    compile_report,
+    compiled_lines,
+    devices_for,
+    parse_size,
+    verdict,
+)
 from torchshard._report.memory import training_memory
+from torchshard._report.usage import UsageError
 from torchshard._report.visualize import replicated_over, visualize_plan
 from torchshard._sharding.mesh import make_mesh
 from torchshard._sharding.plan import ShardingPlan, plan
 from torchshard._sharding.rules import Rules
 
-PRESETS = ("fsdp", "tp", "fsdp+tp", "hf")
-
-
-class UsageError(Exception):
-    """A command-line mistake (exit 2), as opposed to an invalid plan (exit 1)."""
+PRESET_HELP = {
+    "fsdp": "presets.fsdp(FSDP_AXIS): every tensor of >= 4096 elements split along its largest dim that the axis "
+    "divides; the rest replicated",
+    "tp": "tensor parallelism over TP_AXIS: the model's config.base_model_tp_plan (presets.from_hf_tp_plan) if it has "
+    "one, else presets.common_tensor_parallel (q/k/v/qkv/gate/up_proj, c_attn, c_fc, fc1, w1, w3 column-wise; "
+    "o/out/down_proj, c_proj, fc2, w2 row-wise)",
+    "fsdp+tp": "tp, then fsdp on another dim of each tensor",
+    "hf": "presets.hf_rules(model, axis=TP_AXIS, fsdp_axis=FSDP_AXIS), as in Python: a transformers model's own "
+    "tp_plan (lm_head included) checked against its head counts, + fsdp, with the vocabulary dim of the embedding and "
+    "head over FSDP_AXIS",
+}
+PRESETS = tuple(PRESET_HELP)
 
 
 def parse_mesh(text: str) -> dict[str, int]:
@@ -112,7 +130,9 @@ def tp_rules(model: torch.nn.Module, axis: str) -> Rules:
 
 def preset_rules(name: str, model: torch.nn.Module, mesh: Any, *, fsdp_axis: str, tp_axis: str) -> Rules:
     """Rules for ``--preset``; raises `ShardingError` if the mesh lacks the axis the preset shards over."""
-    axes = {"fsdp": [fsdp_axis], "tp": [tp_axis], "fsdp+tp": [tp_axis, fsdp_axis], "hf": [tp_axis]}[name]
+    axes = {"fsdp": [fsdp_axis], "tp": [tp_axis], "fsdp+tp": [tp_axis, fsdp_axis], "hf": [tp_axis, fsdp_axis]}[name]
+    if name == "hf" and getattr(model, "config", None) is None:
+        raise UsageError(f"--preset hf: {type(model).__name__} is not a transformers model (no .config); use fsdp+tp")
     missing = [a for a in axes if a not in mesh.shape]
     if missing:
         raise ShardingError(
@@ -120,10 +140,7 @@ def preset_rules(name: str, model: torch.nn.Module, mesh: Any, *, fsdp_axis: str
             f"accordingly (--mesh {fsdp_axis}=N,{tp_axis}=M) or pass --fsdp-axis / --tp-axis"
         )
     if name == "hf":
-        tp_plan = _hf_tp_plan(model)
-        if not tp_plan:
-            raise UsageError(f"--preset hf: {type(model).__name__} has no config.base_model_tp_plan; use --preset tp")
-        return from_hf_tp_plan(tp_plan, axis=tp_axis)
+        return hf_rules(model, axis=tp_axis, fsdp_axis=fsdp_axis)
     rules = tp_rules(model, tp_axis) if "tp" in name else Rules()
     return rules + fsdp(fsdp_axis) if "fsdp" in name else rules
 
@@ -139,9 +156,11 @@ def replicated(plan: ShardingPlan, top: int) -> list[dict[str, Any]]:
     return sorted(found, key=lambda r: -r["bytes_per_device"])[:top]
 
 
-def report(model: torch.nn.Module, plan: ShardingPlan, *, abstract: bool, top: int) -> dict[str, Any]:
-    """Everything the CLI prints, as JSON-ready data."""
-    mem = training_memory(plan, model)
+def report(
+    model: torch.nn.Module, plan: ShardingPlan, *, abstract: bool, top: int, param_dtype: torch.dtype | None = None
+) -> dict[str, Any]:
+    """Everything the CLI prints, as JSON-ready data (``param_dtype``: a MixedPrecision's storage dtype)."""
+    mem = training_memory(plan, model, param_dtype=param_dtype)
     return {
         "model": type(model).__name__,
         "mesh": dict(plan.mesh.shape),
@@ -156,7 +175,15 @@ def report(model: torch.nn.Module, plan: ShardingPlan, *, abstract: bool, top: i
 def _mesh_line(data: dict[str, Any]) -> str:
     mesh = ", ".join(f"{k}={v}" for k, v in data["mesh"].items())
     kind = "abstract mesh, larger than the local devices" if data["abstract_mesh"] else "local devices"
+    if "simulated_devices" in data:
+        kind = f"{data['simulated_devices']} simulated CPU devices"
     return f"{data['model']} on Mesh({mesh}) ({kind})"
+
+
+def _what_counts(data: dict[str, Any]) -> str:
+    precision = data.get("compile", {}).get("precision", "fp32")
+    master = ", fp32 master weights" if precision != "fp32" else ""
+    return f"AdamW{master}, activations not included"
 
 
 def _replicated_cells(rows: list[dict[str, Any]]) -> list[tuple[str, ...]]:
@@ -170,7 +197,7 @@ def format_text(data: dict[str, Any], body: str) -> str:
     """The plan (``body``: its table or compact view), then memory, replicated tensors and the comparison."""
     mem = data["per_device_bytes"]
     share = mem["total"] / max(data["unsharded_bytes"], 1)
-    lines = [_mesh_line(data), "", body, "", "training memory per device (AdamW, activations not included):"]
+    lines = [_mesh_line(data), "", body, "", f"training memory per device ({_what_counts(data)}):"]
     lines += [f"  {name:<24}{fmt_bytes(n):>12}" for name, n in mem.items()]
     lines += [f"  ({share:.1%} of {fmt_bytes(data['unsharded_bytes'])} on one device)", ""]
     cells = _replicated_cells(data["largest_replicated"])
@@ -183,6 +210,8 @@ def format_text(data: dict[str, Any], body: str) -> str:
         lines += ["", f"compared with {data['compare']['against']}: {len(differs)} tensor(s) differ"]
         rows = [("name", "spec here", "spec there"), *((n, *pair) for n, pair in differs.items())]
         lines += columns(rows, indent="  ")
+    if "compiled" in data:
+        lines += ["", *compiled_lines(data)]
     return "\n".join(lines)
 
 
@@ -206,6 +235,8 @@ def format_markdown(data: dict[str, Any], plan: ShardingPlan) -> str:
         differs = data["compare"]["differs"]
         lines += ["", f"compared with {data['compare']['against']}: {len(differs)} tensor(s) differ", ""]
         lines += [f"- `{name}`: `{here}` here, `{there}` there" for name, (here, there) in differs.items()]
+    if "compiled" in data:
+        lines += ["", "```", *compiled_lines(data), "```"]
     return "\n".join(lines)
 
 
@@ -214,10 +245,10 @@ def plan_with(
 ) -> ShardingPlan:
     """Plans ``model`` with a rules file's rows, then a preset's; unused-rule warnings become notes on stderr."""
     rules = load_rules(rules_file) if rules_file else Rules()
-    if preset:
-        rules = rules + preset_rules(preset, model, mesh, fsdp_axis=args.fsdp_axis, tp_axis=args.tp_axis)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always", UnusedRuleWarning)
+        if preset:  # hf_rules notes tp_plan entries this config leaves out
+            rules = rules + preset_rules(preset, model, mesh, fsdp_axis=args.fsdp_axis, tp_axis=args.tp_axis)
         planned = plan(model, mesh, rules, default=args.default)
     for w in caught:
         print(f"note: {w.message}", file=sys.stderr)
@@ -237,19 +268,44 @@ def compare(args: argparse.Namespace, model: torch.nn.Module, plan: ShardingPlan
     return {"against": f"--preset {other}" if is_preset else f"--rules {other}", "differs": differs}
 
 
-def run_plan(args: argparse.Namespace) -> str:
-    """Builds, plans and formats; raises `UsageError` or `ShardingError`."""
+def check_compile_args(args: argparse.Namespace) -> int | None:
+    """Options that need ``--compile`` and what ``--compile`` needs; returns ``--device-memory`` in bytes."""
+    given = [f"--{name.replace('_', '-')}" for name in COMPILE_ONLY if getattr(args, name, None) is not None]
+    if given and not args.compile:
+        raise UsageError(f"{', '.join(given)} given without --compile; add --compile to compile the training step")
+    if args.compile and args.batch is None:
+        raise UsageError("--compile needs --batch, e.g. --batch 256x4096 for [batch, sequence] token ids")
+    return parse_size(args.device_memory) if args.device_memory is not None else None
+
+
+def run_plan(args: argparse.Namespace) -> tuple[str, bool]:
+    """Builds, plans (with ``--compile``, compiles the step) and formats; returns the text and whether it fits.
+
+    Raises:
+        UsageError: a command-line mistake.
+        ShardingError: the plan, the Trainer's options or the batch do not fit the model and mesh.
+    """
+    device_memory = check_compile_args(args)
+    axes = parse_mesh(args.mesh)
+    devices = devices_for(axes) if args.compile else None  # before anything starts JAX's backend
     model = build_on_meta(load_factory(args.target))
-    mesh, abstract = build_mesh(parse_mesh(args.mesh))
+    mesh, abstract = (make_mesh(axes, devices=devices), False) if devices else build_mesh(axes)
     plan = plan_with(args, model, mesh, rules_file=args.rules, preset=args.preset)
-    data = report(model, plan, abstract=abstract, top=args.top)
+    stored = None if PRECISIONS[args.precision or "fp32"] is None else torch.float32
+    data = report(model, plan, abstract=abstract, top=args.top, param_dtype=stored)
     if args.compare:
         data["compare"] = compare(args, model, plan)
+    if devices:
+        data["simulated_devices"] = len(devices)
+        data |= compile_report(args, model, plan, load=load_factory)
+        if device_memory is not None:
+            data["device_memory"] = verdict(data, device_memory)
+    fits = data.get("device_memory", {}).get("fits", True)
     if args.format == "json":
-        return json.dumps(data, indent=2)
+        return json.dumps(data, indent=2), fits
     if args.format == "markdown":
-        return format_markdown(data, plan)
-    return format_text(data, _compact(plan) if args.format == "compact" else plan.table())
+        return format_markdown(data, plan), fits
+    return format_text(data, _compact(plan) if args.format == "compact" else plan.table()), fits
 
 
 def _compact(plan: ShardingPlan) -> str:

@@ -3,10 +3,11 @@
 from __future__ import annotations
 
 import dataclasses
+import math
 
 import torch
 
-from torchshard._sharding.plan import ShardingPlan
+from torchshard._sharding.plan import PlanEntry, ShardingPlan
 
 
 @dataclasses.dataclass(frozen=True)
@@ -33,10 +34,34 @@ class Memory:
         ]
 
 
-def training_memory(plan: ShardingPlan, model: torch.nn.Module) -> Memory:
-    """Per-device training memory implied by ``plan`` (activations not included)."""
+def _stored(entry: PlanEntry, param_dtype: torch.dtype | None) -> torch.dtype:
+    """The dtype a parameter is kept in: ``param_dtype`` (a `MixedPrecision`'s master copy) for floating ones."""
+    if param_dtype is None or entry.kind != "param" or not entry.dtype.is_floating_point:
+        return entry.dtype
+    return param_dtype
+
+
+def training_memory(plan: ShardingPlan, model: torch.nn.Module, *, param_dtype: torch.dtype | None = None) -> Memory:
+    """Per-device training memory implied by ``plan`` (activations not included).
+
+    Args:
+        plan: the plan of ``model``.
+        model: tells trainable parameters (they have grads and optimizer state) from frozen ones.
+        param_dtype: the dtype floating parameters are stored in (``MixedPrecision.param_dtype``);
+            None keeps the model's own.
+
+    Example:
+        >>> model = torch.nn.Linear(1024, 1024, dtype=torch.bfloat16)
+        >>> p = ts.plan(model, ts.make_mesh({"data": 8}), ts.presets.fsdp())
+        >>> training_memory(p, model).params, training_memory(p, model, param_dtype=torch.float32).params
+        (264192, 528384)
+    """
     trainable = {n for n, p in model.named_parameters(remove_duplicate=False) if p.requires_grad}
-    params = plan.bytes_per_device("param")
-    grads = sum(e.bytes_per_device for e in plan.unique_entries() if e.kind == "param" and e.name in trainable)
-    unsharded_grads = sum(e.total_bytes for e in plan.unique_entries() if e.kind == "param" and e.name in trainable)
-    return Memory(params, grads, 2 * grads, plan.bytes_per_device("buffer"), plan.total_bytes() + 3 * unsharded_grads)
+    entries = plan.unique_entries()
+    size = lambda e, n: n * _stored(e, param_dtype).itemsize  # noqa: E731
+    per_device = {e.name: size(e, math.prod(e.shard_shape)) for e in entries}
+    whole = {e.name: size(e, math.prod(e.shape)) for e in entries}
+    params = sum(per_device[e.name] for e in entries if e.kind == "param")
+    grads = sum(per_device[e.name] for e in entries if e.kind == "param" and e.name in trainable)
+    unsharded_grads = sum(whole[e.name] for e in entries if e.kind == "param" and e.name in trainable)
+    return Memory(params, grads, 2 * grads, plan.bytes_per_device("buffer"), sum(whole.values()) + 3 * unsharded_grads)

@@ -229,6 +229,7 @@ class ScanRun:
     forward: Callable[..., Any]
     params: Mapping[str, jax.Array]  # suffix → stacked array
     body_policy: Callable[..., Any] | None
+    hidden: Callable[[jax.Array], jax.Array] | None = None
     calls: int = 0
     result: Any = None
     inputs: tuple[Any, ...] = ()
@@ -288,6 +289,7 @@ class ScanRun:
         def body(carry: tuple[jax.Array, jax.Array], layer: Mapping[str, jax.Array]):
             # the key is carried: the blocks draw random numbers in the order a Python loop would
             h, key = carry
+            h = self.hidden(h) if self.hidden is not None else h
             out, buffers, key, hooked = pure(layer, [h, *others], key)
             _check_output(self.group.block(0), pure, out, h)
             return (out[0], key), (buffers, hooked)

@@ -188,6 +188,7 @@ class Runtime:
     remat: tuple[str, ...] = ()
     remat_policy: Any = None
     body_policies: Mapping[str, Any] = dataclasses.field(default_factory=dict)
+    constrain_hidden: Callable[[jax.Array], jax.Array] | None = None
 
     def _cast(self, arrays: Arrays) -> Arrays:
         if self.precision is None:
@@ -199,12 +200,22 @@ class Runtime:
             return batch
         return jax.tree.map(self.precision.compute, batch)
 
-    def _runs(self, state: Arrays) -> list[ScanRun]:
+    def _hidden(self, batch: Any) -> Callable[[jax.Array], jax.Array] | None:
+        """The constraint for a scan's hidden state: sharded like the batch when it leads with the batch's rows."""
+        rows = next((x.shape[0] for x in jax.tree.leaves(batch) if getattr(x, "ndim", 0) > 0), None)
+        constrain = self.constrain_hidden
+        if constrain is None or rows is None:
+            return None
+        return lambda h: constrain(h) if h.ndim > 0 and h.shape[0] == rows else h
+
+    def _runs(self, state: Arrays, batch: Any = None) -> list[ScanRun]:
         runs = []
+        hidden = self._hidden(batch)
         for group in self.groups:
             blocks = blocks_of(self.model, group)
             stacked = {s: state[group.stacked(s)] for s in group.suffixes}
-            runs.append(ScanRun(group, blocks[0], blocks[0].forward, stacked, self.body_policies.get(group.prefix)))
+            policy = self.body_policies.get(group.prefix)
+            runs.append(ScanRun(group, blocks[0], blocks[0].forward, stacked, policy, hidden))
         return runs
 
     def _values(self, state: Arrays) -> dict[str, torch.Tensor]:
@@ -221,7 +232,7 @@ class Runtime:
         # only; factory calls without a device make traced tensors, not CPU ones frozen at trace time
         with seeded(key), env(), torch.device("jax"):
             values = self._values(state)
-            runs = self._runs(state)
+            runs = self._runs(state, batch)
             with (
                 bound(self.model, values),
                 _forwards(self.model, self.remat, self.remat_policy, runs),
