@@ -17,6 +17,7 @@ from torchshard._bridge.env import continue_from, current_key
 from torchshard._bridge.module_call import PureForward, split
 from torchshard._bridge.module_tensors import model_tensors, tie_groups
 from torchshard._bridge.tensors import is_jax_tensor, unwrap, wrap
+from torchshard._parallel import pipeline
 
 ScanLike = bool | str | Sequence[str]
 # per-layer attributes that may differ between otherwise identical blocks (a KV-cache slot index)
@@ -36,6 +37,9 @@ class ScanGroup:
     count: int
     suffixes: tuple[str, ...]  # tensor names relative to a block, canonical ones only
     buffers: frozenset[str]
+    # a pipelined stack: the block at each position of the stack (stage by stage), and the mesh axis of its dim 0
+    order: tuple[int, ...] | None = None
+    axis: str | None = None
 
     def name(self, index: int, suffix: str) -> str:
         """The torch name of one block's tensor, e.g. ``model.layers.3.mlp.up.weight``."""
@@ -45,10 +49,14 @@ class ScanGroup:
         """The train-state key of a tensor stacked over the blocks, e.g. ``model.layers.*.mlp.up.weight``."""
         return f"{self.prefix}.*.{suffix}"
 
+    def positions(self) -> tuple[int, ...]:
+        """The block at each position of the stack (in order, unless a pipeline stores it stage by stage)."""
+        return self.order if self.order is not None else tuple(range(self.count))
+
     def members(self) -> Iterator[tuple[str, list[str]]]:
-        """(stacked key, the per-block names in order) for every tensor of a block."""
+        """(stacked key, the per-block names in stack order) for every tensor of a block."""
         for suffix in self.suffixes:
-            yield self.stacked(suffix), [self.name(i, suffix) for i in range(self.count)]
+            yield self.stacked(suffix), [self.name(i, suffix) for i in self.positions()]
 
 
 def _simple(value: Any) -> bool:
@@ -119,7 +127,8 @@ def _same_block(prefix: str, a: str, b: str) -> bool:
     return ma is not None and mb is not None and ma.group(1) == mb.group(1)
 
 
-def _module_lists(model: torch.nn.Module) -> list[str]:
+def module_lists(model: torch.nn.Module) -> list[str]:
+    """The model's outermost ModuleLists (the candidates for a scan)."""
     found = [n for n, m in model.named_modules() if isinstance(m, torch.nn.ModuleList) and n]
     return [n for n in found if not any(n.startswith(outer + ".") for outer in found if outer != n)]
 
@@ -161,7 +170,7 @@ def find_groups(model: torch.nn.Module, scan_layers: ScanLike) -> tuple[ScanGrou
 
 def _found_groups(model: torch.nn.Module) -> tuple[ScanGroup, ...]:
     groups, reasons = [], []
-    for prefix in _module_lists(model):
+    for prefix in module_lists(model):
         problems = block_problems(model, prefix)
         if problems:
             reasons.append(f"{prefix}: {problems[0]}")
@@ -203,6 +212,7 @@ class ScanRun:
     forward: Callable[..., Any]
     params: Mapping[str, jax.Array]  # suffix → stacked array
     body_policy: Callable[..., Any] | None
+    stages: pipeline.Stages | None = None  # run the blocks as a pipeline over these stages
     calls: int = 0
     result: Any = None
     inputs: tuple[Any, ...] = ()
@@ -257,8 +267,15 @@ class ScanRun:
                 f"model config) while training"
             )
         pure = PureForward(self.template, self.forward, spec, sorted(self.group.buffers))
-        others = arrays[1:]
+        if self.stages is not None:
+            final, key = self._pipelined(pure, arrays[0], arrays[1:])
+        else:
+            final, key = self._scanned(pure, arrays[0], arrays[1:])
+        continue_from(key)
+        self.result = pure.rebuild([final])
+        return self.result
 
+    def _scanned(self, pure: PureForward, h: jax.Array, others: Sequence[jax.Array]) -> tuple[jax.Array, jax.Array]:
         def body(carry: tuple[jax.Array, jax.Array], layer: Mapping[str, jax.Array]):
             # the key is carried: the blocks draw random numbers in the order a Python loop would
             h, key = carry
@@ -267,10 +284,29 @@ class ScanRun:
             return (out[0], key), buffers
 
         step = jax.checkpoint(body, policy=self.body_policy) if self.body_policy is not None else body
-        (final, key), self.new_buffers = jax.lax.scan(step, (arrays[0], current_key()), dict(self.params))
-        continue_from(key)
-        self.result = pure.rebuild([final])
-        return self.result
+        (final, key), self.new_buffers = jax.lax.scan(step, (h, current_key()), dict(self.params))
+        return final, key
+
+    def _pipelined(self, pure: PureForward, h: jax.Array, others: Sequence[jax.Array]) -> tuple[jax.Array, jax.Array]:
+        assert self.stages is not None
+        prefix = self.group.prefix
+
+        def layer_fn(layer: Mapping[str, jax.Array], h: jax.Array, others: Sequence[jax.Array], key: jax.Array):
+            out, buffers, key = pure(layer, [h, *others], key)
+            _check_output(prefix, pure, out, h)
+            changed = sorted(name for name, array in buffers.items() if array is not layer[name])
+            if changed:
+                raise ShardingError(
+                    f"Pipeline: {prefix}.0 updates its buffer(s) {changed} (e.g. BatchNorm running stats), which "
+                    f"pipelined blocks cannot carry between micro-batches; use a norm without running stats, or "
+                    f"leave {prefix} unpipelined"
+                )
+            return out[0], key
+
+        self.new_buffers = {s: a for s, a in self.params.items() if s in self.group.buffers}
+        where = f"Pipeline: {prefix}"
+        return pipeline.run(self.stages, layer_fn, self.params, h, others, current_key(), policy=self.body_policy,
+                            where=where)  # fmt: skip
 
     def finish(self) -> None:
         """Raises if the model's loop did not call every block."""
@@ -299,9 +335,9 @@ def _check_output(prefix: str, pure: PureForward, out: Sequence[jax.Array], h: j
 def layer_slices(group: ScanGroup, stacked: Mapping[str, jax.Array]) -> dict[str, torch.Tensor]:
     """Per-block torch names → torchax tensors of their slices of the stacked arrays (for reads outside blocks)."""
     return {
-        group.name(i, suffix): wrap(stacked[group.stacked(suffix)][i])
+        group.name(block, suffix): wrap(stacked[group.stacked(suffix)][position])
         for suffix in group.suffixes
-        for i in range(group.count)
+        for position, block in enumerate(group.positions())
         if group.stacked(suffix) in stacked
     }
 
@@ -329,5 +365,9 @@ class Layout:
         return list(dict.fromkeys(self.position(n)[0] for n in names))
 
     def stacks(self) -> dict[str, list[str]]:
-        """Stacked key → the torch names of its layers, in order."""
+        """Stacked key → the torch names of its layers, in stack order."""
         return {key: names for g in self.groups for key, names in g.members()}
+
+    def axis(self, key: str) -> str | None:
+        """The mesh axis a stacked key's layer dim is split over (a pipeline's stages), or None."""
+        return next((g.axis for g in self.groups for k, _ in g.members() if k == key), None)
