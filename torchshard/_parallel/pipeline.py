@@ -15,12 +15,14 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+from jax.ad_checkpoint import checkpoint_name
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from torchshard._base.errors import ShardingError
 from torchshard._base.validate import describe_mesh, int_problems, raise_for_arguments
 
 SCHEDULES = ("gpipe", "circular")
+LAYER_INPUT = "torchshard_pipeline_layer_input"  # the activations a circular schedule keeps for the backward
 # layer_fn(one layer's arrays, hidden state, other call arrays, key) -> (hidden state, key after)
 LayerFn = Callable[[Mapping[str, jax.Array], jax.Array, Sequence[jax.Array], jax.Array], tuple[jax.Array, jax.Array]]
 
@@ -176,7 +178,7 @@ class _Loop:
 
     spec: Stages
     stage_fn: Callable[..., tuple[jax.Array, jax.Array]]
-    weights: Mapping[str, jax.Array]  # [S, repeats, chunk, ...]
+    weights: Mapping[str, jax.Array]  # [S, repeats, chunk, ...], or [S, chunk, ...] for one repeat
     split: tuple[jax.Array, ...]  # batch-split call arguments, [M, mb, ...]
     whole: tuple[jax.Array, ...]
     key: jax.Array
@@ -198,6 +200,21 @@ class _Loop:
         )
         return move(x)
 
+    def stages_out(self, repeat: jax.Array, inputs: jax.Array, split: tuple[jax.Array, ...], keys: jax.Array):
+        """Every stage's output for this iteration, each stage on its own devices."""
+        run = jax.vmap(self.stage_fn, in_axes=(0, 0, 0, None, 0), spmd_axis_name=self.spec.axis)
+        if self.spec.repeats == 1:  # one chunk per stage: the weights are loop constants
+            return run(self.weights, inputs, split, self.whole, keys)[0]
+
+        def chunk_of_repeat(weights, repeat, inputs, split, keys):
+            chunk = {k: _per_stage(w, repeat) for k, w in weights.items()}
+            return run(chunk, inputs, split, self.whole, keys)[0]
+
+        # each stage's chunk changes with its repeat: autodiff would keep every iteration's slice of the weights
+        # for the backward; instead keep only each layer's input and recompute the rest (as remat would)
+        policy = jax.checkpoint_policies.save_only_these_names(LAYER_INPUT)
+        return jax.checkpoint(chunk_of_repeat, policy=policy)(self.weights, repeat, inputs, split, keys)
+
     def iteration(self, carry: tuple[jax.Array, jax.Array], t: jax.Array):
         buffer, shift = carry
         spec, stage = self.spec, jnp.arange(self.spec.stages)
@@ -209,11 +226,9 @@ class _Loop:
         ahead = t - stage
         repeat = jnp.clip(ahead // m, 0, spec.repeats - 1)
         micro = ahead % m
-        weights = {k: _per_stage(w, repeat) for k, w in self.weights.items()}
         split = tuple(_per_stage(x, micro, shared=True) for x in self.split)
         keys = jax.vmap(lambda i: jax.random.fold_in(jax.random.fold_in(self.key, t), i))(stage)
-        run = jax.vmap(self.stage_fn, in_axes=(0, 0, 0, None, 0), spmd_axis_name=spec.axis)
-        out, _ = run(weights, inputs, split, self.whole, keys)
+        out = self.stages_out(repeat, inputs, split, keys)
         rotated = self.constrain(self.rotate(out), spec.batch)
         # stage 0's slot now holds the last stage's output: micro-batch t-S+1 is done with this round
         done = (t - s + 1) % m
@@ -243,7 +258,7 @@ def stage_function(layer_fn: LayerFn, policy: Any) -> Callable[..., tuple[jax.Ar
 
         def body(carry, layer):
             h, key = carry
-            return layer_fn(layer, h, others, key), None
+            return layer_fn(layer, checkpoint_name(h, LAYER_INPUT), others, key), None
 
         step = jax.checkpoint(body, policy=policy) if policy is not None else body
         return jax.lax.scan(step, (h, key), dict(weights))[0]
@@ -285,23 +300,24 @@ def run(
             f"{where}: the hidden state {list(h.shape)} does not split into microbatches={m} along dim 0; "
             f"use a batch whose rows per step (after grad_accum_steps) are a multiple of {m}, e.g. {fits}"
         )
-    s, r, c = spec.stages, spec.repeats, spec.chunk
-    weights = {k: jax.lax.with_sharding_constraint(w.reshape(s, r, c, *w.shape[1:]), _stage_spec(spec, w.ndim + 2))
+    # [L, ...] → [S, repeats, chunk, ...] ([S, chunk, ...] for one repeat): free, dim 0 is already split by stage
+    blocks = (spec.stages, spec.chunk) if spec.repeats == 1 else (spec.stages, spec.repeats, spec.chunk)
+    weights = {k: jax.lax.with_sharding_constraint(w.reshape(*blocks, *w.shape[1:]), _stage_spec(spec, w.ndim, blocks))
                for k, w in params.items()}  # fmt: skip
     split = tuple(_split(x, m) for x in others if _by_batch(x, rows))
     whole = tuple(x for x in others if not _by_batch(x, rows))
     loop = _Loop(spec, stage_function(_reordered(layer_fn, others, rows), policy), weights, split, whole, key)
     micro = _split(h, m)
-    buffer = loop.constrain(jnp.broadcast_to(micro, (s, *micro.shape)), None, spec.batch)
-    shift = loop.constrain(jnp.zeros((s, *micro.shape[1:]), h.dtype), spec.batch)
+    buffer = loop.constrain(jnp.broadcast_to(micro, (spec.stages, *micro.shape)), None, spec.batch)
+    shift = loop.constrain(jnp.zeros((spec.stages, *micro.shape[1:]), h.dtype), spec.batch)
     (buffer, _), _ = jax.lax.scan(loop.iteration, (buffer, shift), jnp.arange(spec.iterations))
     return _merge(buffer[0]), jax.random.fold_in(key, spec.iterations)
 
 
-def _stage_spec(spec: Stages, ndim: int) -> NamedSharding:
-    # [S, repeats, chunk, ...]: the layer's own dims keep the plan's sharding over the other axes
-    rest = [PartitionSpec.UNCONSTRAINED] * (ndim - 3)
-    return NamedSharding(spec.mesh, PartitionSpec(spec.axis, None, None, *rest))
+def _stage_spec(spec: Stages, ndim: int, blocks: tuple[int, ...]) -> NamedSharding:
+    # the layer's own dims keep the plan's sharding over the other axes
+    rest = [PartitionSpec.UNCONSTRAINED] * (ndim - 1)
+    return NamedSharding(spec.mesh, PartitionSpec(spec.axis, *[None] * (len(blocks) - 1), *rest))
 
 
 def _reordered(layer_fn: LayerFn, others: Sequence[jax.Array], rows: int) -> LayerFn:
