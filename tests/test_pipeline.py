@@ -322,6 +322,33 @@ def test_a_batch_the_microbatches_do_not_divide_is_refused(trained):
         run.step(batches(1, rows=12)[0])
 
 
+class FewRows(BlockStack):
+    def forward(self, ids):
+        h = self.embed(ids[:3])  # the stack sees 3 of the batch's rows
+        for block in self.blocks:
+            h = block(h)
+        return self.head(h)
+
+
+def test_a_hidden_state_the_microbatches_do_not_divide_is_refused():
+    torch.manual_seed(0)
+    model = FewRows(depth=2)
+    plan = ts.plan(model, ts.make_mesh({"stage": 2, "data": 4}))
+    run = ts.Trainer(model, lambda m, ids: m(ids).mean(), adamw(), plan, pipeline=Pipeline())
+    with pytest.raises(ShardingError, match=r"hidden state \[3, 12, 32\] does not split into microbatches=2.*e\.g\. 4"):
+        run.step(batches(1)[0])
+
+
+def test_dropout_inside_pipelined_blocks_draws_masks():
+    torch.manual_seed(0)
+    model = BlockStack(depth=4, dropout=0.5)
+    plain = blocks_loss(model.eval(), batches(1)[0]).item()
+    run = ts.Trainer(model.train(), blocks_loss, adamw(), ts.plan(model, ts.make_mesh({"stage": 2, "data": 4})),
+                     pipeline=Pipeline())  # fmt: skip
+    loss = float(run.step(batches(1)[0])["loss"])
+    assert np.isfinite(loss) and abs(loss - plain) > 1e-3
+
+
 def test_a_block_updating_buffers_is_refused():
     with pytest.raises(ShardingError, match=r"blocks.0 updates its buffer\(s\) \['norm.num_batches_tracked'"):
         model = NormStack()
