@@ -77,3 +77,23 @@ def test_llama_train_benchmark_runs(tmp_path):
     (row,) = result["rows"]
     assert row["tokens_per_s"] > 0 and row["temp_mib"] > 0 and 0 < row["tflops"] < result["peak"][0]
     assert [c["layers"] for c in result["compile"]] == [2, 4]
+
+
+@pytest.mark.slow
+def test_pipeline_benchmark_runs(tmp_path):
+    out = tmp_path / "pipeline.json"
+    args = [str(SCRIPT.parent / "pipeline.py"), "--tiny", "--json", str(out)]
+    done = subprocess.run([sys.executable, *args], capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr
+    assert "| gpipe S=4 | stage=4×data=2 |" in done.stdout and "| circular S=4 r=2 | stage=4 |" in done.stdout
+    result = json.loads(out.read_text())
+    memory = {r["config"]: r for r in result["memory"]}
+    assert memory["gpipe S=4"]["param_ratio"] <= 0.45  # a quarter of the blocks per device
+    assert memory["circular S=2 r=2"]["bubble"] == pytest.approx(1 / (2 * 4 + 1))
+    assert [r["config"] for r in result["bubble"]] == [
+        "gpipe S=1",
+        "gpipe S=2",
+        "gpipe S=4",
+        "circular S=2 r=2",
+        "circular S=4 r=2",
+    ]

@@ -37,6 +37,7 @@ class PlanEntry:
     rule: str
     kind: Kind
     tied_to: str | None = None
+    stage: int | None = None  # the pipeline stage whose devices alone hold it (a pipelined Trainer's layers)
 
     @property
     def shard_shape(self) -> tuple[int, ...]:
@@ -70,6 +71,7 @@ class ShardingPlan(Mapping[str, NamedSharding]):
     def __init__(self, mesh: Mesh | AbstractMesh, entries: Iterable[PlanEntry]) -> None:
         self._mesh = mesh
         self._entries = {e.name: e for e in entries}
+        self._staged = any(e.stage is not None for e in self._entries.values())
 
     @property
     def mesh(self) -> Mesh | AbstractMesh:
@@ -100,8 +102,18 @@ class ShardingPlan(Mapping[str, NamedSharding]):
         return [e for e in self._entries.values() if e.tied_to is None]
 
     def bytes_per_device(self, kind: Kind | None = None) -> int:
-        """Bytes each device holds for this plan's tensors (tied tensors counted once)."""
-        return sum(e.bytes_per_device for e in self.unique_entries() if kind in (None, e.kind))
+        """Bytes each device holds for this plan's tensors (tied tensors counted once; the fullest pipeline stage's)."""
+        entries = [e for e in self.unique_entries() if kind in (None, e.kind)]
+        per_stage: dict[int | None, int] = {}
+        for e in entries:
+            per_stage[e.stage] = per_stage.get(e.stage, 0) + e.bytes_per_device
+        everywhere = per_stage.pop(None, 0)
+        return everywhere + max(per_stage.values(), default=0)
+
+    def with_stages(self, stages: Mapping[str, int]) -> ShardingPlan:
+        """This plan with the pipeline stage that holds each named tensor (a pipelined Trainer's ``plan``)."""
+        entries = [dataclasses.replace(e, stage=stages.get(e.tied_to or e.name)) for e in self._entries.values()]
+        return ShardingPlan(self._mesh, entries)
 
     def total_bytes(self) -> int:
         """Bytes of the unsharded model (tied tensors counted once)."""
@@ -127,13 +139,17 @@ class ShardingPlan(Mapping[str, NamedSharding]):
                 "bytes_per_device": 0 if e.tied_to else e.bytes_per_device,
                 "tied_to": e.tied_to,
             }
+            | ({"stage": e.stage} if self._staged else {})
             for e in self._entries.values()
         ]
 
     def table(self) -> str:
-        """A text table: name, shape, dtype, spec, rule, per-device shard shape and bytes, totals."""
-        head = ("name", "shape", "dtype", "spec", "rule", "shard/device", "bytes/device")
-        body = [
+        """A text table: name, shape, dtype, spec, rule, per-device shard shape and bytes, totals.
+
+        A pipelined Trainer's plan adds a ``stage`` column: the stage whose devices alone hold the tensor.
+        """
+        head: tuple[str, ...] = ("name", "shape", "dtype", "spec", "rule", "shard/device", "bytes/device")
+        body: list[tuple[str, ...]] = [
             (
                 r["name"],
                 fmt_shape(r["shape"]),
@@ -145,6 +161,10 @@ class ShardingPlan(Mapping[str, NamedSharding]):
             )
             for r in self.rows()
         ]
+        if self._staged:
+            head = (*head[:4], "stage", *head[4:])
+            stages = ["all" if r["stage"] is None else str(r["stage"]) for r in self.rows()]
+            body = [(*row[:4], stage, *row[4:]) for row, stage in zip(body, stages, strict=True)]
         total = self.total_bytes()
         per_device = self.bytes_per_device()
         foot = (

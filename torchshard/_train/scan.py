@@ -17,6 +17,7 @@ from torchshard._bridge.env import continue_from, current_key
 from torchshard._bridge.module_call import PureForward, split
 from torchshard._bridge.module_tensors import model_tensors, tie_groups
 from torchshard._bridge.tensors import is_jax_tensor, unwrap, wrap
+from torchshard._parallel import pipeline
 
 ScanLike = bool | str | Sequence[str]
 # per-layer attributes that may differ between otherwise identical blocks (a KV-cache slot index)
@@ -37,6 +38,9 @@ class ScanGroup:
     suffixes: tuple[str, ...]  # tensor names relative to a block, canonical ones only
     buffers: frozenset[str]
     keys: tuple[str, ...] = ()  # a ModuleDict's keys in order ("0".."N-1" in torchtitan); a ModuleList's indices
+    # a pipelined stack: the block at each position of the stack (stage by stage), and the mesh axis of its dim 0
+    order: tuple[int, ...] | None = None
+    axis: str | None = None
 
     def block(self, index: int) -> str:
         """The torch name of block ``index``, e.g. ``model.layers.3``."""
@@ -55,10 +59,14 @@ class ScanGroup:
         """The train-state key of a tensor stacked over the blocks, e.g. ``model.layers.*.mlp.up.weight``."""
         return f"{self.prefix}.*.{suffix}"
 
+    def positions(self) -> tuple[int, ...]:
+        """The block at each position of the stack (in order, unless a pipeline stores it stage by stage)."""
+        return self.order if self.order is not None else tuple(range(self.count))
+
     def members(self) -> Iterator[tuple[str, list[str]]]:
-        """(stacked key, the per-block names in order) for every tensor of a block."""
+        """(stacked key, the per-block names in stack order) for every tensor of a block."""
         for suffix in self.suffixes:
-            yield self.stacked(suffix), [self.name(i, suffix) for i in range(self.count)]
+            yield self.stacked(suffix), [self.name(i, suffix) for i in self.positions()]
 
 
 def _simple(value: Any) -> bool:
@@ -146,7 +154,8 @@ def _stack_like(module: torch.nn.Module) -> bool:
     return isinstance(module, torch.nn.ModuleList)
 
 
-def _module_lists(model: torch.nn.Module) -> list[str]:
+def module_lists(model: torch.nn.Module) -> list[str]:
+    """The model's outermost ModuleLists and stack-like ModuleDicts (the candidates for a scan)."""
     found = [n for n, m in model.named_modules() if _stack_like(m) and n]
     return [n for n in found if not any(n.startswith(outer + ".") for outer in found if outer != n)]
 
@@ -189,7 +198,7 @@ def find_groups(model: torch.nn.Module, scan_layers: ScanLike) -> tuple[ScanGrou
 
 def _found_groups(model: torch.nn.Module) -> tuple[ScanGroup, ...]:
     groups, reasons = [], []
-    for prefix in _module_lists(model):
+    for prefix in module_lists(model):
         problems = block_problems(model, prefix)
         if problems:
             reasons.append(f"{prefix}: {problems[0]}")
@@ -230,6 +239,7 @@ class ScanRun:
     params: Mapping[str, jax.Array]  # suffix → stacked array
     body_policy: Callable[..., Any] | None
     hidden: Callable[[jax.Array], jax.Array] | None = None
+    stages: pipeline.Stages | None = None  # run the blocks as a pipeline over these stages
     calls: int = 0
     result: Any = None
     inputs: tuple[Any, ...] = ()
@@ -284,8 +294,15 @@ class ScanRun:
                 f"turns the config's use_cache off while it traces a step)"
             )
         pure = PureForward(self.template, self.forward, spec, sorted(self.group.buffers))
-        others = arrays[1:]
+        if self.stages is not None:
+            final, key = self._pipelined(pure, arrays[0], arrays[1:])
+        else:
+            final, key = self._scanned(pure, arrays[0], arrays[1:])
+        continue_from(key)
+        self.result = pure.rebuild([final])
+        return self.result
 
+    def _scanned(self, pure: PureForward, h: jax.Array, others: Sequence[jax.Array]) -> tuple[jax.Array, jax.Array]:
         def body(carry: tuple[jax.Array, jax.Array], layer: Mapping[str, jax.Array]):
             # the key is carried: the blocks draw random numbers in the order a Python loop would
             h, key = carry
@@ -295,12 +312,37 @@ class ScanRun:
             return (out[0], key), (buffers, hooked)
 
         step = jax.checkpoint(body, policy=self.body_policy) if self.body_policy is not None else body
-        (final, key), (self.new_buffers, hooked) = jax.lax.scan(step, (arrays[0], current_key()), dict(self.params))
-        continue_from(key)
+        (final, key), (self.new_buffers, hooked) = jax.lax.scan(step, (h, current_key()), dict(self.params))
         for i in range(self.group.count):  # each layer's hooks (MoE router logits), in the order a loop runs them
             pure.replay_hooks([stacked[i] for stacked in hooked])
-        self.result = pure.rebuild([final])
-        return self.result
+        return final, key
+
+    def _pipelined(self, pure: PureForward, h: jax.Array, others: Sequence[jax.Array]) -> tuple[jax.Array, jax.Array]:
+        assert self.stages is not None
+        prefix, first = self.group.prefix, self.group.block(0)
+
+        def layer_fn(layer: Mapping[str, jax.Array], h: jax.Array, others: Sequence[jax.Array], key: jax.Array):
+            out, buffers, key, hooked = pure(layer, [h, *others], key)
+            _check_output(first, pure, out, h)
+            if hooked:
+                raise ShardingError(
+                    f"Pipeline: {first} has forward hooks that collect its submodules' outputs (e.g. MoE router "
+                    f"logits for an auxiliary loss), which a pipeline cannot carry out of its stages; turn them off "
+                    f"(output_router_logits=False) or leave {prefix} unpipelined"
+                )
+            changed = sorted(name for name, array in buffers.items() if array is not layer[name])
+            if changed:
+                raise ShardingError(
+                    f"Pipeline: {first} updates its buffer(s) {changed} (e.g. BatchNorm running stats), which "
+                    f"pipelined blocks cannot carry between micro-batches; use a norm without running stats, or "
+                    f"leave {prefix} unpipelined"
+                )
+            return out[0], key
+
+        self.new_buffers = {s: a for s, a in self.params.items() if s in self.group.buffers}
+        where = f"Pipeline: {prefix}"
+        return pipeline.run(self.stages, layer_fn, self.params, h, others, current_key(), policy=self.body_policy,
+                            where=where)  # fmt: skip
 
     def finish(self) -> None:
         """Raises if the model's loop did not call every block."""
@@ -329,9 +371,9 @@ def _check_output(first: str, pure: PureForward, out: Sequence[jax.Array], h: ja
 def layer_slices(group: ScanGroup, stacked: Mapping[str, jax.Array]) -> dict[str, torch.Tensor]:
     """Per-block torch names → torchax tensors of their slices of the stacked arrays (for reads outside blocks)."""
     return {
-        group.name(i, suffix): wrap(stacked[group.stacked(suffix)][i])
+        group.name(block, suffix): wrap(stacked[group.stacked(suffix)][position])
         for suffix in group.suffixes
-        for i in range(group.count)
+        for position, block in enumerate(group.positions())
         if group.stacked(suffix) in stacked
     }
 
@@ -359,5 +401,9 @@ class Layout:
         return list(dict.fromkeys(self.position(n)[0] for n in names))
 
     def stacks(self) -> dict[str, list[str]]:
-        """Stacked key → the torch names of its layers, in order."""
+        """Stacked key → the torch names of its layers, in stack order."""
         return {key: names for g in self.groups for key, names in g.members()}
+
+    def axis(self, key: str) -> str | None:
+        """The mesh axis a stacked key's layer dim is split over (a pipeline's stages), or None."""
+        return next((g.axis for g in self.groups for k, _ in g.members() if k == key), None)

@@ -17,6 +17,7 @@ from jax.sharding import NamedSharding
 from torchshard._base.errors import ShardingError
 from torchshard._bridge.env import env, seeded
 from torchshard._bridge.tensors import bound, is_jax_tensor, unwrap, wrap
+from torchshard._parallel.pipeline import Stages
 from torchshard._train.kv_cache import no_kv_cache
 from torchshard._train.precision import MixedPrecision, cast_on_shards
 from torchshard._train.remat import checkpointed
@@ -189,6 +190,7 @@ class Runtime:
     remat_policy: Any = None
     body_policies: Mapping[str, Any] = dataclasses.field(default_factory=dict)
     constrain_hidden: Callable[[jax.Array], jax.Array] | None = None
+    stages: Mapping[str, Stages] = dataclasses.field(default_factory=dict)  # pipelined groups by prefix
 
     def _cast(self, arrays: Arrays) -> Arrays:
         if self.precision is None:
@@ -214,8 +216,8 @@ class Runtime:
         for group in self.groups:
             blocks = blocks_of(self.model, group)
             stacked = {s: state[group.stacked(s)] for s in group.suffixes}
-            policy = self.body_policies.get(group.prefix)
-            runs.append(ScanRun(group, blocks[0], blocks[0].forward, stacked, policy, hidden))
+            policy, stages = self.body_policies.get(group.prefix), self.stages.get(group.prefix)
+            runs.append(ScanRun(group, blocks[0], blocks[0].forward, stacked, policy, hidden, stages))
         return runs
 
     def _values(self, state: Arrays) -> dict[str, torch.Tensor]:

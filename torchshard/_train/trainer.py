@@ -26,10 +26,12 @@ from torchshard._bridge.layer_view import LayerView, StackedArray
 from torchshard._bridge.module_tensors import named_tensors, set_tensor
 from torchshard._bridge.tensors import rebind, set_array, unwrap
 from torchshard._multihost.worker import heartbeat
+from torchshard._parallel.pipeline import Pipeline
 from torchshard._sharding.placement import batch_leaf_spec, put, shard
 from torchshard._sharding.plan import ShardingPlan
 from torchshard._sharding.process import global_shape
 from torchshard._train.checks import batch_type_problems, check_trainer_args
+from torchshard._train.pipelined import batch_factor, pipeline_groups, stage_map
 from torchshard._train.precision import MixedPrecision
 from torchshard._train.remat import RematLike, as_remat, remat_targets, scan_remat
 from torchshard._train.scan import Layout, ScanGroup, ScanLike, find_groups
@@ -89,11 +91,13 @@ class Trainer:
             list of names.
         skip_nonfinite: a step whose loss or gradients are not finite changes no parameter,
             buffer or optimizer state; its metrics say ``"skipped": 1.0``.
+        pipeline: a `Pipeline`: split the model's stack of identical layers into stages over a
+            mesh axis and stream micro-batches through them (the stack is scanned).
 
     Raises:
         ArgumentError: an argument of the wrong type or value (all listed); nothing is moved.
         ShardingError: the plan does not fit the model, a remat pattern matches no module, or a
-            list cannot be scanned (with why).
+            list cannot be scanned (with why), or a pipeline does not fit (with the sizes that do).
 
     Example:
         >>> import optax
@@ -123,6 +127,7 @@ class Trainer:
         remat: RematLike = None,
         scan_layers: ScanLike = False,
         skip_nonfinite: bool = False,
+        pipeline: Pipeline | None = None,
     ) -> None:
         check_trainer_args(model, loss_fn, optimizer, plan, batch_spec, grad_accum_steps, max_in_flight, precision,
                     donate=donate, seed=seed, skip_nonfinite=skip_nonfinite)  # fmt: skip
@@ -134,6 +139,9 @@ class Trainer:
         self.grad_accum_steps = grad_accum_steps
         self.max_in_flight = max_in_flight
         scan_groups = find_groups(model, scan_layers)
+        scan_groups, self._stages = pipeline_groups(model, plan, scan_groups, pipeline, self.batch_spec)
+        if self._stages:  # the plan table says which stage holds each layer
+            self.plan = plan.with_stages(stage_map(scan_groups, self._stages))
         targets = remat_targets(model, remat_) if remat_ is not None else []
         body_policies, targets = scan_remat(scan_groups, targets, remat_)
         raise_if_any(_scan_spec_problems(scan_groups, plan), header="scan_layers cannot stack this plan")
@@ -151,7 +159,7 @@ class Trainer:
         self._views()
         runtime = Runtime(self._model, loss_fn, precision, self._shardings(), scan_groups, tuple(targets),
                           remat_.jax_policy() if remat_ is not None else None, body_policies,
-                          constrain_hidden=self._constrain_hidden)  # fmt: skip
+                          constrain_hidden=self._constrain_hidden, stages=self._stages)  # fmt: skip
         step = Step(runtime, optimizer, grad_accum_steps, self._constrain_batch, skip_nonfinite)
         self._step_fn = self._compile(step, donate)
 
@@ -206,6 +214,11 @@ class Trainer:
         return int(self._state.step)
 
     @property
+    def pipeline_bubble(self) -> float:
+        """The idle fraction of the pipeline schedule, ``(S-1)/(repeats*M + S-1)``; 0.0 without a pipeline."""
+        return max((s.bubble for s in self._stages.values()), default=0.0)
+
+    @property
     def rng_key(self) -> jax.Array:
         """Raw key data (uint32) the per-step keys are folded from: part of a resumable state."""
         return self._base_key
@@ -217,7 +230,7 @@ class Trainer:
         for key in self.layout.keys(names):
             if key in stacks:
                 layers = [unwrap(self._tensors[n]) for n in stacks[key]]
-                spec = PartitionSpec(None, *self.plan.spec(stacks[key][0]))
+                spec = PartitionSpec(self.layout.axis(key), *self.plan.spec(stacks[key][0]))
                 arrays[key] = _stack(layers, NamedSharding(self.plan.mesh, spec))
             else:
                 arrays[key] = unwrap(self._tensors[key])
@@ -313,7 +326,7 @@ class Trainer:
             if problems:
                 return problems
         spec = batch_leaf_spec(leaf, self.batch_spec)
-        factors = {0: ("grad_accum_steps", self.grad_accum_steps)} if shape else {}
+        factors = {0: batch_factor(self.grad_accum_steps, self._stages)} if shape else {}
         return spec_problems(f"batch leaf #{index}", shape, spec, self.mesh, factors=factors,
                              fix=lambda multiple: f"use a batch size that is a multiple of {multiple}")  # fmt: skip
 

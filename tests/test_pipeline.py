@@ -1,0 +1,375 @@
+"""Pipeline parallelism: pipelined training against eager torch and the unpipelined run, checkpoints, HLO, errors."""
+
+from __future__ import annotations
+
+import json
+
+import jax
+import numpy as np
+import optax
+import pytest
+import torch
+from helpers import assert_trees_close, to_numpy, torch_losses
+from jax.sharding import PartitionSpec as P
+from models import Block, BlockStack
+from torch import nn
+
+import torchshard as ts
+from torchshard import ArgumentError, Pipeline, ShardingError, presets
+
+LR, WD = 1e-3, 0.01
+DEPTH, VOCAB = 8, 64
+FSDP = presets.fsdp(min_size=256)
+BLOCK_TP = presets.tensor_parallel(colwise=[r"blocks\.\d+\.up"], rowwise=[r"blocks\.\d+\.down"]) + FSDP
+# name: (mesh, rules, Pipeline, other Trainer arguments)
+RUNS = {
+    "gpipe": ({"stage": 4, "data": 2}, FSDP, Pipeline(microbatches=4), {}),
+    "circular": ({"stage": 2, "data": 2, "model": 2}, BLOCK_TP, Pipeline(microbatches=2, schedule="circular",
+                 repeats=2), {"remat": r"blocks\.\d+", "grad_accum_steps": 2}),
+}  # fmt: skip
+
+
+def blocks_loss(model, ids):
+    logits = model(ids[:, :-1])
+    return nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), ids[:, 1:].reshape(-1))
+
+
+def batches(n=5, rows=8, vocab=VOCAB):
+    g = torch.Generator().manual_seed(3)
+    return [torch.randint(0, vocab, (rows, 12), generator=g) for _ in range(n)]
+
+
+def blocks(depth=DEPTH):
+    torch.manual_seed(0)
+    return BlockStack(depth=depth)
+
+
+def adamw():
+    return optax.adamw(LR, weight_decay=WD)
+
+
+def trainer(name, model=None, **overrides):
+    axes, rules, pipeline, kwargs = RUNS[name]
+    model = model or blocks()
+    plan = ts.plan(model, ts.make_mesh(axes), rules)
+    return ts.Trainer(model, blocks_loss, adamw(), plan, pipeline=pipeline, **(kwargs | overrides))
+
+
+def values(module):
+    return {k: to_numpy(v) for k, v in module.state_dict().items()}
+
+
+@pytest.fixture(scope="module")
+def eager():
+    """Eager torch after 4 AdamW steps, and its losses over all 5 batches."""
+    model = blocks()
+    losses = torch_losses(model, blocks_loss, torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=WD), batches())
+    # the state after 4 steps: rerun 4 (the fifth changed the model)
+    after4 = blocks()
+    torch_losses(after4, blocks_loss, torch.optim.AdamW(after4.parameters(), lr=LR, weight_decay=WD), batches(4))
+    return losses, values(after4)
+
+
+@pytest.fixture(scope="module")
+def unpipelined():
+    model = blocks()
+    run = ts.Trainer(model, blocks_loss, adamw(), ts.plan(model, ts.make_mesh({"data": 8}), FSDP))
+    losses = [float(run.step(b)["loss"]) for b in batches(4)]
+    return run, losses
+
+
+@pytest.fixture(scope="module")
+def trained():
+    """Each pipelined run after 4 steps, with its losses."""
+    runs = {}
+    for name in RUNS:
+        run = trainer(name)
+        runs[name] = run, [float(run.step(b)["loss"]) for b in batches(4)]
+    return runs
+
+
+@pytest.mark.parametrize("name", list(RUNS))
+def test_trains_like_eager_torch_and_like_the_unpipelined_run(name, trained, eager, unpipelined):
+    run, losses = trained[name]
+    np.testing.assert_allclose(losses, eager[0][:4], rtol=1e-4)
+    np.testing.assert_allclose(losses, unpipelined[1], rtol=1e-5)
+    assert_trees_close(values(run.model), values(unpipelined[0].model), tol=1e-4)
+    assert_trees_close(values(run.model), eager[1], tol=1e-4)
+
+
+def test_each_stage_holds_only_its_layers(trained):
+    run, _ = trained["gpipe"]
+    weight = run.state.params["blocks.*.up.weight"]
+    assert weight.sharding.spec == P("stage", "data", None)  # the stage axis on the layer dim, FSDP behind it
+    mesh = run.mesh
+    for device, index in weight.sharding.devices_indices_map(weight.shape).items():
+        stage = int(np.argwhere(mesh.devices == device)[0][0])
+        assert index[0] == slice(2 * stage, 2 * stage + 2)  # 8 layers, 4 stages: two each
+    opt_leaves = [x for x in jax.tree.leaves(run.state.opt_state) if x.shape == weight.shape]
+    assert opt_leaves and all(x.sharding.spec == weight.sharding.spec for x in opt_leaves)
+
+
+def test_the_compiled_step_moves_activations_by_collective_permute_and_holds_a_quarter(trained, unpipelined):
+    run, _ = trained["gpipe"]
+    compiled = run.lower(batches(1)[0]).compile()
+    assert "collective-permute" in compiled.as_text()
+    dense = unpipelined[0].lower(batches(1)[0]).compile()
+    assert "collective-permute" not in dense.as_text()
+    layer_bytes = sum(x.addressable_shards[0].data.nbytes for k, x in run.state.params.items() if "*" in k)
+    entries = [e for e in run.plan.entries.values() if e.name.startswith("blocks.")]
+    assert layer_bytes == sum(e.bytes_per_device for e in entries if e.stage == 0)  # as the plan table says
+    assert layer_bytes * 4 == sum(e.bytes_per_device for e in entries)  # a quarter of the layers the plan shards
+
+
+def test_bubble_is_the_idle_fraction_of_the_schedule(trained, unpipelined):
+    assert trained["gpipe"][0].pipeline_bubble == pytest.approx(3 / (4 + 3))
+    assert trained["circular"][0].pipeline_bubble == pytest.approx(1 / (2 * 2 + 1))
+    assert unpipelined[0].pipeline_bubble == 0.0
+    assert Pipeline(microbatches=8, schedule="circular", repeats=2).bubble(stages=4) == pytest.approx(3 / 19)
+
+
+def test_plan_table_says_which_stage_holds_each_layer(trained):
+    run, _ = trained["circular"]  # 8 layers in 4 chunks of 2 on 2 stages: chunk j on stage j mod 2
+    stages = {r["name"]: r["stage"] for r in run.plan.rows()}
+    assert [stages[f"blocks.{i}.up.weight"] for i in range(DEPTH)] == [0, 0, 1, 1, 0, 0, 1, 1]
+    assert stages["embed.weight"] is None and stages["head.weight"] is None
+    table = run.plan.table()
+    assert table.splitlines()[0].split()[:5] == ["name", "shape", "dtype", "spec", "stage"]
+    assert any(line.startswith("blocks.2.up.weight") and " 1 " in line for line in table.splitlines())
+    stored = run.layout.stacks()["blocks.*.up.weight"]
+    assert stored == [f"blocks.{i}.up.weight" for i in (0, 1, 4, 5, 2, 3, 6, 7)]  # stage 0's chunks, then stage 1's
+    json.dumps(run.plan.rows())
+
+
+def test_names_are_torch_names(trained, tmp_path):
+    run, _ = trained["circular"]
+    state = ts.to_torch_state_dict(run.model)
+    assert list(state) == list(blocks().state_dict())
+    np.testing.assert_array_equal(state["blocks.4.up.weight"].numpy(), to_numpy(run.model.blocks[4].up.weight))
+    index = ts.save_safetensors(tmp_path / "hf", run)
+    assert set(json.loads(index.read_text())["weight_map"]) == set(blocks().state_dict())
+
+
+@pytest.mark.parametrize(
+    ("source", "destination"),
+    [("circular", "unpipelined"), ("unpipelined", "gpipe"), pytest.param("gpipe", "circular", marks=pytest.mark.slow)],
+)
+def test_checkpoints_load_pipelined_or_not_on_another_mesh(source, destination, trained, unpipelined, eager, tmp_path):
+    saved = unpipelined[0] if source == "unpipelined" else trained[source][0]
+    ts.save(tmp_path, saved)
+    if destination == "unpipelined":
+        model = blocks()
+        target = ts.Trainer(model, blocks_loss, adamw(), ts.plan(model, ts.make_mesh({"data": 4, "model": 2}), FSDP))
+    else:
+        target = trainer(destination)
+    ts.load(tmp_path, target)
+    assert target.step_count == 4
+    assert_trees_close(values(target.model), values(saved.model), tol=0)
+    loss = float(target.step(batches()[4])["loss"])  # resumes where eager torch's fifth step is
+    np.testing.assert_allclose(loss, eager[0][4], rtol=1e-4)
+
+
+@pytest.mark.slow
+def test_mixed_precision_remat_and_grad_accum_compose():
+    from test_precision import RTOL, torch_mixed_precision
+    from test_precision import blocks_loss as float_loss  # the loss in fp32 (bf16 losses are 1/128 apart)
+
+    data = batches(3, rows=16)  # 2 accumulation steps × 4 micro-batches × data=2
+    expected = torch_mixed_precision(blocks(), float_loss, data)
+    model = blocks()
+    plan = ts.plan(model, ts.make_mesh(RUNS["gpipe"][0]), FSDP)
+    run = ts.Trainer(model, float_loss, adamw(), plan, pipeline=Pipeline(microbatches=4), precision=ts.MixedPrecision(),
+                     remat=r"blocks\.\d+\.up", grad_accum_steps=2)  # fmt: skip
+    got = np.array([float(run.step(b)["loss"]) for b in data])
+    np.testing.assert_allclose(got, expected, rtol=RTOL)
+
+
+class Gated(nn.Module):
+    """A block called with a second per-row argument: the pipeline splits it into micro-batches with the rows."""
+
+    def __init__(self):
+        super().__init__()
+        self.block = Block()
+
+    def forward(self, h, keep):
+        return h + keep * (self.block(h) - h)
+
+
+class GatedStack(BlockStack):
+    def __init__(self):
+        super().__init__(depth=4)
+        self.blocks = nn.ModuleList(Gated() for _ in range(4))
+
+    def forward(self, ids):
+        h = self.embed(ids)
+        keep = (ids % 3 != 0).unsqueeze(-1).float()  # [B, T, 1], different for every row
+        for block in self.blocks:
+            h = block(h, keep)
+        return self.head(self.norm(h))
+
+
+def test_call_arguments_with_the_batch_rows_are_split_with_them():
+    data = batches(3)
+    torch.manual_seed(0)
+    ref = GatedStack()
+    expected = torch_losses(ref, blocks_loss, torch.optim.AdamW(ref.parameters(), lr=LR, weight_decay=WD), data)
+    torch.manual_seed(0)
+    run = trainer("gpipe", GatedStack())
+    np.testing.assert_allclose([float(run.step(b)["loss"]) for b in data], expected, rtol=1e-4)
+
+
+def hf_loss(model, batch):
+    ids, mask = batch
+    return model(input_ids=ids, attention_mask=mask, labels=ids, use_cache=False).loss
+
+
+HF = {  # family: (mesh, tensor-parallel axis, micro-batches)
+    "llama": ({"stage": 2, "data": 2, "model": 2}, "model", 4),
+    "gpt2": ({"stage": 2, "data": 4}, None, 2),  # GPT-2 has no tensor-parallel plan
+    "mixtral": ({"stage": 4, "model": 2}, "model", 4),
+}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("family", list(HF))
+def test_hf_models_train_like_eager_torch(family):
+    from families import Family, build
+
+    axes, tp, microbatches = HF[family]
+    model_family = Family(family, moe=family == "mixtral", extra=(("num_hidden_layers", 4),))
+    g = torch.Generator().manual_seed(3)
+    mask = torch.ones(8, 12, dtype=torch.long)
+    mask[::3, -4:] = 0  # padding: a 4-D mask per row, split into micro-batches with the hidden state
+    data = [(torch.randint(0, 128, (8, 12), generator=g), mask) for _ in range(4)]
+    ref = build(model_family)
+    expected = torch_losses(ref, hf_loss, torch.optim.AdamW(ref.parameters(), lr=LR, weight_decay=WD), data)
+    model = build(model_family)
+    fsdp = "data" if "data" in axes else None
+    plan = ts.plan(model, ts.make_mesh(axes), presets.hf_rules(model, axis=tp, fsdp_axis=fsdp, fsdp_min_size=1024))
+    batch_spec = (fsdp,) if fsdp else ()
+    run = ts.Trainer(model, hf_loss, adamw(), plan, pipeline=Pipeline(microbatches=microbatches), batch_spec=batch_spec)
+    np.testing.assert_allclose([float(run.step(b)["loss"]) for b in data], expected, rtol=1e-4)
+    assert list(ts.to_torch_state_dict(run.model)) == list(ref.state_dict())
+
+
+# ---- shapes a pipeline cannot take: each a ShardingError naming the sizes that work ----
+
+
+class NoStack(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.embed = nn.Embedding(VOCAB, 32)
+        self.blocks = nn.ModuleList([Block(), Block(32, 32)])  # different shapes
+        self.head = nn.Linear(32, VOCAB)
+
+    def forward(self, ids):
+        h = self.embed(ids)
+        for block in self.blocks:
+            h = block(h)
+        return self.head(h)
+
+
+class TwoStacks(BlockStack):
+    def __init__(self):
+        super().__init__(depth=2)
+        self.more = nn.ModuleList(Block() for _ in range(2))
+
+
+class NormStack(BlockStack):
+    def __init__(self):
+        super().__init__(depth=2)
+        for block in self.blocks:
+            block.norm = nn.BatchNorm1d(11)  # running stats: a buffer each step updates
+
+
+def build_error(model, axes, pipeline, rules=FSDP, **kwargs):
+    ts.Trainer(model, blocks_loss, adamw(), ts.plan(model, ts.make_mesh(axes), rules), pipeline=pipeline, **kwargs)
+
+
+@pytest.mark.parametrize(
+    ("make", "axes", "pipeline", "kwargs", "match"),
+    [
+        (lambda: blocks(6), {"stage": 4, "data": 2}, Pipeline(), {},
+         r"blocks has 6 layers, not divisible into stage \(4\) × repeats \(1\) = 4 chunks.*one of \[1, 2, 3, 6\]"),
+        (lambda: blocks(8), {"stage": 2, "data": 4}, Pipeline(microbatches=4, schedule="circular", repeats=3), {},
+         r"8 layers, not divisible into stage \(2\) × repeats \(3\) = 6"),
+        (blocks, {"stage": 4, "data": 2}, Pipeline(microbatches=2), {},
+         r"microbatches=2 is fewer than the 4 stages: use microbatches ≥ 4"),
+        (blocks, {"data": 8}, Pipeline(), {}, r"Mesh\(data=8\) has no axis 'stage'"),
+        (NoStack, {"stage": 2, "data": 4}, Pipeline(), {},
+         r"no stack of identical layers in NoStack.*blocks.1 differs from block 0"),
+        (TwoStacks, {"stage": 2, "data": 4}, Pipeline(), {}, r"several stacks.*\['blocks', 'more'\].*layers="),
+        (TwoStacks, {"stage": 2, "data": 4}, Pipeline(layers="block"), {}, r"matches no ModuleList.*'blocks', 'more'"),
+        (blocks, {"stage": 2, "data": 4}, Pipeline(), {"batch_spec": (("data", "stage"),)},
+         r"batch_spec .* shards the batch over the stage axis 'stage'"),
+    ],
+)  # fmt: skip
+def test_shapes_it_cannot_take(make, axes, pipeline, kwargs, match):
+    with pytest.raises(ShardingError, match=match):
+        build_error(make(), axes, pipeline, **kwargs)
+
+
+def test_a_plan_sharding_layers_over_the_stage_axis_is_refused():
+    rules = ts.Rules([(r"blocks\.\d+\.up\.weight", ("stage", None))])
+    with pytest.raises(ShardingError, match=r"blocks.0.up.weight spec P\('stage', None\).*over the other axes"):
+        build_error(blocks(), {"stage": 2, "data": 4}, Pipeline(), rules=rules)
+
+
+def test_a_batch_the_microbatches_do_not_divide_is_refused(trained):
+    run, _ = trained["gpipe"]  # data=2, 4 micro-batches: batches of 8, 16, ... rows
+    with pytest.raises(ShardingError, match=r"dim 0 \(size 12\) is not divisible by data \(size 2\) × microbatches "
+                       r"4; use a batch size that is a multiple of 8"):  # fmt: skip
+        run.step(batches(1, rows=12)[0])
+
+
+class FewRows(BlockStack):
+    def forward(self, ids):
+        h = self.embed(ids[:3])  # the stack sees 3 of the batch's rows
+        for block in self.blocks:
+            h = block(h)
+        return self.head(h)
+
+
+def test_a_hidden_state_the_microbatches_do_not_divide_is_refused():
+    torch.manual_seed(0)
+    model = FewRows(depth=2)
+    plan = ts.plan(model, ts.make_mesh({"stage": 2, "data": 4}))
+    run = ts.Trainer(model, lambda m, ids: m(ids).mean(), adamw(), plan, pipeline=Pipeline())
+    with pytest.raises(ShardingError, match=r"hidden state \[3, 12, 32\] does not split into microbatches=2.*e\.g\. 4"):
+        run.step(batches(1)[0])
+
+
+def test_dropout_inside_pipelined_blocks_draws_masks():
+    torch.manual_seed(0)
+    model = BlockStack(depth=4, dropout=0.5)
+    plain = blocks_loss(model.eval(), batches(1)[0]).item()
+    run = ts.Trainer(model.train(), blocks_loss, adamw(), ts.plan(model, ts.make_mesh({"stage": 2, "data": 4})),
+                     pipeline=Pipeline())  # fmt: skip
+    loss = float(run.step(batches(1)[0])["loss"])
+    assert np.isfinite(loss) and abs(loss - plain) > 1e-3
+
+
+def test_a_block_updating_buffers_is_refused():
+    with pytest.raises(ShardingError, match=r"blocks.0 updates its buffer\(s\) \['norm.num_batches_tracked'"):
+        model = NormStack()
+        ts.Trainer(model, blocks_loss, adamw(), ts.plan(model, ts.make_mesh({"stage": 2, "data": 4})),
+                   pipeline=Pipeline()).step(batches(1)[0])  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "match"),
+    [
+        ({"schedule": "1f1b"}, r"schedule='1f1b' must be one of \['gpipe', 'circular'\]"),
+        ({"repeats": 2}, r"repeats=2 needs schedule='circular'"),
+        ({"microbatches": 0}, r"microbatches=0 must be an int ≥ 1"),
+        ({"axis": 3}, r"axis=3 must be a mesh axis name"),
+    ],
+)
+def test_bad_pipeline_arguments(kwargs, match):
+    with pytest.raises(ArgumentError, match=match):
+        Pipeline(**kwargs)
+
+
+def test_pipeline_must_be_a_pipeline():
+    with pytest.raises(ArgumentError, match=r"pipeline must be None or a torchshard.Pipeline, got dict"):
+        build_error(blocks(), {"stage": 2, "data": 4}, {"microbatches": 2})
