@@ -171,6 +171,14 @@ def _forwards(model: torch.nn.Module, remat: Sequence[str], policy: Any, runs: S
                 del module.forward
 
 
+@contextlib.contextmanager
+def _entered(overrides: Sequence[Callable[[], contextlib.AbstractContextManager[Any]]]) -> Iterator[None]:
+    with contextlib.ExitStack() as stack:
+        for override in overrides:
+            stack.enter_context(override())
+        yield
+
+
 @dataclasses.dataclass(frozen=True)
 class Runtime:
     """Binds jax arrays into the torch module for one traced call and reads updated buffers back.
@@ -187,6 +195,8 @@ class Runtime:
     remat: tuple[str, ...] = ()
     remat_policy: Any = None
     body_policies: Mapping[str, Any] = dataclasses.field(default_factory=dict)
+    # entered around each trace of the loss (e.g. context-parallel attention's SDPA lowering)
+    overrides: tuple[Callable[[], contextlib.AbstractContextManager[Any]], ...] = ()
 
     def _cast(self, arrays: Arrays) -> Arrays:
         if self.precision is None:
@@ -221,7 +231,11 @@ class Runtime:
         with seeded(key), env(), torch.device("jax"):
             values = self._values(state)
             runs = self._runs(state)
-            with bound(self.model, values), _forwards(self.model, self.remat, self.remat_policy, runs):
+            with (
+                bound(self.model, values),
+                _forwards(self.model, self.remat, self.remat_policy, runs),
+                _entered(self.overrides),
+            ):
                 out = call_loss(self.loss_fn, self.model, jax.tree.map(wrap, self._inputs(batch)))
             for run in runs:
                 run.finish()
