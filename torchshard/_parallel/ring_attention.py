@@ -3,7 +3,8 @@
 Runs inside a ``shard_map`` that is manual over the context axis only. Each device keeps its own
 query rows and meets every key block once, one block per ring step: the block of device
 ``(i - t) mod n`` at step ``t``. Scores are folded into a running max, sum and weighted value
-(the log-sum-exp carry), so no device ever holds more than one ``(S/n) × (S/n)`` block of scores.
+(the log-sum-exp carry) a tile of keys at a time, so a device holds O(S/n) activations and one
+``(S/n) × KEY_TILE`` block of scores.
 The backward pass runs the ring again from the saved log-sum-exp (a custom VJP): the key/value
 gradients travel with their block and arrive back at its owner after the last step.
 """
@@ -19,6 +20,8 @@ import jax.numpy as jnp
 from jax.sharding import Mesh, PartitionSpec
 
 Stats = tuple[jax.Array, jax.Array, jax.Array]  # running max, running sum, running weighted values (all f32)
+# keys folded at a time: a device holds a (S/n) × KEY_TILE block of scores per head, not (S/n) × (S/n)
+KEY_TILE = 512
 
 
 @dataclasses.dataclass(frozen=True)
@@ -61,6 +64,7 @@ class Ring:
     layout: Layout
     causal: bool
     gathered: bool  # K/V arrive all-gathered (attention="all_gather") instead of passed by ppermute
+    key_tile: int = KEY_TILE
 
 
 def _varying(x: jax.Array, axis: str) -> jax.Array:
@@ -91,9 +95,28 @@ def _logits(q: jax.Array, k: jax.Array, q_start: jax.Array, k_start: jax.Array, 
     return s
 
 
-def _visible(ring: Ring, q_start: jax.Array, k_start: jax.Array) -> jax.Array:
-    """Whether any query of a run sees any key of a run (a fully masked pair is skipped)."""
-    return k_start <= q_start + ring.layout.run - 1 if ring.causal else jnp.bool_(True)
+def _sees(q_start: jax.Array, rows: int, k_start: jax.Array, causal: bool) -> jax.Array:
+    """Whether any of ``rows`` queries from ``q_start`` sees a key from ``k_start`` (fully masked tiles are skipped)."""
+    return k_start <= q_start + rows - 1 if causal else jnp.bool_(True)
+
+
+def _key_tiles(length: int, most: int) -> int:
+    """How many equal tiles of at most ``most`` keys a run of ``length`` keys is folded in (1: tiles under 64)."""
+    for tiles in range(-(-length // most), length // min(64, most) + 1):
+        if length % tiles == 0:
+            return tiles
+    return 1
+
+
+def _tiled(x: jax.Array, tiles: int) -> jax.Array:
+    """[b, kv, k, d] → [tiles, b, kv, k / tiles, d]."""
+    b, kv, k, d = x.shape
+    return jnp.moveaxis(x.reshape(b, kv, tiles, k // tiles, d), 2, 0)
+
+
+def _untiled(x: jax.Array) -> jax.Array:
+    tiles, b, kv, k, d = x.shape
+    return jnp.moveaxis(x, 0, 2).reshape(b, kv, tiles * k, d)
 
 
 def _update(stats: Stats, q: jax.Array, k: jax.Array, v: jax.Array, q_start: jax.Array, k_start: jax.Array,
@@ -107,6 +130,23 @@ def _update(stats: Stats, q: jax.Array, k: jax.Array, v: jax.Array, q_start: jax
     alpha = jnp.exp(m - shift)[..., None]
     pv = jnp.einsum("bkgqs,bksh->bkgqh", p.astype(v.dtype), v, preferred_element_type=jnp.float32)
     return m_new, alpha[..., 0] * total + p.sum(-1), alpha * acc + pv
+
+
+def _fold(stats: Stats, q: jax.Array, k: jax.Array, v: jax.Array, q_start: jax.Array, k_start: jax.Array,
+          ring: Ring) -> Stats:  # fmt: skip
+    """Every key tile of a run that a query run sees, folded into that query run's stats."""
+    causal, tiles = ring.causal, _key_tiles(k.shape[2], ring.key_tile)
+    size = k.shape[2] // tiles
+
+    def tile(stats: Stats, xs: tuple[jax.Array | int, jax.Array, jax.Array]) -> tuple[Stats, None]:
+        i, k_tile, v_tile = xs
+        start = k_start + i * size
+        update = functools.partial(_update, q=q, k=k_tile, v=v_tile, q_start=q_start, k_start=start, causal=causal)
+        return jax.lax.cond(_sees(q_start, q.shape[3], start, causal), update, lambda s: s, stats), None
+
+    if tiles == 1:
+        return tile(stats, (0, k, v))[0]
+    return jax.lax.scan(tile, stats, (jnp.arange(tiles), _tiled(k, tiles), _tiled(v, tiles)))[0]
 
 
 def _no_keys_yet(q: jax.Array, axis: str) -> Stats:
@@ -131,9 +171,7 @@ def _forward_step(ring: Ring, qs: list[jax.Array], stats: list[Stats], k: jax.Ar
     stats = list(stats)
     for a, q_start in enumerate(q_starts):
         for c, k_start in enumerate(k_starts):
-            update = functools.partial(_update, q=qs[a], k=ks[c], v=vs[c], q_start=q_start, k_start=k_start,
-                                       causal=ring.causal)  # fmt: skip
-            stats[a] = jax.lax.cond(_visible(ring, q_start, k_start), update, lambda s: s, stats[a])
+            stats[a] = _fold(stats[a], qs[a], ks[c], vs[c], q_start, k_start, ring)
     return stats
 
 
@@ -180,18 +218,42 @@ def _backward_step(ring: Ring, saved: tuple[list[jax.Array], ...], dqs: list[jax
     k_starts = ring.layout.starts(_source(ring, t))
     parts = ring.layout.parts
     ks, vs = _runs(k, parts, 2), _runs(v, parts, 2)
-    zero = _varying(jnp.zeros(ks[0].shape, jnp.float32), ring.axis)
-    dks, dvs, dqs = [zero] * parts, [zero] * parts, list(dqs)
+    dqs = list(dqs)
+    dks: list[list[jax.Array]] = [[] for _ in range(parts)]
+    dvs: list[list[jax.Array]] = [[] for _ in range(parts)]
     for a, q_start in enumerate(q_starts):
         for c, k_start in enumerate(k_starts):
+            dqs[a], dk, dv = _unfold(dqs[a], (qs[a], dos[a], lses[a], deltas[a]), ks[c], vs[c], q_start, k_start, ring)
+            dks[c].append(dk)
+            dvs[c].append(dv)
+    return dqs, _join([sum(d[1:], d[0]) for d in dks], 2), _join([sum(d[1:], d[0]) for d in dvs], 2)
 
-            def add(dq, dk, dv, a=a, c=c, q_start=q_start, k_start=k_start):
-                g = _grads(qs[a], ks[c], vs[c], dos[a], lses[a], deltas[a], q_start, k_start, ring.causal)
-                return dq + g[0], dk + g[1], dv + g[2]
 
-            visible = _visible(ring, q_start, k_start)
-            dqs[a], dks[c], dvs[c] = jax.lax.cond(visible, add, lambda *x: x, dqs[a], dks[c], dvs[c])
-    return dqs, _join(dks, 2), _join(dvs, 2)
+def _unfold(dq: jax.Array, saved: tuple[jax.Array, ...], k: jax.Array, v: jax.Array, q_start: jax.Array,
+            k_start: jax.Array, ring: Ring) -> tuple[jax.Array, jax.Array, jax.Array]:  # fmt: skip
+    """The backward of `_fold`: dq accumulated over the key tiles the query run sees, and each tile's dk, dv."""
+    q, do, lse, delta = saved
+    tiles = _key_tiles(k.shape[2], ring.key_tile)
+    size = k.shape[2] // tiles
+    nothing = _varying(jnp.zeros((*k.shape[:2], size, k.shape[3]), jnp.float32), ring.axis)
+
+    def tile(dq: jax.Array, xs: tuple[jax.Array | int, jax.Array, jax.Array]):
+        i, k_tile, v_tile = xs
+        start = k_start + i * size
+
+        def grads(dq: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
+            g = _grads(q, k_tile, v_tile, do, lse, delta, q_start, start, ring.causal)
+            return dq + g[0], g[1], g[2]
+
+        dq, dk, dv = jax.lax.cond(_sees(q_start, q.shape[3], start, ring.causal), grads,
+                                  lambda dq: (dq, nothing, nothing), dq)  # fmt: skip
+        return dq, (dk, dv)
+
+    if tiles == 1:
+        dq, (dk, dv) = tile(dq, (0, k, v))
+        return dq, dk, dv
+    dq, (dks, dvs) = jax.lax.scan(tile, dq, (jnp.arange(tiles), _tiled(k, tiles), _tiled(v, tiles)))
+    return dq, _untiled(dks), _untiled(dvs)
 
 
 def _backward(ring: Ring, res: tuple[jax.Array, ...], do: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
@@ -295,6 +357,7 @@ def context_attention(
     scale: float | None = None,
     gathered: bool = False,
     balanced: bool = False,
+    key_tile: int = KEY_TILE,
 ) -> jax.Array:
     """softmax(q·kᵀ·scale)·v in torch's [batch, heads, seq, dim] layout, the sequence split over ``axis``.
 
@@ -309,6 +372,7 @@ def context_attention(
         scale: the score scale (default ``d ** -0.5``).
         gathered: gather K/V over the axis instead of passing blocks round the ring.
         balanced: zig-zag the rows inside the attention so every device does equal causal work.
+        key_tile: fold at most this many keys at a time (the scores a device holds: its rows × this).
 
     Example:
         >>> auto = (jax.sharding.AxisType.Auto,)
@@ -321,7 +385,7 @@ def context_attention(
     kv_heads = key.shape[1]
     scale = d**-0.5 if scale is None else scale
     q = (query * jnp.asarray(scale, query.dtype)).reshape(b, kv_heads, heads // kv_heads, s, d)
-    ring = Ring(axis, Layout(s, mesh.shape[axis], balanced and causal), causal, gathered)
+    ring = Ring(axis, Layout(s, mesh.shape[axis], balanced and causal), causal, gathered, key_tile)
     q_spec, kv_spec = PartitionSpec(None, None, None, axis, None), PartitionSpec(None, None, axis, None)
     local = functools.partial(_local, ring)
     sharded = jax.shard_map(local, mesh=mesh, in_specs=(q_spec, kv_spec, kv_spec), out_specs=q_spec,
