@@ -215,12 +215,14 @@ def test_composes_with_fsdp_tp_remat_scan_and_accumulation():
                              scan_layers=True, grad_accum_steps=2, batch=4)  # fmt: skip
 
 
+@SLOW
 def test_mixed_precision_runs_in_bf16(mesh):
     trainer = trainer_for(CausalLM(depth=1), mesh, ContextParallel(), precision=ts.MixedPrecision())
     losses = [float(trainer.step(b)["loss"]) for b in batches(2)]
     assert np.isfinite(losses).all() and abs(losses[0] - np.log(VOCAB)) < 0.5, losses
 
 
+@SLOW
 def test_checkpoint_resumes_into_a_trainer_without_context(mesh, tmp_path):
     torch.manual_seed(0)
     ref = CausalLM(depth=1)
