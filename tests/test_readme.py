@@ -80,7 +80,22 @@ def _hf_moe() -> dict[str, Any]:
     return {"ts": ts, "model": transformers.MixtralForCausalLM(config)}
 
 
+def _hf_llama_stack() -> dict[str, Any]:
+    import transformers
+
+    config = _tiny_llama_config()
+    config.num_hidden_layers = 4  # one layer per stage of a 4-stage pipeline
+    loss_fn = lambda m, ids: m(input_ids=ids, labels=ids).loss  # noqa: E731
+    return {"ts": ts, "optax": optax, "model": transformers.LlamaForCausalLM(config), "loss_fn": loss_fn}
+
+
+def _context() -> dict[str, Any]:
+    return {**_hf_llama_stack(), "rules": ts.presets.fsdp("data", min_size=1024)}
+
+
 SETUPS: dict[str, Callable[[], dict[str, Any]]] = {
+    "hf_llama_stack": _hf_llama_stack,
+    "context": _context,
     "hf_llama": _hf_llama,
     "trainers": _trainers,
     "hf_config": _hf_config,
@@ -97,6 +112,8 @@ def _after_checkpoints(ns: dict[str, Any]) -> None:
 THEN: dict[str, Callable[[dict[str, Any]], None]] = {
     "hf_llama": lambda ns: ns["trainer"].step(ns["ids"]),  # bf16, remat and scan, from a default config
     "trainers": _after_checkpoints,
+    "hf_llama_stack": lambda ns: ns["trainer"].step(_ids().repeat(2, 1)),  # 16 rows: 8 micro-batches × data 2
+    "context": lambda ns: ns["trainer"].step(_ids()),  # 16 tokens: 2 per device of the ring, balanced
 }
 
 

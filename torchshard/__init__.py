@@ -7,6 +7,7 @@ from torchshard._ckpt.checkpoint import load, save
 from torchshard._ckpt.export import from_torch_state_dict, to_torch_state_dict
 from torchshard._ckpt.safetensors import save_safetensors
 from torchshard._ckpt.stepdir import checkpoint_steps
+from torchshard._parallel.context import ContextParallel
 from torchshard._parallel.pipeline import Pipeline
 from torchshard._report.visualize import visualize, visualize_plan
 from torchshard._sharding.init import init_sharded
@@ -26,6 +27,7 @@ from torchshard._train.trainer import Trainer
 __all__ = [
     "ArgumentError",
     "CheckpointError",
+    "ContextParallel",
     "MixedPrecision",
     "Pipeline",
     "PlanEntry",

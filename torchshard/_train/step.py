@@ -173,6 +173,14 @@ def _forwards(model: torch.nn.Module, remat: Sequence[str], policy: Any, runs: S
                 del module.forward
 
 
+@contextlib.contextmanager
+def _entered(overrides: Sequence[Callable[[], contextlib.AbstractContextManager[Any]]]) -> Iterator[None]:
+    with contextlib.ExitStack() as stack:
+        for override in overrides:
+            stack.enter_context(override())
+        yield
+
+
 @dataclasses.dataclass(frozen=True)
 class Runtime:
     """Binds jax arrays into the torch module for one traced call and reads updated buffers back.
@@ -191,6 +199,8 @@ class Runtime:
     body_policies: Mapping[str, Any] = dataclasses.field(default_factory=dict)
     constrain_hidden: Callable[[jax.Array], jax.Array] | None = None
     stages: Mapping[str, Stages] = dataclasses.field(default_factory=dict)  # pipelined groups by prefix
+    # entered around each trace of the loss (e.g. context-parallel attention's SDPA lowering)
+    overrides: tuple[Callable[[], contextlib.AbstractContextManager[Any]], ...] = ()
 
     def _cast(self, arrays: Arrays) -> Arrays:
         if self.precision is None:
@@ -239,6 +249,7 @@ class Runtime:
                 bound(self.model, values),
                 _forwards(self.model, self.remat, self.remat_policy, runs),
                 no_kv_cache(self.model),
+                _entered(self.overrides),
             ):
                 out = call_loss(self.loss_fn, self.model, jax.tree.map(wrap, self._inputs(batch)))
             for run in runs:

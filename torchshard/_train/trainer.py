@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import collections
+import functools
 import threading
 import weakref
 from collections.abc import Callable
@@ -26,6 +27,7 @@ from torchshard._bridge.layer_view import LayerView, StackedArray
 from torchshard._bridge.module_tensors import named_tensors, set_tensor
 from torchshard._bridge.tensors import rebind, set_array, unwrap
 from torchshard._multihost.worker import heartbeat
+from torchshard._parallel.context import ContextParallel, check_context, sequence_problems, tracing
 from torchshard._parallel.pipeline import Pipeline
 from torchshard._sharding.placement import batch_leaf_spec, put, shard
 from torchshard._sharding.plan import ShardingPlan
@@ -93,11 +95,15 @@ class Trainer:
             buffer or optimizer state; its metrics say ``"skipped": 1.0``.
         pipeline: a `Pipeline`: split the model's stack of identical layers into stages over a
             mesh axis and stream micro-batches through them (the stack is scanned).
+        context: a `ContextParallel`: split each batch's sequence (dim 1) over a mesh axis and run
+            every ``scaled_dot_product_attention`` in the model as ring (or all-gather) attention
+            over it; ``batch_spec`` must split dim 1 over that axis, e.g. ``("data", "context")``.
 
     Raises:
         ArgumentError: an argument of the wrong type or value (all listed); nothing is moved.
         ShardingError: the plan does not fit the model, a remat pattern matches no module, or a
-            list cannot be scanned (with why), or a pipeline does not fit (with the sizes that do).
+            list cannot be scanned (with why), a pipeline does not fit (with the sizes that do), or
+            ``context`` does not fit the mesh and batch_spec.
 
     Example:
         >>> import optax
@@ -128,6 +134,7 @@ class Trainer:
         scan_layers: ScanLike = False,
         skip_nonfinite: bool = False,
         pipeline: Pipeline | None = None,
+        context: ContextParallel | None = None,
     ) -> None:
         check_trainer_args(model, loss_fn, optimizer, plan, batch_spec, grad_accum_steps, max_in_flight, precision,
                     donate=donate, seed=seed, skip_nonfinite=skip_nonfinite)  # fmt: skip
@@ -136,6 +143,8 @@ class Trainer:
         self.optimizer = optimizer
         self.precision = precision
         self.batch_spec = parse_spec(batch_spec) or PartitionSpec()
+        check_context(context, plan.mesh, self.batch_spec)
+        self.context = context
         self.grad_accum_steps = grad_accum_steps
         self.max_in_flight = max_in_flight
         scan_groups = find_groups(model, scan_layers)
@@ -159,7 +168,8 @@ class Trainer:
         self._views()
         runtime = Runtime(self._model, loss_fn, precision, self._shardings(), scan_groups, tuple(targets),
                           remat_.jax_policy() if remat_ is not None else None, body_policies,
-                          constrain_hidden=self._constrain_hidden, stages=self._stages)  # fmt: skip
+                          constrain_hidden=self._constrain_hidden, stages=self._stages,
+                          overrides=(functools.partial(tracing, context, self.mesh),) if context else ())  # fmt: skip
         step = Step(runtime, optimizer, grad_accum_steps, self._constrain_batch, skip_nonfinite)
         self._step_fn = self._compile(step, donate)
 
@@ -325,6 +335,8 @@ class Trainer:
             shape, problems = global_shape(shape, self._leaf_sharding(leaf), what=what)
             if problems:
                 return problems
+        if sequence := sequence_problems(self.context, self.mesh, f"batch leaf #{index}", shape):
+            return sequence
         spec = batch_leaf_spec(leaf, self.batch_spec)
         factors = {0: batch_factor(self.grad_accum_steps, self._stages)} if shape else {}
         return spec_problems(f"batch leaf #{index}", shape, spec, self.mesh, factors=factors,

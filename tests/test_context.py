@@ -1,0 +1,381 @@
+"""Context parallelism: the sequence split over a mesh axis, SDPA run as ring / all-gather attention, vs eager torch."""
+
+from __future__ import annotations
+
+import copy
+import functools
+import subprocess
+import sys
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+import torch
+from helpers import assert_close, eager_value_and_grads, torch_losses
+from jax.sharding import NamedSharding, PartitionSpec
+from models import tiny_llama
+from torch import nn
+
+import torchshard as ts
+from torchshard import ArgumentError, ContextParallel, ShardingError
+from torchshard._parallel.ring_attention import context_attention
+
+SEQ, BATCH, VOCAB = 256, 2, 64
+LR, BETAS, EPS, WEIGHT_DECAY = 1e-2, (0.9, 0.99), 1e-8, 0.01
+VARIANTS = {
+    "all_gather": ContextParallel(attention="all_gather", load_balance=False),
+    "all_gather-balanced": ContextParallel(attention="all_gather"),
+    "ring": ContextParallel(attention="ring", load_balance=False),
+    "ring-balanced": ContextParallel(),
+}
+SLOW = pytest.mark.slow
+
+
+class Attention(nn.Module):
+    """Self-attention through ``F.scaled_dot_product_attention`` with grouped K/V heads."""
+
+    def __init__(self, dim: int, heads: int, kv_heads: int, mask: str):
+        super().__init__()
+        self.heads, self.kv_heads, self.mask = heads, kv_heads, mask
+        self.head_dim = dim // heads
+        self.q = nn.Linear(dim, dim)
+        self.kv = nn.Linear(dim, 2 * kv_heads * self.head_dim)
+        self.out = nn.Linear(dim, dim)
+
+    def forward(self, x):
+        b, s, _ = x.shape
+        q = self.q(x).view(b, s, self.heads, self.head_dim).transpose(1, 2)
+        k, v = self.kv(x).view(b, s, 2, self.kv_heads, self.head_dim).permute(2, 0, 3, 1, 4).unbind(0)
+        mask = torch.ones(s, s, dtype=torch.bool).tril() if self.mask == "tril" else None
+        y = nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=self.mask == "causal",
+                                                       enable_gqa=True)  # fmt: skip
+        return self.out(y.transpose(1, 2).reshape(b, s, -1))
+
+
+class CausalLM(nn.Module):
+    """A plain-torch pre-norm transformer LM: token + learned position embeddings, attention and MLP blocks."""
+
+    def __init__(self, *, vocab=VOCAB, dim=32, heads=4, kv_heads=2, depth=2, seq=SEQ, mask="causal"):
+        super().__init__()
+        self.embed, self.pos = nn.Embedding(vocab, dim), nn.Embedding(seq, dim)
+        self.attn = nn.ModuleList(Attention(dim, heads, kv_heads, mask) for _ in range(depth))
+        self.mlp = nn.ModuleList(nn.Sequential(nn.Linear(dim, 2 * dim), nn.GELU(), nn.Linear(2 * dim, dim))
+                                 for _ in range(depth))  # fmt: skip
+        self.norms = nn.ModuleList(nn.LayerNorm(dim) for _ in range(2 * depth + 1))
+        self.head = nn.Linear(dim, vocab)
+
+    def forward(self, ids):
+        h = self.embed(ids) + self.pos(torch.arange(ids.shape[1]))
+        for i, (attn, mlp) in enumerate(zip(self.attn, self.mlp, strict=True)):
+            h = h + attn(self.norms[2 * i](h))
+            h = h + mlp(self.norms[2 * i + 1](h))
+        return self.head(self.norms[-1](h))
+
+
+def lm_loss(model, batch):
+    ids, labels = batch
+    out = model(ids)
+    logits = out if isinstance(out, torch.Tensor) else out.logits
+    return nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), labels.reshape(-1))
+
+
+def batches(n, *, seq=SEQ, batch=BATCH, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    ids = [torch.randint(0, VOCAB, (batch, seq + 1), generator=g) for _ in range(n)]
+    return [(x[:, :-1].contiguous(), x[:, 1:].contiguous()) for x in ids]
+
+
+def adamw():
+    return optax.adamw(LR, b1=BETAS[0], b2=BETAS[1], eps=EPS, weight_decay=WEIGHT_DECAY)
+
+
+def eager_losses(model, data):
+    opt = torch.optim.AdamW(model.parameters(), lr=LR, betas=BETAS, eps=EPS, weight_decay=WEIGHT_DECAY)
+    return torch_losses(model, lm_loss, opt, data)
+
+
+@pytest.fixture(scope="module")
+def mesh():
+    return ts.make_mesh({"data": 2, "context": 4})
+
+
+def trainer_for(model, mesh, context, **kwargs):
+    plan = ts.plan(model, mesh, kwargs.pop("rules", None))
+    return ts.Trainer(model, lm_loss, kwargs.pop("optimizer", adamw()), plan, batch_spec=("data", "context"),
+                      context=context, **kwargs)  # fmt: skip
+
+
+def assert_trains_like_torch(model_fn, mesh, context, *, steps=3, batch=BATCH, **kwargs):
+    torch.manual_seed(0)
+    ref = model_fn()
+    trainer = trainer_for(copy.deepcopy(ref), mesh, context, **kwargs)
+    data = batches(steps, batch=batch)
+    got = [float(trainer.step(b)["loss"]) for b in data]
+    np.testing.assert_allclose(got, eager_losses(ref, data), rtol=1e-4)
+    return trainer
+
+
+# ---------------------------------------------------------------- the attention itself, against torch's SDPA
+
+KERNEL_CASES = [
+    # (variant, causal, heads, kv_heads, key_tile): small tiles fold the 128 (64 balanced) key runs in 2 tiles
+    ("ring-balanced", True, 4, 2, 512),
+    ("ring-balanced", False, 4, 4, 512),
+    ("ring", True, 4, 1, 64),
+    ("all_gather", True, 4, 2, 512),
+    ("all_gather-balanced", True, 2, 2, 32),
+    ("all_gather", False, 4, 2, 64),
+]
+
+
+@pytest.mark.parametrize(("variant", "causal", "heads", "kv_heads", "key_tile"), KERNEL_CASES)
+def test_attention_matches_torch_sdpa(mesh, variant, causal, heads, kv_heads, key_tile):
+    context = VARIANTS[variant]
+    g = torch.Generator().manual_seed(1)
+    shapes = [(4, heads, 512, 8), (4, kv_heads, 512, 8), (4, kv_heads, 512, 8), (4, heads, 512, 8)]
+    q, k, v, w = (torch.randn(s, generator=g) for s in shapes)
+
+    def torch_fn(q, k, v):
+        out = nn.functional.scaled_dot_product_attention(q, k, v, is_causal=causal, enable_gqa=True)
+        return (out * w).sum()
+
+    expected, expected_grads = eager_value_and_grads(torch_fn, [q, k, v], argnums=(0, 1, 2))
+    attend = functools.partial(context_attention, mesh=mesh, axis="context", causal=causal, key_tile=key_tile,
+                               gathered=context.attention == "all_gather", balanced=context.load_balance)  # fmt: skip
+    place = functools.partial(jax.device_put, device=NamedSharding(mesh, PartitionSpec("data", None, "context")))
+    q_, k_, v_, w_ = (place(jnp.asarray(t.numpy())) for t in (q, k, v, w))
+    value, grads = jax.jit(jax.value_and_grad(lambda q, k, v: (attend(q, k, v) * w_).sum(), argnums=(0, 1, 2)))(
+        q_, k_, v_
+    )
+    assert_close(value, expected, what="value")
+    for name, got, want in zip("qkv", grads, expected_grads, strict=True):
+        assert_close(got, want, what=f"d{name}")
+
+
+def test_balanced_layout_gives_every_device_equal_causal_work():
+    from torchshard._parallel.ring_attention import Layout
+
+    def visible_pairs(layout, device):
+        rows = [int(s) + i for s in layout.starts(device) for i in range(layout.run)]
+        return sum(r + 1 for r in rows)  # causal: row r sees keys 0..r
+
+    natural, balanced = Layout(64, 4, balanced=False), Layout(64, 4, balanced=True)
+    assert len({visible_pairs(balanced, d) for d in range(4)}) == 1
+    assert [visible_pairs(natural, d) for d in range(4)] == [136, 392, 648, 904]
+
+
+# ---------------------------------------------------------------- training against eager torch
+
+
+@pytest.mark.parametrize("variant", [*(pytest.param(v, marks=SLOW) for v in VARIANTS if v != "ring-balanced"),
+                                     "ring-balanced"])  # fmt: skip
+def test_causal_transformer_trains_like_torch(mesh, variant):
+    assert_trains_like_torch(CausalLM, mesh, VARIANTS[variant])
+
+
+@SLOW
+@pytest.mark.parametrize("variant", ["all_gather", "ring", "ring-balanced"])
+def test_llama_trains_like_torch(mesh, variant):
+    assert_trains_like_torch(lambda: tiny_llama(vocab_size=VOCAB, hidden_size=32, intermediate_size=64), mesh,
+                             VARIANTS[variant])  # fmt: skip
+
+
+def test_a_four_layer_llama_trains_like_torch(mesh):
+    """With 4 layers XLA moved the kernel's lax.axis_index out of the shard_map, which the partitioner refused."""
+    model_fn = functools.partial(tiny_llama, layers=4, vocab_size=VOCAB, hidden_size=32, intermediate_size=64)
+    assert_trains_like_torch(model_fn, mesh, ContextParallel(), steps=2)
+
+
+@pytest.mark.parametrize("mask", ["tril", pytest.param("none", marks=SLOW)])
+def test_constant_masks_are_recognised(mesh, mask):
+    """A constant causal mask the model builds runs as causal attention; no mask and not causal runs as full."""
+    assert_trains_like_torch(functools.partial(CausalLM, mask=mask, depth=1), mesh, ContextParallel(), steps=2)
+
+
+@pytest.mark.parametrize("variant", ["ring-balanced", pytest.param("all_gather", marks=SLOW)])
+def test_step_passes_blocks_round_the_context_axis(mesh, variant):
+    trainer = trainer_for(CausalLM(depth=1), mesh, VARIANTS[variant])
+    stats = ts.inspect.collectives(trainer, batches(1)[0])
+    # K, V forward; K, V, dK, dV backward (and the zig-zag's reorderings): all collective-permutes over the axis
+    assert stats.count("collective-permute", axes="context") >= 8, stats
+    assert stats.count("collective-permute") == stats.count("collective-permute", axes="context"), stats
+    # nothing is gathered: not the sequence over "context", nor (inside the shard_map) the batch over "data"
+    assert stats.count("all-gather") == 0, stats
+
+
+# ---------------------------------------------------------------- composition
+
+
+@SLOW
+def test_composes_with_fsdp_tp_remat_scan_and_accumulation():
+    mesh = ts.make_mesh({"data": 2, "context": 2, "model": 2})
+    layer = r"model\.layers\.\d+"
+    tp = ts.presets.tensor_parallel(colwise=[rf"{layer}\.self_attn\.[qkv]_proj", rf"{layer}\.mlp\.(gate|up)_proj"],
+                                    rowwise=[rf"{layer}\.self_attn\.o_proj", rf"{layer}\.mlp\.down_proj"])  # fmt: skip
+    rules = tp + ts.presets.fsdp("data", min_size=256)
+    model_fn = functools.partial(tiny_llama, vocab_size=VOCAB, hidden_size=32, intermediate_size=64)
+    assert_trains_like_torch(model_fn, mesh, ContextParallel(), rules=rules, remat=ts.Remat(r"model\.layers\.\d+"),
+                             scan_layers=True, grad_accum_steps=2, batch=4)  # fmt: skip
+
+
+@SLOW
+def test_mixed_precision_runs_in_bf16(mesh):
+    trainer = trainer_for(CausalLM(depth=1), mesh, ContextParallel(), precision=ts.MixedPrecision())
+    losses = [float(trainer.step(b)["loss"]) for b in batches(2)]
+    assert np.isfinite(losses).all() and abs(losses[0] - np.log(VOCAB)) < 0.5, losses
+
+
+@SLOW
+def test_checkpoint_resumes_into_a_trainer_without_context(mesh, tmp_path):
+    torch.manual_seed(0)
+    ref = CausalLM(depth=1)
+    data = batches(3)
+    expected = eager_losses(copy.deepcopy(ref), data)
+    trainer = trainer_for(copy.deepcopy(ref), mesh, ContextParallel())
+    first = float(trainer.step(data[0])["loss"])
+    ts.save(tmp_path / "ckpt", trainer)
+    plain = ts.Trainer(copy.deepcopy(ref), lm_loss, adamw(), ts.plan(ref, ts.make_mesh({"data": 2, "model": 4})))
+    ts.load(tmp_path / "ckpt", plain)
+    rest = [float(plain.step(b)["loss"]) for b in data[1:]]
+    np.testing.assert_allclose([first, *rest], expected, rtol=1e-4)
+
+
+# ---------------------------------------------------------------- what it cannot take
+
+
+def test_sequence_the_axis_cannot_split(mesh):
+    trainer = trainer_for(CausalLM(depth=1), mesh, ContextParallel())
+    match = (
+        r"batch leaf #0 \(2, 252\): the sequence \(length 252\) does not split into 8 equal chunks \(context size 4 "
+        r"× 2 \(load_balance=True\)\); use a length that is a multiple of 8, e.g. 248 or 256"
+    )
+    with pytest.raises(ShardingError, match=match):
+        trainer.step(batches(1, seq=252)[0])
+    unbalanced = trainer_for(CausalLM(depth=1), mesh, ContextParallel(load_balance=False))
+    with pytest.raises(ShardingError, match=r"length 250\) does not split into 4 equal chunks.*e.g. 248 or 252"):
+        unbalanced.step(batches(1, seq=250)[0])
+
+
+class Prefix(nn.Module):
+    """Prepends 4 learned positions inside the model: the attention's sequence is not the batch's."""
+
+    def __init__(self):
+        super().__init__()
+        self.lm = CausalLM(depth=1, seq=SEQ + 4)
+        self.prefix = nn.Parameter(torch.zeros(1, 4, 32))
+
+    def forward(self, ids):
+        h = torch.cat([self.prefix.expand(ids.shape[0], -1, -1), self.lm.embed(ids)], dim=1)
+        return self.lm.head(self.lm.attn[0](h))[:, 4:]
+
+
+def one_layer_llama(**overrides):
+    return tiny_llama(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=1, **overrides)
+
+
+def padded_loss(model, batch):
+    return model(batch[0], labels=batch[0], attention_mask=(batch[1] > 0).int()).loss
+
+
+INNER_LENGTH = r"the attention's: the sequence \(length 260\) does not split into 8 equal chunks.*e.g. 256 or 264"
+PADDING = (
+    r"attn_mask bool\[2, 1, 256, 256\] is computed from the step's inputs \(e.g. a padding attention_mask in the "
+    r"batch\); context-parallel attention supports no mask, is_causal=True, or a constant causal mask"
+)
+DROPOUT = r"dropout_p=0.1 is not supported; set the model's attention dropout to 0"
+
+
+@pytest.mark.parametrize(
+    ("model_fn", "loss_fn", "match"),
+    [
+        (Prefix, lm_loss, INNER_LENGTH),
+        (one_layer_llama, padded_loss, PADDING),
+        (functools.partial(one_layer_llama, attention_dropout=0.1), lm_loss, DROPOUT),
+    ],
+    ids=["inner-length", "padding-mask", "dropout"],
+)
+def test_attention_calls_it_cannot_take(mesh, model_fn, loss_fn, match):
+    model = model_fn()
+    trainer = ts.Trainer(model, loss_fn, adamw(), ts.plan(model, mesh), batch_spec=("data", "context"),
+                         context=ContextParallel())  # fmt: skip
+    with pytest.raises(ShardingError, match=match):
+        trainer.step(batches(1)[0])
+
+
+def test_masks_it_cannot_honour(mesh):
+    class Banded(CausalLM):
+        def forward(self, ids):
+            s = ids.shape[1]
+            band = torch.ones(s, s, dtype=torch.bool).tril() & torch.ones(s, s, dtype=torch.bool).triu(-8)
+            h = self.embed(ids)
+            q = h.view(*h.shape[:2], 4, 8).transpose(1, 2)
+            return self.head(nn.functional.scaled_dot_product_attention(q, q, q, attn_mask=band).transpose(1, 2)
+                             .reshape(h.shape))  # fmt: skip
+
+    model = Banded(depth=1)
+    trainer = trainer_for(model, mesh, ContextParallel())
+    with pytest.raises(ShardingError, match=r"attn_mask bool\[256, 256\] is neither the causal mask nor all-visible"):
+        trainer.step(batches(1)[0])
+
+
+@pytest.mark.parametrize(
+    ("mesh_axes", "context", "batch_spec", "match"),
+    [
+        ({"data": 8}, ContextParallel(), ("data",), r"axis 'context' is not an axis of Mesh\(data=8\); add it"),
+        (
+            {"data": 2, "context": 4},
+            ContextParallel(),
+            ("data",),
+            r"batch_spec P\('data',\) does not split the sequence \(dim 1\) over 'context'; "
+            r"write batch_spec=\('data', 'context'\)",
+        ),
+        (
+            {"data": 2, "seq": 4},
+            ContextParallel(axis="seq"),
+            ("seq", None),
+            r"does not split the sequence \(dim 1\) over 'seq'",
+        ),
+    ],
+)
+def test_trainer_arguments_it_cannot_take(mesh_axes, context, batch_spec, match):
+    mesh = ts.make_mesh(mesh_axes)
+    model = CausalLM(depth=1)
+    with pytest.raises(ShardingError, match=match):
+        ts.Trainer(model, lm_loss, adamw(), ts.plan(model, mesh), batch_spec=batch_spec, context=context)
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "match"),
+    [
+        ({"attention": "flash"}, r"attention='flash' must be one of \['ring', 'all_gather'\]"),
+        ({"load_balance": 1}, r"load_balance=1 must be True or False"),
+        ({"axis": 3}, r"axis=3 must be a mesh axis name"),
+    ],
+)
+def test_context_parallel_arguments(kwargs, match):
+    with pytest.raises(ArgumentError, match=match):
+        ContextParallel(**kwargs)
+
+
+def test_trainer_refuses_a_context_that_is_not_a_context_parallel(mesh):
+    model = CausalLM(depth=1)
+    with pytest.raises(ArgumentError, match=r"context must be a ContextParallel\(...\) or None, got str"):
+        ts.Trainer(model, lm_loss, adamw(), ts.plan(model, mesh), batch_spec=("data", "context"), context="ring")
+
+
+@SLOW
+def test_benchmark_memory_table():
+    """benchmarks/context.py: at seq 1024, context=4 needs at most 0.4× the temp memory of the whole sequence."""
+    script = Path(__file__).resolve().parent.parent / "benchmarks" / "context.py"
+    args = ["--seqs", "256,1024", "--contexts", "1,4", "--steps", "1", "--time-up-to", "256"]
+    done = subprocess.run([sys.executable, str(script), *args], capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr
+    rows = [[c.strip() for c in line.split("|")[1:-1]] for line in done.stdout.splitlines() if line.startswith("| ")]
+    memory, times = rows[:3], rows[3:]
+    assert memory[0] == times[0] == ["seq", "context=1", "context=1 + ContextParallel", "context=4"]
+    ratio = float(memory[2][3].split("(")[1].rstrip("×)"))
+    assert memory[2][0] == "1024" and ratio <= 0.4, memory
+    assert all(t.endswith(" ms") for t in times[1][1:]) and times[2][1:] == ["—"] * 3, times

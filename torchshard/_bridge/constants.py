@@ -1,0 +1,66 @@
+"""Integer and boolean tensors computed from constants alone (positions, masks) computed while tracing, not staged."""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import jax
+import torch
+from torch.utils import _pytree as torch_pytree
+
+from torchshard._bridge.env import env
+from torchshard._bridge.loaded import Tensor
+
+_INDEX_DTYPES = (torch.bool, torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64)
+
+
+def _constant_index(leaf: Any) -> bool:
+    """A torchax tensor (or a view of one) holding a value, not a tracer, of an integer or boolean dtype."""
+    if leaf.dtype not in _INDEX_DTYPES:
+        return False
+    if type(leaf) is Tensor:
+        return not isinstance(leaf._elem, jax.core.Tracer)
+    source = getattr(leaf, "source_jax", None)  # a torchax View reads its base without computing the view
+    return source is not None and not isinstance(source(), jax.core.Tracer)
+
+
+def _folds(func: Any, args: Any, kwargs: Any) -> bool:
+    """Index arithmetic on constants: every tensor input a constant index tensor, or an index-typed factory."""
+    leaves = torch_pytree.tree_flatten((args, kwargs))[0]
+    tensors = [leaf for leaf in leaves if isinstance(leaf, torch.Tensor)]
+    if tensors:
+        return all(_constant_index(t) for t in tensors)
+    if func is torch.arange:  # positions: arange of Python ints is int64
+        return "dtype" not in (kwargs or {}) and all(isinstance(a, int) for a in args)
+    return (kwargs or {}).get("dtype") in _INDEX_DTYPES and func not in (torch.randint, torch.randn, torch.rand)
+
+
+def _folding(dispatch: Callable[..., Any]) -> Callable[..., Any]:
+    def fold_index_constants(func: Any, types: Any, args: Any, kwargs: Any) -> Any:
+        if not _folds(func, args, kwargs):
+            return dispatch(func, types, args, kwargs)
+        with jax.ensure_compile_time_eval():
+            return dispatch(func, types, args, kwargs)
+
+    return fold_index_constants
+
+
+@contextlib.contextmanager
+def index_constants_folded() -> Iterator[None]:
+    """Inside the block, torch ops on constant integer/boolean tensors run at trace time and give values.
+
+    Under ``jit`` every op is staged, so ``torch.arange(S)`` is a tracer and code that inspects
+    positions cannot: transformers then assumes packed sequences and builds a ``[B, 1, S, S]`` mask
+    instead of passing ``is_causal=True``. Float math and anything touching the step's inputs stays
+    staged; so do JAX transformations (scan, checkpoint), which a global
+    ``jax.ensure_compile_time_eval`` would break inside a ``shard_map``.
+    """
+    tx = env()
+    dispatch = tx.dispatch
+    tx.dispatch = _folding(dispatch)
+    try:
+        yield
+    finally:
+        tx.dispatch = dispatch

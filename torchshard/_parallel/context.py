@@ -1,0 +1,207 @@
+"""Context parallelism: the batch's sequence dim split over a mesh axis, every SDPA call run as ring attention."""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any
+
+import jax
+import numpy as np
+from jax.sharding import Mesh, PartitionSpec
+
+from torchshard._base.errors import raise_if_any
+from torchshard._base.specs import entry_axes
+from torchshard._base.validate import AnyMesh, describe_mesh, instance_problems, raise_for_arguments
+from torchshard._bridge.constants import index_constants_folded
+from torchshard._bridge.env import overriding
+from torchshard._bridge.ops.attention import ATTENTION_OPS
+from torchshard._parallel.ring_attention import context_attention
+
+ATTENTIONS = ("ring", "all_gather")
+SUPPORTED = (
+    "context-parallel attention supports no mask, is_causal=True, or a constant causal mask (e.g. "
+    "torch.ones(S, S, dtype=torch.bool).tril()), with dropout 0"
+)
+
+
+@dataclasses.dataclass(frozen=True)
+class ContextParallel:
+    """Context (sequence) parallelism for ``Trainer(..., context=...)``.
+
+    Batch tensors are split on dim 1 (the sequence) over ``axis`` (``batch_spec=("data", "context")``);
+    the model runs as written and every ``torch.nn.functional.scaled_dot_product_attention`` call in
+    it (transformers' default ``sdpa`` attention included) runs as attention over the whole sequence
+    while each device holds only its part. Causal or not, no mask or the causal mask, grouped K/V
+    heads; other mesh axes keep sharding the batch, the heads and the weights as the plan says.
+
+    Args:
+        axis: the mesh axis the sequence is split over.
+        attention: ``"ring"``: key/value blocks pass round the axis by ``ppermute`` while each device
+            folds them into an online softmax, so a device holds O(S/n) keys and one (S/n)² block of
+            scores; the backward pass runs the ring again. ``"all_gather"``: every device gathers all
+            keys/values (O(S) memory) and runs the same blockwise softmax on them.
+        load_balance: under a causal mask, reorder the rows inside the attention (device ``i`` takes
+            chunks ``i`` and ``2n-1-i`` of ``2n``) so every device does the same work; the model, its
+            positions and the batch are unchanged. Sequences must then split into ``2n`` chunks.
+
+    Raises:
+        ArgumentError: an argument of the wrong type or value (all listed).
+
+    Example:
+        >>> ContextParallel(attention="all_gather")
+        ContextParallel(axis='context', attention='all_gather', load_balance=True)
+    """
+
+    axis: str = "context"
+    attention: str = "ring"
+    load_balance: bool = True
+
+    def __post_init__(self) -> None:
+        problems = [] if isinstance(self.axis, str) else [f"axis={self.axis!r} must be a mesh axis name"]
+        if self.attention not in ATTENTIONS:
+            problems.append(f"attention={self.attention!r} must be one of {list(ATTENTIONS)}")
+        if not isinstance(self.load_balance, bool):
+            problems.append(f"load_balance={self.load_balance!r} must be True or False")
+        raise_for_arguments(problems, header="invalid ContextParallel arguments")
+
+
+def sequence_multiple(context: ContextParallel, mesh: Mesh) -> int:
+    """What every sequence length must be a multiple of: the axis size, twice that when load-balanced."""
+    return mesh.shape[context.axis] * (2 if context.load_balance else 1)
+
+
+def _lengths_that_work(length: int, multiple: int) -> str:
+    below = length // multiple * multiple
+    return f"{below} or {below + multiple}" if below else f"{multiple}"
+
+
+def _split_problem(what: str, length: int, context: ContextParallel, mesh: Mesh) -> list[str]:
+    multiple = sequence_multiple(context, mesh)
+    if length % multiple == 0:
+        return []
+    balance = " × 2 (load_balance=True)" if context.load_balance else ""
+    return [
+        f"{what}: the sequence (length {length}) does not split into {multiple} equal chunks ({context.axis} size "
+        f"{mesh.shape[context.axis]}{balance}); use a length that is a multiple of {multiple}, e.g. "
+        f"{_lengths_that_work(length, multiple)} (pad, or trim the batch)"
+    ]
+
+
+def check_context(context: Any, mesh: AnyMesh, batch_spec: PartitionSpec) -> None:
+    """Raises unless ``context`` (None or a `ContextParallel`) fits ``mesh`` and ``batch_spec``.
+
+    Raises:
+        ArgumentError: ``context`` is not a `ContextParallel`.
+        ShardingError: its axis is not in the mesh, or ``batch_spec`` does not split dim 1 over it.
+    """
+    if context is None:
+        return
+    raise_for_arguments(instance_problems("context", context, ContextParallel, "a ContextParallel(...) or None"),
+                        header="invalid Trainer arguments")  # fmt: skip
+    axis, problems = context.axis, []
+    if axis not in mesh.shape:
+        problems.append(
+            f"axis {axis!r} is not an axis of {describe_mesh(mesh)}; add it (e.g. make_mesh({{'data': 2, "
+            f"{axis!r}: 4}})) or name one of {list(mesh.shape)}"
+        )
+    dims = [entry_axes(entry) for entry in batch_spec]
+    if len(dims) < 2 or axis not in dims[1]:
+        problems.append(
+            f"batch_spec {batch_spec} does not split the sequence (dim 1) over {axis!r}; write "
+            f"batch_spec=('data', {axis!r}) (the batch over 'data', the sequence over {axis!r})"
+        )
+    raise_if_any(problems, header=f"{context} does not fit {describe_mesh(mesh)}")
+
+
+def sequence_problems(context: ContextParallel | None, mesh: Mesh, what: str, shape: Sequence[int]) -> list[str]:
+    """A batch leaf of rank ≥ 2 whose dim 1 (the sequence) the context axis cannot split."""
+    if context is None or len(shape) < 2:
+        return []
+    return _split_problem(f"{what} {tuple(shape)}", shape[1], context, mesh)
+
+
+def _causal_pattern(mask: Any, length: int) -> bool | None:
+    """True for torch's causal mask, False for an all-visible one, None for anything else (or a traced mask).
+
+    Bool masks keep ``True``; float (additive) masks keep 0 and drop -inf or values near the dtype's minimum.
+    """
+    if isinstance(mask, jax.core.Tracer):
+        return None
+    values = np.asarray(mask)
+    if values.ndim < 2 or values.shape[-2:] != (length, length):
+        return None
+    if values.dtype != np.bool_:
+        dropped = values <= np.finfo(values.dtype).min / 2
+        if not np.all(dropped | (values == 0)):
+            return None
+        values = ~dropped
+    values = values.reshape(-1, length, length)
+    if np.all(values):
+        return False
+    causal = np.tril(np.ones((length, length), bool))
+    return True if np.all(values == causal) else None
+
+
+def _call_problems(context: ContextParallel, mesh: Mesh, query: Any, key: Any, mask: Any, dropout_p: Any,
+                   enable_gqa: bool) -> list[str]:  # fmt: skip
+    if query.ndim != 4 or key.ndim != 4:
+        return [f"needs 4-D [batch, heads, seq, dim] query and key, got ranks {query.ndim} and {key.ndim}"]
+    problems = []
+    if not isinstance(dropout_p, int | float) or dropout_p != 0:
+        problems.append(
+            f"dropout_p={dropout_p} is not supported; set the model's attention dropout to 0 "
+            f"(e.g. config.attention_dropout=0.0)"
+        )
+    (heads, length), (kv_heads, kv_length) = (query.shape[1], query.shape[2]), (key.shape[1], key.shape[2])
+    if length != kv_length:
+        problems.append(
+            f"queries ({length}) and keys ({kv_length}) differ in length; context parallelism splits self-attention "
+            f"over one sequence (train cross-attention models without context=)"
+        )
+    if heads % kv_heads or (heads != kv_heads and not enable_gqa):
+        problems.append(f"{heads} query heads and {kv_heads} key/value heads need enable_gqa=True and {heads} % "
+                        f"{kv_heads} == 0, as in torch")  # fmt: skip
+    if mask is not None and length == kv_length and _causal_pattern(mask, length) is None:
+        where = "is computed from the step's inputs (e.g. a padding attention_mask in the batch)"
+        if not isinstance(mask, jax.core.Tracer):
+            where = "is neither the causal mask nor all-visible"
+        problems.append(
+            f"attn_mask {mask.dtype}{list(mask.shape)} {where}; {SUPPORTED}: drop attention_mask from the batch "
+            f"and train on unpadded (packed) sequences"
+        )
+    return problems + _split_problem("the attention's", length, context, mesh)
+
+
+def _sdpa(context: ContextParallel, mesh: Mesh) -> Callable[..., jax.Array]:
+    """``scaled_dot_product_attention`` (a JAX-level lowering) as context-parallel attention over the axis."""
+
+    def sdpa(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False):
+        problems = _call_problems(context, mesh, query, key, attn_mask, dropout_p, enable_gqa)
+        shapes = f"query {list(query.shape)}, key {list(key.shape)}"
+        raise_if_any(
+            problems, header=f"scaled_dot_product_attention({shapes}) under {context} on {describe_mesh(mesh)}"
+        )
+        causal = bool(is_causal) or (attn_mask is not None and bool(_causal_pattern(attn_mask, query.shape[2])))
+        return context_attention(query, key, value, mesh=mesh, axis=context.axis, causal=causal, scale=scale,
+                                 gathered=context.attention == "all_gather", balanced=context.load_balance)  # fmt: skip
+
+    return sdpa
+
+
+@contextlib.contextmanager
+def tracing(context: ContextParallel, mesh: Mesh) -> Iterator[None]:
+    """While a step is traced: SDPA runs as context-parallel attention over ``context.axis``.
+
+    Integer and boolean tensors that depend on no input (positions from ``arange``, masks built
+    from them) are computed while tracing: transformers then sees concrete positions, finds no packed
+    sequences and passes ``is_causal=True`` with no mask, as in eager torch (with traced positions it
+    builds a ``[B, 1, S, S]`` mask), and a constant mask a model builds can be read and recognised.
+    """
+    sdpa = _sdpa(context, mesh)
+    with contextlib.ExitStack() as stack:
+        for op in ATTENTION_OPS:
+            stack.enter_context(overriding(op, sdpa, jax_function=True))
+        stack.enter_context(index_constants_folded())
+        yield
