@@ -7,7 +7,8 @@ pre-norm blocks, causal attention, GELU MLP) over bytes, so its vocabulary is 25
 ``data=4 × model=2`` the attention's q/k/v and the MLP's up projection are column-parallel and
 the attention's output and the MLP's down projection row-parallel over ``"model"`` (each device
 owns whole heads), and ``presets.fsdp("data")`` shards every big weight's other dim over
-``"data"``. AdamW follows a linear-warmup + cosine schedule (optax).
+``"data"``. AdamW follows a linear-warmup + cosine schedule (optax). Validation and sampling
+run on an eager CPU copy of the weights (``to_torch_state_dict``).
 
 Everything a run writes lands in ``--out``: ``config.json`` (the settings that shape the run),
 ``metrics.jsonl`` (one JSON object per step: step, loss, tokens_per_s, lr, grad_norm, and
@@ -18,20 +19,21 @@ an uninterrupted run would have seen, and its losses are the uninterrupted run's
 
 Run::
 
-    python examples/train_lm.py --steps 60 --out runs/lm             # ~4M parameters, 32 × 128 bytes a step
-    python examples/train_lm.py --steps 100 --out runs/lm --resume   # continue the same run to step 100
+    python examples/train_lm.py --steps 60 --out /tmp/train_lm            # 3.3M parameters, 32 × 128 bytes a step
+    python examples/train_lm.py --steps 100 --out /tmp/train_lm --resume  # continue the same run to step 100
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import pathlib
 import sys
 import sysconfig
 import time
 import zlib
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any, NamedTuple
 
 import numpy as np
@@ -383,18 +385,42 @@ class Metrics:
         self._file.close()
 
 
-def evaluate(trainer, batches: list[tuple[Any, Any]]) -> float:
-    """Mean loss over ``batches``, run eagerly on the sharded model (torchax ops on the mesh)."""
-    import jax
+@contextlib.contextmanager
+def one_torch_thread() -> Iterator[None]:
+    """Eager torch beside JAX: its intra-op threads spin-wait against XLA's idle thread pool.
+
+    On a 2-core machine that made sampling ~100× slower; small eager forwards lose nothing by
+    running on one thread.
+    """
     import torch
-    import torchax
 
-    with torch.no_grad(), torchax.default_env(), jax.set_mesh(trainer.mesh):
-        losses = [loss_fn(trainer.model, ts.shard_batch(b, trainer.mesh)) for b in batches]
-        return float(np.mean([float(loss) for loss in losses]))
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(threads)
 
 
-def train(trainer, corpus: Corpus, cfg: dict[str, Any], args: argparse.Namespace, metrics: Metrics) -> None:
+def cpu_copy(trainer, twin):
+    """``twin``, an eager CPU model of the same shape, loaded with the trainer's latest weights."""
+    twin.load_state_dict(ts.to_torch_state_dict(trainer))  # gathered from the mesh into plain tensors
+    return twin.eval()
+
+
+def evaluate(model, batches: list[tuple[Any, Any]]) -> float:
+    """Mean loss of an eager CPU ``model`` over ``batches``.
+
+    Not run on the sharded model: eager torchax sends each op of each batch to the mesh without
+    waiting, and XLA:CPU aborts with that many collectives in flight (seen at 16 batches).
+    """
+    import torch
+
+    with torch.no_grad(), one_torch_thread():
+        return float(np.mean([loss_fn(model, b).item() for b in batches]))
+
+
+def train(trainer, twin, corpus: Corpus, cfg: dict[str, Any], args: argparse.Namespace, metrics: Metrics) -> None:
     """Steps ``trainer`` to ``args.steps``, logging every step, validating and checkpointing as asked."""
     from tqdm import tqdm
 
@@ -415,7 +441,7 @@ def train(trainer, corpus: Corpus, cfg: dict[str, Any], args: argparse.Namespace
                 "grad_norm": float(out["grad_norm"]),
             }
             if step % args.val_every == 0 or step == args.steps:
-                row["val_loss"] = evaluate(trainer, held_out)
+                row["val_loss"] = evaluate(cpu_copy(trainer, twin), held_out)
             metrics.write(row)
             if step % args.ckpt_every == 0 or step == args.steps:
                 ts.save(args.out / "checkpoints", trainer, keep_last=args.keep_last)
@@ -441,30 +467,20 @@ def plot(rows: list[dict[str, Any]], path: pathlib.Path) -> None:
     plt.close(fig)
 
 
-def generate(trainer, cfg: dict[str, Any], prompt: bytes, *, n: int, temperature: float) -> bytes:
-    """Samples ``n`` bytes after ``prompt`` from the trained weights, gathered into an eager CPU torch model."""
+def generate(model, prompt: bytes, *, n: int, temperature: float, context: int, seed: int) -> bytes:
+    """Samples ``n`` bytes after ``prompt`` from an eager CPU ``model``, one byte at a time."""
     import torch
 
-    model = build_model(cfg)
-    model.load_state_dict(ts.to_torch_state_dict(trainer))
-    model.eval()
     tokens = torch.tensor([list(prompt)])
-    rng = torch.Generator().manual_seed(cfg["seed"])
-    # one row at a time gains nothing from intra-op threads, and their spin-waiting beside XLA's
-    # idle thread pool made sampling ~100× slower on a 2-core machine
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        with torch.no_grad():
-            for _ in range(n):
-                logits = model(tokens[:, -cfg["seq"] :])[0, -1]
-                if temperature == 0:
-                    nxt = logits.argmax().view(1)
-                else:
-                    nxt = torch.multinomial(torch.softmax(logits / temperature, dim=-1), 1, generator=rng)
-                tokens = torch.cat([tokens, nxt.view(1, 1)], dim=1)
-    finally:
-        torch.set_num_threads(threads)
+    rng = torch.Generator().manual_seed(seed)
+    with torch.no_grad(), one_torch_thread():
+        for _ in range(n):
+            logits = model(tokens[:, -context:])[0, -1]
+            if temperature == 0:
+                nxt = logits.argmax().view(1)
+            else:
+                nxt = torch.multinomial(torch.softmax(logits / temperature, dim=-1), 1, generator=rng)
+            tokens = torch.cat([tokens, nxt.view(1, 1)], dim=1)
     return bytes(tokens[0].tolist())
 
 
@@ -508,6 +524,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     params = sum(p.numel() for p in model.parameters())
     print(f"model: {params / 1e6:.2f}M parameters; {plan!r}", flush=True)
     trainer = ts.Trainer(model, loss_fn, optimizer(cfg), plan, seed=cfg["seed"])
+    twin = build_model(cfg)  # an eager CPU copy for validation and sampling
     if args.resume:
         ts.load(args.out / "checkpoints", trainer)  # the latest complete step, optimizer state and RNG key too
         print(f"resumed at step {trainer.step_count}", flush=True)
@@ -515,7 +532,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     metrics = Metrics(args.out / "metrics.jsonl", keep_through=trainer.step_count)
     began = time.perf_counter()
     try:
-        train(trainer, corpus, cfg, args, metrics)
+        train(trainer, twin, corpus, cfg, args, metrics)
     finally:
         metrics.close()
     rows = metrics.rows()
@@ -528,7 +545,15 @@ def main(argv: Sequence[str] | None = None) -> int:
             flush=True,
         )
 
-    sample = generate(trainer, cfg, args.prompt.encode(), n=args.sample_bytes, temperature=args.temperature)
+    model = cpu_copy(trainer, twin)
+    sample = generate(
+        model,
+        args.prompt.encode(),
+        n=args.sample_bytes,
+        temperature=args.temperature,
+        context=cfg["seq"],
+        seed=cfg["seed"],
+    )
     (args.out / "sample.txt").write_bytes(sample)
     print(f"--- sample ({args.sample_bytes} bytes after {args.prompt!r}, temperature {args.temperature}) ---")
     print(sample.decode("utf-8", errors="replace"))
