@@ -28,6 +28,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
+import os
 import pathlib
 import sys
 import sysconfig
@@ -43,6 +44,7 @@ import torchshard as ts
 MESH = {"data": 4, "model": 2}
 VOCAB = 256  # bytes
 VAL_EVERY_NTH_FILE = 20
+SKIPPED_FOLDERS = {"site-packages", "dist-packages", "__pycache__"}
 
 # Settings that shape the trajectory (model, data, optimizer): a run records them in config.json
 # and --resume takes them from there, so a resumed run is the run it continues.
@@ -64,10 +66,12 @@ RUN_DEFAULTS: dict[str, Any] = {
 
 
 def stdlib_files(root: pathlib.Path) -> list[pathlib.Path]:
-    """The standard library's ``.py`` files in a fixed order (installed packages left out)."""
-    files = (p for p in root.rglob("*.py") if p.is_file())
-    keep = (p for p in files if not {"site-packages", "dist-packages"} & set(p.relative_to(root).parts))
-    return sorted(keep, key=lambda p: p.relative_to(root).as_posix())
+    """The standard library's ``.py`` files in a fixed order (installed packages and caches left out)."""
+    found = []
+    for folder, subfolders, names in os.walk(root):
+        subfolders[:] = [d for d in subfolders if d not in SKIPPED_FOLDERS]  # never walked into
+        found += [pathlib.Path(folder, n) for n in names if n.endswith(".py")]
+    return sorted((p for p in found if p.is_file()), key=lambda p: p.relative_to(root).as_posix())
 
 
 def is_validation(relative: str) -> bool:
