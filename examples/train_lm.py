@@ -37,7 +37,13 @@ import zlib
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any, NamedTuple
 
+import jax
 import numpy as np
+import optax
+import torch
+import torch.nn.functional as F
+from torch import nn
+from tqdm import tqdm
 
 import torchshard as ts
 
@@ -45,6 +51,7 @@ MESH = {"data": 4, "model": 2}
 VOCAB = 256  # bytes
 VAL_EVERY_NTH_FILE = 20
 SKIPPED_FOLDERS = {"site-packages", "dist-packages", "__pycache__"}
+Batch = tuple[torch.Tensor, torch.Tensor]  # (input bytes, next bytes), [batch, seq] int64 each
 
 # Settings that shape the trajectory (model, data, optimizer): a run records them in config.json
 # and --resume takes them from there, so a resumed run is the run it continues.
@@ -94,6 +101,7 @@ class Corpus(NamedTuple):
 
 
 def load_corpus(root: pathlib.Path | None = None) -> Corpus:
+    """Reads the standard library under ``root`` (default: this interpreter's) into a `Corpus`."""
     root = pathlib.Path(sysconfig.get_paths()["stdlib"]) if root is None else root
     parts: dict[bool, list[bytes]] = {False: [], True: []}
     for path in stdlib_files(root):
@@ -102,21 +110,19 @@ def load_corpus(root: pathlib.Path | None = None) -> Corpus:
     return Corpus(as_array(parts[False]), as_array(parts[True]), len(parts[False]), len(parts[True]), str(root))
 
 
-def windows(text: np.ndarray, rng: np.random.Generator, *, batch: int, seq: int) -> tuple[Any, Any]:
+def windows(text: np.ndarray, rng: np.random.Generator, *, batch: int, seq: int) -> Batch:
     """``batch`` random windows of ``seq + 1`` bytes as (inputs, next-byte targets), int64 torch tensors."""
-    import torch
-
     starts = rng.integers(0, len(text) - seq - 1, size=batch)
     rows = np.stack([text[s : s + seq + 1] for s in starts]).astype(np.int64)
     return torch.from_numpy(rows[:, :-1].copy()), torch.from_numpy(rows[:, 1:].copy())
 
 
-def train_batch(corpus: Corpus, step: int, *, seed: int, batch: int, seq: int) -> tuple[Any, Any]:
+def train_batch(corpus: Corpus, step: int, *, seed: int, batch: int, seq: int) -> Batch:
     """The batch of ``step``: a pure function of (seed, step), so a resumed run sees the same batches."""
     return windows(corpus.train, np.random.default_rng([seed, 1, step]), batch=batch, seq=seq)
 
 
-def val_batches(corpus: Corpus, n: int, *, seed: int, batch: int, seq: int) -> list[tuple[Any, Any]]:
+def val_batches(corpus: Corpus, n: int, *, seed: int, batch: int, seq: int) -> list[Batch]:
     """A fixed validation set: the same windows at every evaluation."""
     rng = np.random.default_rng([seed, 2])
     return [windows(corpus.val, rng, batch=batch, seq=seq) for _ in range(n)]
@@ -125,65 +131,70 @@ def val_batches(corpus: Corpus, n: int, *, seed: int, batch: int, seq: int) -> l
 # --------------------------------------------------------------------------------------------- model
 
 
-def build_model(cfg: dict[str, Any]):
-    """A byte-level GPT in plain torch (built here so that ``--help`` does not import torch)."""
-    import torch
-    import torch.nn.functional as F
-    from torch import nn
+HEADS = ("data", "model", None, None)  # [batch, heads, seq, head_dim]: whole heads on each device
 
-    heads_spec = ("data", "model", None, None)  # [batch, heads, seq, head_dim]: whole heads per device
 
-    class Attention(nn.Module):
-        def __init__(self, d: int, heads: int) -> None:
-            super().__init__()
-            self.heads = heads
-            self.q, self.k, self.v, self.o = (nn.Linear(d, d, bias=False) for _ in range(4))
+class Attention(nn.Module):
+    """Causal self-attention; q/k/v split by output (whole heads) and o by input over ``"model"``."""
 
-        def _split(self, x: torch.Tensor) -> torch.Tensor:
-            b, s, d = x.shape
-            return ts.constrain(x.view(b, s, self.heads, d // self.heads).transpose(1, 2), heads_spec)
+    def __init__(self, d: int, heads: int) -> None:
+        super().__init__()
+        self.heads = heads
+        self.q, self.k, self.v, self.o = (nn.Linear(d, d, bias=False) for _ in range(4))
 
-        def forward(self, x: torch.Tensor) -> torch.Tensor:
-            b, s, d = x.shape
-            q, k, v = self._split(self.q(x)), self._split(self.k(x)), self._split(self.v(x))
-            out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
-            return self.o(out.transpose(1, 2).reshape(b, s, d))
+    def _split(self, x: torch.Tensor) -> torch.Tensor:
+        b, s, d = x.shape
+        return ts.constrain(x.view(b, s, self.heads, d // self.heads).transpose(1, 2), HEADS)
 
-    class MLP(nn.Module):
-        def __init__(self, d: int) -> None:
-            super().__init__()
-            self.up, self.down = nn.Linear(d, 4 * d), nn.Linear(4 * d, d)
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, s, d = x.shape
+        q, k, v = self._split(self.q(x)), self._split(self.k(x)), self._split(self.v(x))
+        out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return self.o(out.transpose(1, 2).reshape(b, s, d))
 
-        def forward(self, x: torch.Tensor) -> torch.Tensor:
-            return self.down(F.gelu(self.up(x)))
 
-    class Block(nn.Module):
-        def __init__(self, d: int, heads: int) -> None:
-            super().__init__()
-            self.ln1, self.attn, self.ln2, self.mlp = nn.LayerNorm(d), Attention(d, heads), nn.LayerNorm(d), MLP(d)
+class MLP(nn.Module):
+    def __init__(self, d: int) -> None:
+        super().__init__()
+        self.up, self.down = nn.Linear(d, 4 * d), nn.Linear(4 * d, d)
 
-        def forward(self, x: torch.Tensor) -> torch.Tensor:
-            x = x + self.attn(self.ln1(x))
-            return x + self.mlp(self.ln2(x))
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down(F.gelu(self.up(x)))
 
-    class GPT(nn.Module):
-        def __init__(self, *, layers: int, d_model: int, heads: int, seq: int) -> None:
-            super().__init__()
-            self.tok, self.pos = nn.Embedding(VOCAB, d_model), nn.Embedding(seq, d_model)
-            self.blocks = nn.ModuleList(Block(d_model, heads) for _ in range(layers))
-            self.ln_f, self.head = nn.LayerNorm(d_model), nn.Linear(d_model, VOCAB, bias=False)
 
-        def forward(self, idx: torch.Tensor) -> torch.Tensor:
-            x = self.tok(idx) + self.pos(torch.arange(idx.shape[1], device=idx.device))
-            for block in self.blocks:
-                x = block(x)
-            return self.head(self.ln_f(x))
+class Block(nn.Module):
+    def __init__(self, d: int, heads: int) -> None:
+        super().__init__()
+        self.ln1, self.attn, self.ln2, self.mlp = nn.LayerNorm(d), Attention(d, heads), nn.LayerNorm(d), MLP(d)
 
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = x + self.attn(self.ln1(x))
+        return x + self.mlp(self.ln2(x))
+
+
+class GPT(nn.Module):
+    """Byte embeddings plus learned positions, pre-norm blocks, a final norm and a byte head."""
+
+    def __init__(self, *, layers: int, d_model: int, heads: int, seq: int) -> None:
+        super().__init__()
+        self.tok, self.pos = nn.Embedding(VOCAB, d_model), nn.Embedding(seq, d_model)
+        self.blocks = nn.ModuleList(Block(d_model, heads) for _ in range(layers))
+        self.ln_f, self.head = nn.LayerNorm(d_model), nn.Linear(d_model, VOCAB, bias=False)
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        x = self.tok(idx) + self.pos(torch.arange(idx.shape[1], device=idx.device))
+        for block in self.blocks:
+            x = block(x)
+        return self.head(self.ln_f(x))
+
+
+def build_model(cfg: dict[str, Any]) -> GPT:
+    """The run's GPT, initialised from its seed (the same weights every time)."""
     torch.manual_seed(cfg["seed"])
     return GPT(layers=cfg["layers"], d_model=cfg["d_model"], heads=cfg["heads"], seq=cfg["seq"])
 
 
-def rules():
+def rules() -> ts.Rules:
     """Megatron TP inside each block over ``"model"``, FSDP of every big weight over ``"data"``."""
     block = r"blocks\.\d+\."
     tp = ts.presets.tensor_parallel(
@@ -192,9 +203,8 @@ def rules():
     return tp + ts.presets.fsdp("data")
 
 
-def loss_fn(model, batch):
-    import torch.nn.functional as F
-
+def loss_fn(model: nn.Module, batch: Batch) -> torch.Tensor:
+    """Mean next-byte cross-entropy (nats per byte)."""
     x, y = batch
     return F.cross_entropy(model(x).reshape(-1, VOCAB), y.reshape(-1))
 
@@ -205,15 +215,11 @@ def lr_schedule(cfg: dict[str, Any]) -> Callable[[Any], Any]:
     optax calls a schedule with the number of updates made so far, so step ``s`` (1-based) gets
     ``base(s)``: the first step already learns, and step ``warmup`` reaches the peak.
     """
-    import optax
-
     base = optax.warmup_cosine_decay_schedule(0.0, cfg["lr"], cfg["warmup"], cfg["decay_steps"], cfg["lr"] / 10)
     return lambda count: base(count + 1)
 
 
-def optimizer(cfg: dict[str, Any]):
-    import optax
-
+def optimizer(cfg: dict[str, Any]) -> optax.GradientTransformation:
     adamw = optax.adamw(lr_schedule(cfg), b1=0.9, b2=0.95, weight_decay=cfg["weight_decay"])
     return optax.chain(optax.clip_by_global_norm(1.0), adamw)
 
@@ -396,8 +402,6 @@ def one_torch_thread() -> Iterator[None]:
     On a 2-core machine that made sampling ~100× slower; small eager forwards lose nothing by
     running on one thread.
     """
-    import torch
-
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
@@ -406,29 +410,27 @@ def one_torch_thread() -> Iterator[None]:
         torch.set_num_threads(threads)
 
 
-def cpu_copy(trainer, twin):
+def cpu_copy(trainer: ts.Trainer, twin: GPT) -> GPT:
     """``twin``, an eager CPU model of the same shape, loaded with the trainer's latest weights."""
     twin.load_state_dict(ts.to_torch_state_dict(trainer))  # gathered from the mesh into plain tensors
     return twin.eval()
 
 
-def evaluate(model, batches: list[tuple[Any, Any]]) -> float:
+def evaluate(model: nn.Module, batches: list[Batch]) -> float:
     """Mean loss of an eager CPU ``model`` over ``batches``.
 
     Not run on the sharded model: eager torchax sends each op of each batch to the mesh without
     waiting, and XLA:CPU aborts with that many collectives in flight (seen at 16 batches).
     """
-    import torch
-
     with torch.no_grad(), one_torch_thread():
         return float(np.mean([loss_fn(model, b).item() for b in batches]))
 
 
-def train(trainer, twin, corpus: Corpus, cfg: dict[str, Any], args: argparse.Namespace, metrics: Metrics) -> None:
+def train(
+    trainer: ts.Trainer, twin: GPT, corpus: Corpus, cfg: dict[str, Any], args: argparse.Namespace, metrics: Metrics
+) -> None:
     """Steps ``trainer`` to ``args.steps``, logging every step, validating and checkpointing as asked."""
-    from tqdm import tqdm
-
-    start, schedule = trainer.step_count, lr_schedule(cfg)
+    start, schedule = trainer.step_count, jax.jit(lr_schedule(cfg))  # one compile, not one per jnp op
     held_out = val_batches(corpus, args.val_batches, seed=cfg["seed"], batch=cfg["batch"], seq=cfg["seq"])
     with tqdm(total=args.steps, initial=start, desc="train", unit="step", dynamic_ncols=True) as bar:
         for step in range(start + 1, args.steps + 1):
@@ -454,6 +456,7 @@ def train(trainer, twin, corpus: Corpus, cfg: dict[str, Any], args: argparse.Nam
 
 
 def plot(rows: list[dict[str, Any]], path: pathlib.Path) -> None:
+    """Train loss per step and validation loss where measured, as a PNG (matplotlib is imported only here)."""
     import matplotlib
 
     matplotlib.use("Agg")  # files only: no display needed
@@ -471,10 +474,8 @@ def plot(rows: list[dict[str, Any]], path: pathlib.Path) -> None:
     plt.close(fig)
 
 
-def generate(model, prompt: bytes, *, n: int, temperature: float, context: int, seed: int) -> bytes:
+def generate(model: nn.Module, prompt: bytes, *, n: int, temperature: float, context: int, seed: int) -> bytes:
     """Samples ``n`` bytes after ``prompt`` from an eager CPU ``model``, one byte at a time."""
-    import torch
-
     tokens = torch.tensor([list(prompt)])
     rng = torch.Generator().manual_seed(seed)
     with torch.no_grad(), one_torch_thread():
@@ -491,7 +492,7 @@ def generate(model, prompt: bytes, *, n: int, temperature: float, context: int, 
 def start_run(args: argparse.Namespace, cfg: dict[str, Any], corpus: Corpus) -> None:
     """Writes config.json for a new run, or checks that a resumed one trains on the same text."""
     if args.resume:
-        recorded = read_config(args.out)["data"]["digest"]
+        recorded = json.loads((args.out / "config.json").read_text())["data"]["digest"]  # parse_args saw it exists
         if recorded != corpus.digest():
             sys.exit(
                 f"error: --resume: the standard library under {corpus.root} is not the text the run in "
