@@ -1,0 +1,98 @@
+"""examples/train_lm.py: a tiny run writes its outputs, and a resumed run's losses are an uninterrupted run's."""
+
+import importlib.util
+import json
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+import torchshard as ts
+
+SCRIPT = Path(__file__).resolve().parent.parent / "examples" / "train_lm.py"
+# one block of width 64 over 8 × 32 bytes: seconds per run, still FSDP × TP on data=4 × model=2
+TINY = ["--batch", "8", "--seq", "32", "--layers", "1", "--d-model", "64", "--heads", "2", "--sample-bytes", "24"]
+
+
+def _start(*args: str) -> subprocess.Popen:
+    return subprocess.Popen(
+        [sys.executable, str(SCRIPT), *TINY, *args],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        cwd=SCRIPT.parent.parent,
+    )
+
+
+def _finish(proc: subprocess.Popen) -> str:
+    out, err = proc.communicate(timeout=300)
+    assert proc.returncode == 0, out + err
+    return out
+
+
+def _metrics(out: Path) -> list[dict]:
+    return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+
+
+@pytest.fixture(scope="module")
+def train_lm():
+    spec = importlib.util.spec_from_file_location("train_lm", SCRIPT)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def _usage_error(train_lm, capsys, args: list[str]) -> str:
+    """The error line ``parse_args`` prints before exiting with argparse's status 2 (nothing else runs)."""
+    with pytest.raises(SystemExit) as exit_info:
+        train_lm.parse_args(args)
+    assert exit_info.value.code == 2
+    return capsys.readouterr().err.strip().splitlines()[-1]
+
+
+def test_train_lm_writes_its_outputs_and_resumes_with_the_same_losses(tmp_path, train_lm, capsys):
+    stopped, whole = tmp_path / "stopped", tmp_path / "whole"
+    # the interrupted run is given the uninterrupted run's schedule length; the two run side by side
+    first = _start("--steps", "3", "--decay-steps", "5", "--out", str(stopped))
+    reference = _start("--steps", "5", "--out", str(whole))
+    out = _finish(first)
+    _finish(reference)
+
+    rows = _metrics(stopped)
+    assert [r["step"] for r in rows] == [1, 2, 3]
+    assert {"step", "loss", "tokens_per_s", "lr", "grad_norm"} <= set(rows[0]) and "val_loss" in rows[-1]
+    assert (stopped / "loss.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert ts.checkpoint_steps(stopped / "checkpoints") == [3]
+    sample = (stopped / "sample.txt").read_bytes()
+    assert sample.startswith(b"def ") and len(sample) == 4 + 24 and "--- sample" in out
+
+    resumed = _finish(_start("--steps", "5", "--resume", "--out", str(stopped)))
+    assert "resumed at step 3" in resumed
+    assert ts.checkpoint_steps(stopped / "checkpoints") == [3, 5]
+    got, expected = _metrics(stopped), _metrics(whole)
+    assert [r["step"] for r in got] == [1, 2, 3, 4, 5]  # appended to, not rewritten
+    np.testing.assert_allclose([r["loss"] for r in got], [r["loss"] for r in expected], rtol=1e-5)
+    np.testing.assert_allclose([r["lr"] for r in got], [r["lr"] for r in expected], rtol=1e-6)
+
+    clash = _usage_error(train_lm, capsys, ["--out", str(stopped), "--resume", "--batch", "16", "--layers", "1"])
+    assert "the run has --batch 8, not 16" in clash and "--layers" not in clash  # a repeated value is fine
+    assert "already holds a run; pass --resume" in _usage_error(train_lm, capsys, ["--out", str(stopped)])
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["--steps", "0"], r"argument --steps: must be > 0, got 0"),
+        (["--batch", "6"], r"--batch 6 is not a multiple of the data axis \(4\)"),
+        (["--d-model", "60", "--heads", "8"], r"--d-model 60 is not divisible by --heads 8"),
+        (["--heads", "3", "--d-model", "48"], r"--heads 3 is not a multiple of the model axis \(2\)"),
+        (["--steps", "5", "--warmup", "5"], r"--warmup 5 must be below --decay-steps 5"),
+        (["--resume"], r"--resume: .*config\.json does not exist"),
+        (["--prompt", ""], r"--prompt must not be empty"),
+    ],
+)
+def test_train_lm_rejects_bad_arguments(tmp_path, train_lm, capsys, args, message):
+    assert re.search(message, _usage_error(train_lm, capsys, ["--out", str(tmp_path / "run"), *args]))
