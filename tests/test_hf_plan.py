@@ -61,6 +61,12 @@ def test_axis_none_adds_no_tensor_parallel_rule():
     assert all("model" not in str(plan.spec(n)) for n in plan.entries)
 
 
+def test_a_mesh_without_the_tensor_parallel_axis_is_a_sharding_error():
+    model = mixtral()
+    with pytest.raises(ShardingError, match=r"q_proj\.weight .* on Mesh\(data=8\): unknown mesh axis 'model'"):
+        ts.plan(model, ts.make_mesh({"data": 8}), presets.hf_rules(model))
+
+
 class Custom(torch.nn.Module):
     """A model with a config and its own tp_plan, as transformers' remote-code models have."""
 

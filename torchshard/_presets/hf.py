@@ -106,10 +106,12 @@ class VocabFSDP(SpecTransform):
         axes = entry_axes(self.axis)
         if info.name not in self.names or len(info.shape) != 2 or math.prod(info.shape) < self.min_size:
             return spec
-        if set(spec_axes(spec)) & set(axes) or any(a not in info.mesh.shape for a in axes) or len(spec) > 2:
+        if set(spec_axes(spec)) & set(axes) or len(spec) > 2:
             return spec
         first = entry_axes(spec[0]) if spec else ()
         merged = first + axes
+        if any(a not in info.mesh.shape for a in merged):
+            return spec  # plan() reports the unknown axis
         if info.shape[0] % math.prod(info.mesh.shape[a] for a in merged):
             return spec  # the plain FSDP transform picks another dim
         return PartitionSpec(merged if len(merged) > 1 else merged[0], *spec[1:2])
