@@ -363,6 +363,8 @@ def test_a_block_updating_buffers_is_refused():
         ({"repeats": 2}, r"repeats=2 needs schedule='circular'"),
         ({"microbatches": 0}, r"microbatches=0 must be an int ≥ 1"),
         ({"axis": 3}, r"axis=3 must be a mesh axis name"),
+        ({"layers": "blocks.("}, r"layers='blocks.\(' is not a valid regex .*name the ModuleList"),
+        ({"layers": 3}, r"layers=3 .*name the ModuleList"),
     ],
 )
 def test_bad_pipeline_arguments(kwargs, match):

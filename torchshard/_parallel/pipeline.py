@@ -19,7 +19,7 @@ from jax.ad_checkpoint import checkpoint_name
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from torchshard._base.errors import ShardingError
-from torchshard._base.validate import describe_mesh, int_problems, raise_for_arguments
+from torchshard._base.validate import describe_mesh, int_problems, raise_for_arguments, regex_problem
 
 SCHEDULES = ("gpipe", "circular")
 LAYER_INPUT = "torchshard_pipeline_layer_input"  # the activations a circular schedule keeps for the backward
@@ -72,8 +72,8 @@ class Pipeline:
             problems.append(f"schedule={self.schedule!r} must be one of {list(SCHEDULES)}")
         elif self.schedule == "gpipe" and self.repeats != 1:
             problems.append(f"repeats={self.repeats!r} needs schedule='circular' (gpipe makes one pass)")
-        if self.layers is not None and not isinstance(self.layers, str):
-            problems.append(f"layers={self.layers!r} must be a regex naming a ModuleList, or None")
+        if self.layers is not None and (problem := regex_problem(self.layers)) is not None:
+            problems.append(f"layers={self.layers!r} {problem}; name the ModuleList to pipeline, or pass None")
         raise_for_arguments(problems, header="invalid Pipeline arguments")
 
     def bubble(self, *, stages: int) -> float:

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import dataclasses
-import re
 from typing import Any
 
 import torch
@@ -11,23 +10,19 @@ from jax.sharding import Mesh, PartitionSpec
 
 from torchshard._base.errors import ShardingError, raise_if_any
 from torchshard._base.specs import spec_axes
-from torchshard._base.validate import describe_mesh, raise_for_arguments
+from torchshard._base.validate import compiled, describe_mesh, raise_for_arguments
 from torchshard._parallel.pipeline import Pipeline, Stages, resolve
 from torchshard._sharding.plan import ShardingPlan
-from torchshard._train.scan import ScanGroup, block_problems, find_groups, module_lists
+from torchshard._train.scan import ScanGroup, block_problems, find_groups, is_stack, module_lists
 
 
 def _all_lists(model: torch.nn.Module) -> list[str]:
-    return [n for n, m in model.named_modules() if isinstance(m, torch.nn.ModuleList) and n]
+    return [n for n, m in model.named_modules() if is_stack(m) and n]
 
 
 def _named(model: torch.nn.Module, pattern: str) -> ScanGroup:
-    try:
-        regex = re.compile(pattern)
-    except re.error as e:
-        raise_for_arguments([f"Pipeline(layers={pattern!r}) is not a valid regex: {e}"], header="invalid Pipeline")
-        raise  # unreachable: raise_for_arguments raised
-    lists = [n for n, m in model.named_modules() if isinstance(m, torch.nn.ModuleList) and regex.fullmatch(n)]
+    regex = compiled(pattern)  # Pipeline() checked it
+    lists = [n for n, m in model.named_modules() if is_stack(m) and regex.fullmatch(n)]
     if len(lists) != 1:
         found = f"matches {lists}" if lists else "matches no ModuleList"
         raise ShardingError(

@@ -146,7 +146,8 @@ def _same_block(prefix: str, a: str, b: str) -> bool:
     return ma is not None and mb is not None and ma.group(1) == mb.group(1)
 
 
-def _stack_like(module: torch.nn.Module) -> bool:
+def is_stack(module: torch.nn.Module) -> bool:
+    """Whether ``module`` holds a stack of layers: a ModuleList, or a ModuleDict of one kind of module."""
     # a ModuleDict counts when all its values are of one kind (torchtitan's layers); one of assorted
     # modules is not a stack of layers, and scan_layers=True passes it by without a warning
     if isinstance(module, torch.nn.ModuleDict):
@@ -156,7 +157,7 @@ def _stack_like(module: torch.nn.Module) -> bool:
 
 def module_lists(model: torch.nn.Module) -> list[str]:
     """The model's outermost ModuleLists and stack-like ModuleDicts (the candidates for a scan)."""
-    found = [n for n, m in model.named_modules() if _stack_like(m) and n]
+    found = [n for n, m in model.named_modules() if is_stack(m) and n]
     return [n for n in found if not any(n.startswith(outer + ".") for outer in found if outer != n)]
 
 
