@@ -44,16 +44,6 @@ def is_meta(self: torch.Tensor) -> bool:
     return False
 
 
-def erfinv_(self: torch.Tensor) -> torch.Tensor:
-    """``aten.erfinv_``, which torchax lacks (it lowers ``aten.erfinv``); timm's ``trunc_normal_`` calls it.
-
-    Example:
-        >>> erfinv_(torch.zeros(2))
-        tensor([0., 0.])
-    """
-    return self.copy_(torch.erfinv(self))
-
-
 def trunc_normal_(
     tensor: torch.Tensor,
     mean: float = 0.0,

@@ -25,7 +25,8 @@ import numpy as np
 import torch
 import torch.utils._mode_utils as mode_utils
 import torch.utils._pytree as pytree
-from torchax.tensor import TENSOR_CONSTRUCTORS, Tensor
+from torchax.ops import mappings
+from torchax.tensor import TENSOR_CONSTRUCTORS, OperatorNotFound, Tensor
 from torchax.view import View, ViewInfo, ViewInfoType
 
 from torchshard._errors import ShardingError
@@ -157,7 +158,7 @@ class AliasView(View):
             like.shape,
             strides=like.stride(),
             storage_offset=like.storage_offset(),
-            dtype=parent.dtype,
+            dtype=like.dtype,
             device=torch.device("meta"),
             requires_grad=False,
         )
@@ -310,6 +311,8 @@ def _read_only(
     dispatch: Callable[..., Any], func: Any, args: Sequence[Any], kwargs: dict[str, Any], i: int, shape: Sequence[int]
 ) -> ViewInfo:
     def read(array: jax.Array) -> jax.Array:  # torchax's own lowering of the op
+        if func is aten.view.dtype:  # torchax lowers it as a reshape (to a dtype); it is a bitcast
+            return jax.lax.bitcast_convert_type(array, mappings.t2j_dtype(args[1]))
         out = dispatch(func, (), (Tensor(array, args[0]._env), *args[1:]), kwargs)
         return (out[i] if isinstance(out, list | tuple) else out).jax()
 
@@ -379,7 +382,7 @@ def _write_op(dispatch: Callable[..., Any], func: Any, types: Any, args: Any, kw
             args[i] = stand_in
         else:
             kwargs[name] = stand_in
-    result = dispatch(func, types, tuple(args), kwargs)
+    result = _dispatch_or_functional(dispatch, func, types, tuple(args), kwargs)
     if len(unwritten) == 1 and unwritten[0][0]._elem is unwritten[0][1] and result is not unwritten[0][0]:
         write(unwritten[0][0], result)  # torchax ran the functional op and dropped out=; write its result
     for target, stand_in in staged:
@@ -389,13 +392,23 @@ def _write_op(dispatch: Callable[..., Any], func: Any, types: Any, args: Any, kw
     return pytree.tree_map_only(torch.Tensor, lambda r: swap.get(id(r), r), result)
 
 
+def _dispatch_or_functional(dispatch: Callable[..., Any], func: Any, types: Any, args: Any, kwargs: Any) -> Any:
+    """Runs ``func``; an in-place op torchax lacks (``log_``, ``erfinv_``...) as its functional op, written back."""
+    try:
+        return dispatch(func, types, args, kwargs)
+    except OperatorNotFound:
+        functional = _functional(func) if func.overloadpacket.__name__.endswith("_") else None
+        if functional is None or [w[0] for w in _written(func)] != [0]:
+            raise
+    return copy_(args[0], dispatch(functional, types, args, kwargs))
+
+
 def _functional(func: Any) -> Any:
-    """The view op an in-place view op applies (``t_`` → ``t``, ``transpose_`` → ``transpose.int``)."""
-    packet = getattr(aten, func.overloadpacket.__name__.removesuffix("_"))
+    """The functional op of an in-place one (``t_`` → ``t``, ``transpose_`` → ``transpose.int``), or None."""
+    packet = getattr(aten, func.overloadpacket.__name__.removesuffix("_"), None)
     names = [a.name for a in func._schema.arguments]
-    return next(
-        op for op in map(packet.__getattr__, packet.overloads()) if [a.name for a in op._schema.arguments] == names
-    )
+    overloads = map(packet.__getattr__, packet.overloads()) if packet is not None else ()
+    return next((op for op in overloads if [a.name for a in op._schema.arguments] == names), None)
 
 
 def _inplace_view(dispatch: Callable[..., Any], func: Any, args: Sequence[Any], kwargs: dict[str, Any]) -> Any:

@@ -50,7 +50,6 @@ def _install_lowerings(tx: Environment) -> None:
     for op, impl in _compat.torch_op_fixes().items():
         tx.override_op_definition(op, impl)
     tx.override_op_definition(torch.ops.aten.normal_, _init_ops.normal_)
-    tx.override_op_definition(torch.ops.aten.erfinv_, _init_ops.erfinv_)
     for op, impl in {**_lowerings.jax_lowerings(), **_moe_ops.jax_lowerings()}.items():
         _register(tx, op, impl, jax_function=True, needs_env=False)
     for op in _lowerings.ATTENTION_OPS:
