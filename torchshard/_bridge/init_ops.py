@@ -10,6 +10,10 @@ torchax's RNG (``torch.randn`` under the environment), so it is seeded like ever
 
 from __future__ import annotations
 
+import warnings
+
+import jax
+import jax.numpy as jnp
 import torch
 
 from torchshard._bridge.loaded import Environment
@@ -40,6 +44,44 @@ def is_meta(self: torch.Tensor) -> bool:
         False
     """
     return False
+
+
+def trunc_normal_(
+    tensor: torch.Tensor,
+    mean: float = 0.0,
+    std: float = 1.0,
+    a: float = -2.0,
+    b: float = 2.0,
+    generator: torch.Generator | None = None,
+) -> torch.Tensor:
+    """``torch.nn.init.trunc_normal_`` for torchax tensors: N(``mean``, ``std``²) truncated to [``a``, ``b``].
+
+    torch 2.13 samples by rejection, looping until no value is out of bounds: a Python loop on
+    tensor values, which a traced build cannot run. JAX's ``truncated_normal`` draws from the same
+    distribution by inverting its CDF, from torchax's RNG (seeded like every other init). As in
+    torch, the bounds are cast to the tensor's dtype, so every value lies within them there too.
+
+    Example:
+        >>> from torchshard._bridge.env import env
+        >>> with env():
+        ...     w = trunc_normal_(torch.empty(1000, device="jax"), std=2.0, a=-1.0, b=1.0)
+        ...     bool((w.abs() <= 1).all())
+        True
+    """
+    if (mean < a - 2 * std) or (mean > b + 2 * std):  # torch's own warning, word for word
+        warnings.warn(
+            "mean is more than 2 std from [a, b] in nn.init.trunc_normal_. "
+            "The distribution of values may be incorrect.",
+            stacklevel=2,
+        )
+    env = tensor._env  # type: ignore[attr-defined]  # a torchax tensor or view
+    key = env.get_and_rotate_prng_key(generator)
+    held = jnp.dtype(jnp.float32) if jnp.dtype(tensor.jax().dtype).itemsize < 4 else tensor.jax().dtype  # type: ignore[attr-defined]
+    z = jax.random.truncated_normal(key, (a - mean) / std, (b - mean) / std, tuple(tensor.shape), held)
+    values = (mean + std * z).astype(tensor.jax().dtype)  # type: ignore[attr-defined]
+    bounds = jnp.asarray(a, values.dtype), jnp.asarray(b, values.dtype)
+    with torch.no_grad():
+        return tensor.copy_(env.j2t_iso(jnp.clip(values, *bounds)))
 
 
 def install(tx: Environment) -> None:

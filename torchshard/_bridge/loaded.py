@@ -16,6 +16,20 @@ with named_overloads.import_shim():
 import torchax
 from torchax import amp, interop
 from torchax.ops import mappings, ops_registry
-from torchax.tensor import Environment, Tensor
+from torchax.tensor import TENSOR_CONSTRUCTORS, Environment, OperatorNotFound, Tensor
+from torchax.view import View, ViewInfo, ViewInfoType
 
-__all__ = ["Environment", "Tensor", "amp", "interop", "mappings", "ops_registry", "torchax"]
+__all__ = [
+    "TENSOR_CONSTRUCTORS",
+    "Environment",
+    "OperatorNotFound",
+    "Tensor",
+    "View",
+    "ViewInfo",
+    "ViewInfoType",
+    "amp",
+    "interop",
+    "mappings",
+    "ops_registry",
+    "torchax",
+]

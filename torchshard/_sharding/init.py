@@ -15,6 +15,8 @@ from jax.sharding import Mesh
 from torchshard._base.errors import ShardingError, raise_if_any
 from torchshard._base.validate import instance_problems, int_problems, mismatch_problems, raise_for_arguments
 from torchshard._bridge.env import env, seeded, tensors_not_meta
+from torchshard._bridge.init_calls import failed_init, traceable_inits
+from torchshard._bridge.init_views import aliasing, materialised
 from torchshard._bridge.module_tensors import named_tensors
 from torchshard._bridge.tensors import is_jax_tensor, unwrap
 from torchshard._sharding.placement import assign
@@ -28,25 +30,41 @@ def _materialise(model_fn: Callable[[], torch.nn.Module], p: ShardingPlan, seed:
     tx = env()
 
     def build(key: jax.Array) -> list[jax.Array]:
-        # torch init consumes torchax's RNG: seed it for this trace only, so its tracers stay inside
-        with seeded(jax.random.PRNGKey(key)), tensors_not_meta(), tx, warnings.catch_warnings():
-            # 64-bit tensors are narrowed unless x64 is on, as `shard` does; JAX would warn per tensor
-            warnings.filterwarnings("ignore", "Explicitly requested dtype int64", UserWarning)
-            with torch.device("jax"):
-                model = model_fn()
-            tensors = _checked_rebuild(model, p)
-            return [unwrap(tensors[n]) for n in names]
+        # torch init consumes torchax's RNG: seed it for this trace only, so its tracers stay inside;
+        # aliasing: writes through views (w[0].zero_(), eye_, padding rows) reach their tensors, as in torch
+        with seeded(jax.random.PRNGKey(key)), tensors_not_meta(), traceable_inits(), tx, aliasing(tx):
+            return _build(model_fn, p, names)
 
     try:
         arrays = jax.jit(build, out_shardings=[p[n] for n in names])(np.uint32(seed))
-    except ShardingError:
-        raise
     except Exception as e:  # an init op torchax cannot run: name it, keep its traceback
-        raise _build_failure(e, entries) from e
+        failure = _build_failure(e, entries)
+        if failure is e:
+            raise
+        raise failure from e
     return dict(zip(names, arrays, strict=True))
 
 
+def _build(model_fn: Callable[[], torch.nn.Module], p: ShardingPlan, names: list[str]) -> list[jax.Array]:
+    with warnings.catch_warnings():
+        # 64-bit tensors are narrowed unless x64 is on, as `shard` does; JAX would warn per tensor
+        warnings.filterwarnings("ignore", "Explicitly requested dtype int64", UserWarning)
+        with torch.device("jax"):
+            model = model_fn()
+        tensors = _checked_rebuild(model, p)
+        return [unwrap(tensors[n]) for n in names]
+
+
 def _build_failure(error: Exception, entries: list[PlanEntry]) -> ShardingError:
+    init = failed_init(error)
+    if isinstance(error, ShardingError):
+        return ShardingError(f"{init}: {error}") if init else error
+    if init is not None:  # torch's init ran an op torchax cannot run, or branched on traced values
+        first = (str(error).strip().splitlines() or [""])[0]
+        return ShardingError(
+            f"{init} cannot run while init_sharded builds the model ({type(error).__name__}: {first:.300}); "
+            f"build the model on CPU and place it with shard(model, plan), or use another init for that tensor"
+        )
     if isinstance(error, OverflowError):
         wide = [x.name for x in entries if x.dtype in (torch.int64, torch.uint64)]
         return ShardingError(
@@ -65,6 +83,7 @@ def _build_failure(error: Exception, entries: list[PlanEntry]) -> ShardingError:
 def _checked_rebuild(model: Any, p: ShardingPlan) -> dict[str, torch.Tensor]:
     """The tensors of the traced build, which must be the meta build's, each a torchax tensor."""
     tensors = named_tensors(model) if isinstance(model, torch.nn.Module) else {}
+    tensors = {n: materialised(t) for n, t in tensors.items()}  # a view model_fn kept: its values, as its own
     expected = {n: e.shape for n, e in p.entries.items()}
     found = {n: tuple(t.shape) for n, t in tensors.items()}
     problems = mismatch_problems(expected, found, expected_in="first (meta) build", found_in="second build")
