@@ -222,6 +222,16 @@ def test_composes_with_fsdp_tp_remat_scan_and_accumulation():
 
 
 @SLOW
+def test_composes_with_a_pipeline():
+    """Inside a pipeline's stages (a vmap over the stage axis) the ring's shard_map takes that axis as manual too."""
+    mesh = ts.make_mesh({"stage": 2, "data": 2, "context": 2})
+    model_fn = functools.partial(tiny_llama, vocab_size=VOCAB, hidden_size=32, intermediate_size=64)
+    pipeline = ts.Pipeline(microbatches=2)
+    trainer = assert_trains_like_torch(model_fn, mesh, ContextParallel(), pipeline=pipeline, batch=4, steps=2)
+    assert trainer.pipeline_bubble == pytest.approx(1 / 3)
+
+
+@SLOW
 def test_mixed_precision_runs_in_bf16(mesh):
     trainer = trainer_for(CausalLM(depth=1), mesh, ContextParallel(), precision=ts.MixedPrecision())
     losses = [float(trainer.step(b)["loss"]) for b in batches(2)]

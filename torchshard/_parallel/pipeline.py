@@ -20,6 +20,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from torchshard._base.errors import ShardingError
 from torchshard._base.validate import describe_mesh, int_problems, raise_for_arguments, regex_problem
+from torchshard._parallel.vmapped import vmapped_over
 
 SCHEDULES = ("gpipe", "circular")
 LAYER_INPUT = "torchshard_pipeline_layer_input"  # the activations a circular schedule keeps for the backward
@@ -310,7 +311,8 @@ def run(
     micro = _split(h, m)
     buffer = loop.constrain(jnp.broadcast_to(micro, (spec.stages, *micro.shape)), None, spec.batch)
     shift = loop.constrain(jnp.zeros((spec.stages, *micro.shape[1:]), h.dtype), spec.batch)
-    (buffer, _), _ = jax.lax.scan(loop.iteration, (buffer, shift), jnp.arange(spec.iterations))
+    with vmapped_over(spec.axis):  # shard_maps inside the layers (context-parallel attention) take the axis as manual
+        (buffer, _), _ = jax.lax.scan(loop.iteration, (buffer, shift), jnp.arange(spec.iterations))
     return _merge(buffer[0]), jax.random.fold_in(key, spec.iterations)
 
 

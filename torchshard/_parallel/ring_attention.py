@@ -19,6 +19,8 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import Mesh, PartitionSpec
 
+from torchshard._parallel.vmapped import vmapped_axes
+
 Stats = tuple[jax.Array, jax.Array, jax.Array]  # running max, running sum, running weighted values (all f32)
 # keys folded at a time: a device holds a (S/n) × KEY_TILE block of scores per head, not (S/n) × (S/n)
 KEY_TILE = 512
@@ -65,11 +67,12 @@ class Ring:
     causal: bool
     gathered: bool  # K/V arrive all-gathered (attention="all_gather") instead of passed by ppermute
     key_tile: int = KEY_TILE
+    vmapped: frozenset[str] = frozenset()  # a pipeline's stage axis, manual here too (see `vmapped_axes`)
 
 
-def _varying(x: jax.Array, axis: str) -> jax.Array:
+def _varying(x: jax.Array, ring: Ring) -> jax.Array:
     """A fresh array typed as differing per device: loop carries must match the per-device values they meet."""
-    return jax.lax.pcast(x, (axis,), to="varying")
+    return jax.lax.pcast(x, (ring.axis,), to="varying")
 
 
 def _runs(x: jax.Array, parts: int, dim: int) -> list[jax.Array]:
@@ -149,11 +152,11 @@ def _fold(stats: Stats, q: jax.Array, k: jax.Array, v: jax.Array, q_start: jax.A
     return jax.lax.scan(tile, stats, (jnp.arange(tiles), _tiled(k, tiles), _tiled(v, tiles)))[0]
 
 
-def _no_keys_yet(q: jax.Array, axis: str) -> Stats:
+def _no_keys_yet(q: jax.Array, ring: Ring) -> Stats:
     """The running (max, sum, weighted values) of query rows that have met no key: (-inf, 0, 0)."""
     rows, f32 = q.shape[:-1], jnp.float32
     fresh = (jnp.full(rows, -jnp.inf, f32), jnp.zeros(rows, f32), jnp.zeros(q.shape, f32))
-    return _varying(fresh[0], axis), _varying(fresh[1], axis), _varying(fresh[2], axis)
+    return _varying(fresh[0], ring), _varying(fresh[1], ring), _varying(fresh[2], ring)
 
 
 def _source(ring: Ring, me: jax.Array, t: jax.Array | int) -> jax.Array:
@@ -178,7 +181,7 @@ def _forward_step(ring: Ring, me: jax.Array, qs: list[jax.Array], stats: list[St
 def _forward(ring: Ring, me: jax.Array, q: jax.Array, k: jax.Array, v: jax.Array) -> tuple[jax.Array, jax.Array]:
     """(output, log-sum-exp) of the local queries against every key block of the axis."""
     qs = _runs(q, ring.layout.parts, 3)
-    stats = [_no_keys_yet(run, ring.axis) for run in qs]
+    stats = [_no_keys_yet(run, ring) for run in qs]
 
     def step(carry, t):
         stats, k, v = carry
@@ -235,7 +238,7 @@ def _unfold(dq: jax.Array, saved: tuple[jax.Array, ...], k: jax.Array, v: jax.Ar
     q, do, lse, delta = saved
     tiles = _key_tiles(k.shape[2], ring.key_tile)
     size = k.shape[2] // tiles
-    nothing = _varying(jnp.zeros((*k.shape[:2], size, k.shape[3]), jnp.float32), ring.axis)
+    nothing = _varying(jnp.zeros((*k.shape[:2], size, k.shape[3]), jnp.float32), ring)
 
     def tile(dq: jax.Array, xs: tuple[jax.Array | int, jax.Array, jax.Array]):
         i, k_tile, v_tile = xs
@@ -261,8 +264,8 @@ def _backward(ring: Ring, res: tuple[jax.Array, ...], do: jax.Array) -> tuple[ja
     parts = ring.layout.parts
     delta = jnp.einsum("bkgqh,bkgqh->bkgq", do, out, preferred_element_type=jnp.float32)
     saved = (_runs(q, parts, 3), _runs(do, parts, 3), _runs(lse, parts, 3), _runs(delta, parts, 3))
-    dqs = [_varying(jnp.zeros(x.shape, jnp.float32), ring.axis) for x in saved[0]]
-    dk, dv = (_varying(jnp.zeros(x.shape, jnp.float32), ring.axis) for x in (k, v))
+    dqs = [_varying(jnp.zeros(x.shape, jnp.float32), ring) for x in saved[0]]
+    dk, dv = (_varying(jnp.zeros(x.shape, jnp.float32), ring) for x in (k, v))
 
     def step(carry, t, *, last=False):
         dqs, k, v, dk, dv = carry
@@ -389,10 +392,14 @@ def context_attention(
     kv_heads = key.shape[1]
     scale = d**-0.5 if scale is None else scale
     q = (query * jnp.asarray(scale, query.dtype)).reshape(b, kv_heads, heads // kv_heads, s, d)
-    ring = Ring(axis, Layout(s, mesh.shape[axis], balanced and causal), causal, gathered, key_tile)
+    ring = Ring(axis, Layout(s, mesh.shape[axis], balanced and causal), causal, gathered, key_tile, vmapped_axes())
     q_spec, kv_spec = PartitionSpec(None, None, None, axis, None), PartitionSpec(None, None, axis, None)
     local = functools.partial(_local, ring)
     in_specs = (PartitionSpec(axis), q_spec, kv_spec, kv_spec)
-    sharded = jax.shard_map(local, mesh=mesh, in_specs=in_specs, out_specs=q_spec, axis_names=frozenset({axis}))
+    # inside a pipeline's stages the stage axis is manual too; JAX's batching rule then types the
+    # values as varying over it where this code says only the context axis, so its check is off there
+    manual = frozenset({axis}) | ring.vmapped
+    sharded = jax.shard_map(local, mesh=mesh, in_specs=in_specs, out_specs=q_spec, axis_names=manual,
+                            check_vma=not ring.vmapped)  # fmt: skip
     devices = jnp.arange(mesh.shape[axis], dtype=jnp.int32)
     return sharded(devices, q, key, value).reshape(b, heads, s, d)
