@@ -163,14 +163,17 @@ def _source(ring: Ring, me: jax.Array, t: jax.Array | int) -> jax.Array:
     return (me - t) % ring.layout.devices
 
 
-def _forward_step(ring: Ring, me: jax.Array, qs: list[jax.Array], stats: list[Stats], k: jax.Array, v: jax.Array,
-                  t: jax.Array | int) -> list[Stats]:  # fmt: skip
+def _pairs(ring: Ring, me: jax.Array, k: jax.Array, v: jax.Array, t: jax.Array | int):
+    """Ring step ``t``'s query run starts, its key block's run starts, and that block's key and value runs."""
     if ring.gathered:
         k, v = k[t], v[t]
-    q_starts = ring.layout.starts(me)
-    k_starts = ring.layout.starts(_source(ring, me, t))
     parts = ring.layout.parts
-    ks, vs = _runs(k, parts, 2), _runs(v, parts, 2)
+    return ring.layout.starts(me), ring.layout.starts(_source(ring, me, t)), _runs(k, parts, 2), _runs(v, parts, 2)
+
+
+def _forward_step(ring: Ring, me: jax.Array, qs: list[jax.Array], stats: list[Stats], k: jax.Array, v: jax.Array,
+                  t: jax.Array | int) -> list[Stats]:  # fmt: skip
+    q_starts, k_starts, ks, vs = _pairs(ring, me, k, v, t)
     stats = list(stats)
     for a, q_start in enumerate(q_starts):
         for c, k_start in enumerate(k_starts):
@@ -215,12 +218,8 @@ def _backward_step(ring: Ring, me: jax.Array, saved: tuple[list[jax.Array], ...]
                    v: jax.Array, t: jax.Array | int) -> tuple[list[jax.Array], jax.Array, jax.Array]:  # fmt: skip
     """Adds one key block's share to the query grads; returns them and that block's dk, dv (f32)."""
     qs, dos, lses, deltas = saved
-    if ring.gathered:
-        k, v = k[t], v[t]
-    q_starts = ring.layout.starts(me)
-    k_starts = ring.layout.starts(_source(ring, me, t))
+    q_starts, k_starts, ks, vs = _pairs(ring, me, k, v, t)
     parts = ring.layout.parts
-    ks, vs = _runs(k, parts, 2), _runs(v, parts, 2)
     dqs = list(dqs)
     dks: list[list[jax.Array]] = [[] for _ in range(parts)]
     dvs: list[list[jax.Array]] = [[] for _ in range(parts)]
