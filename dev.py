@@ -1,11 +1,19 @@
-"""Bootstrap: `python3 dev.py demo` runs the main example, `python3 dev.py test` the tests; both set up .venv first."""
+"""Bootstrap: `python3 dev.py demo` runs the main example, `python3 dev.py test` the tests; both set up .venv first.
+
+`python3 dev.py compat` runs the quick suite on today's newest stack instead: a cached Python 3.12 venv
+(built once outside the clone) with whatever an unconstrained `pip install` picks, then once more with the
+newest torchax pre-release layered on top.
+"""
 
 from __future__ import annotations
 
 import hashlib
+import json
 import os
+import shutil
 import subprocess
 import sys
+import tomllib
 import venv
 from pathlib import Path
 
@@ -28,6 +36,14 @@ COMMANDS = {
     "lint": CHECKS,
     "bench": [["benchmarks/step_time.py"]],
 }
+# the newest-stack job: outside the clone so every clone (and CI) reuses the multi-GB venv
+COMPAT_VENV = Path(os.environ.get("TORCHSHARD_COMPAT_VENV", Path.home() / ".cache" / "torchshard" / "compat-py312"))
+COMPAT_PYTHON = "3.12"
+COMPAT_PRE = COMPAT_VENV / "torchax-pre"  # the newest torchax pre-release, put first on the path for the second run
+COMPAT_EXTRAS = ("test", "examples", "hf")
+# the quick suite; the README's blocks are in it (tests/test_readme.py)
+COMPAT_TESTS = ["-m", "pytest", "-n", "2", "-m", "not slow", "-q"]
+ALL_COMMANDS = (*COMMANDS, "compat")
 
 
 def _fingerprint() -> str:
@@ -50,9 +66,75 @@ def ensure_venv() -> None:
     STAMP.write_text(_fingerprint())
 
 
+def _requirements() -> list[str]:
+    """What `pip install -e .[test,examples,hf]` asks for, less torchshard (the tests import it from the clone)."""
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    extras = [r for extra in COMPAT_EXTRAS for r in project["optional-dependencies"][extra]]
+    return sorted(set(project["dependencies"] + extras))
+
+
+def _interpreter(version: str) -> tuple[str, dict[str, str]]:
+    """A python<version> to build the venv with, and the environment it needs (pyenv picks by PYENV_VERSION)."""
+    env = dict(os.environ)
+    if pyenv := shutil.which("pyenv"):
+        bare = subprocess.run([pyenv, "versions", "--bare"], capture_output=True, text=True).stdout.split()
+        if found := [v for v in bare if v.startswith(f"{version}.")]:
+            env["PYENV_VERSION"] = found[-1]
+    exe = shutil.which(f"python{version}")
+    if exe is None or subprocess.run([exe, "--version"], env=env, capture_output=True).returncode:
+        raise SystemExit(f"dev.py compat: needs python{version} on PATH (e.g. `pyenv install {version}`)")
+    return exe, env
+
+
+def ensure_compat_venv() -> Path:
+    """Builds the newest-stack venv once; rebuilt only when the requirements change. Returns its python."""
+    python = COMPAT_VENV / "bin" / "python"
+    stamp = COMPAT_VENV / ".torchshard-requirements"
+    wanted = json.dumps(_requirements())
+    if stamp.exists() and stamp.read_text() == wanted:
+        return python
+    if not python.exists():
+        exe, env = _interpreter(COMPAT_PYTHON)
+        print(f"dev.py compat: creating {COMPAT_VENV} with Python {COMPAT_PYTHON}", flush=True)
+        subprocess.run([exe, "-m", "venv", str(COMPAT_VENV)], env=env, check=True)
+    # No constraints, and no machine-wide pip configuration either (one may pin or cap versions): the
+    # point of this job is exactly what an unconstrained install picks today.
+    env = {**os.environ, "PIP_CONFIG_FILE": os.devnull}
+    pip = [str(python), "-m", "pip", "install", "--disable-pip-version-check", "-q", "--upgrade"]
+    print("dev.py compat: installing the newest releases (first run only; torch may be several GB)", flush=True)
+    subprocess.run([*pip, *json.loads(wanted)], env=env, check=True)
+    subprocess.run([*pip, "--pre", "--no-deps", "--target", str(COMPAT_PRE), "torchax"], env=env, check=True)
+    stamp.write_text(wanted)
+    return python
+
+
+def _versions(python: Path, env: dict[str, str]) -> str:
+    names = ("torch", "torchax", "jax", "optax", "transformers")
+    code = f"import importlib.metadata as m; print(', '.join(n + ' ' + m.version(n) for n in {names!r}))"
+    return subprocess.run([str(python), "-c", code], env=env, capture_output=True, text=True).stdout.strip()
+
+
+def compat(argv: list[str]) -> int:
+    """The quick suite on the newest releases, then again with the newest torchax pre-release."""
+    if "--if-cached" in argv and not (COMPAT_VENV / ".torchshard-requirements").exists():
+        print(f"dev.py compat: SKIPPED: no newest-stack venv cached at {COMPAT_VENV} (dev.py compat builds one)")
+        return 0
+    python = ensure_compat_venv()
+    os.chdir(ROOT)
+    extra = [a for a in argv if a != "--if-cached"]
+    for label, path in (("releases", [str(ROOT)]), ("torchax pre-release", [str(COMPAT_PRE), str(ROOT)])):
+        env = {**os.environ, "PYTHONPATH": os.pathsep.join(path)}
+        print(f"dev.py compat: quick suite on the newest {label}: {_versions(python, env)}", flush=True)
+        if code := subprocess.call([str(python), *COMPAT_TESTS, *extra], env=env):
+            return code
+    return 0
+
+
 def main(argv: list[str]) -> int:
+    if argv and argv[0] == "compat":
+        return compat(argv[1:])
     if not argv or argv[0] not in COMMANDS:
-        print(f"usage: python3 dev.py {{{'|'.join(COMMANDS)}}} [extra args]", file=sys.stderr)
+        print(f"usage: python3 dev.py {{{'|'.join(ALL_COMMANDS)}}} [extra args]", file=sys.stderr)
         return 2
     ensure_venv()
     os.chdir(ROOT)

@@ -12,28 +12,26 @@ import torch._ops
 import torchax
 
 from torchshard._bridge.env import env
-from torchshard._bridge.fixes import batch_norm_stats, named_overloads
+from torchshard._bridge.fixes import batch_norm_stats, removed_aten
 from torchshard._bridge.tensors import wrap
 
 
-def test_shim_is_needed_on_this_torch_torchax_pair():
-    assert not hasattr(torch.ops.aten.prod, "dim_Dimname")
-    assert named_overloads.needs_named_overload_shim()
-
-
 @pytest.mark.parametrize(
-    ("torchax_version", "torch_has_named", "expected"),
+    ("torchax_version", "torch_lacks", "expected"),
     [
-        ("0.0.13", False, True),
-        ("0.0.12", False, True),
-        ("0.0.13.dev20250101", False, True),
-        ("0.0.14", False, False),
-        ("0.1.0", False, False),
-        ("0.0.13", True, False),
-        (None, False, False),  # torchax not installed as a distribution
+        ("0.0.13", ("prod", "dim_Dimname"), True),
+        ("0.0.13", ("cholesky", None), True),  # torch 2.14
+        ("0.0.13", ("qr", None), True),  # torch 2.15
+        ("0.0.12", ("prod", "dim_Dimname"), True),
+        ("0.0.13.dev20250101", ("prod", "dim_Dimname"), True),
+        ("0.0.14", ("prod", "dim_Dimname"), False),
+        ("0.0.14.dev20261026", ("qr", None), False),
+        ("0.1.0", ("prod", "dim_Dimname"), False),
+        ("0.0.13", None, False),  # a torch that still has everything torchax names
+        (None, ("prod", "dim_Dimname"), False),  # torchax not installed as a distribution
     ],
 )
-def test_needs_named_overload_shim(monkeypatch, torchax_version, torch_has_named, expected):
+def test_needs_import_shim(monkeypatch, torchax_version, torch_lacks, expected):
     def version(name):
         assert name == "torchax"
         if torchax_version is None:
@@ -41,60 +39,82 @@ def test_needs_named_overload_shim(monkeypatch, torchax_version, torch_has_named
         return torchax_version
 
     monkeypatch.setattr(importlib.metadata, "version", version)
-    if torch_has_named:
-        monkeypatch.setattr(torch.ops.aten.prod, "dim_Dimname", torch.ops.aten.prod.default, raising=False)
-    assert named_overloads.needs_named_overload_shim() is expected
+    monkeypatch.setattr(removed_aten, "_torch_has", lambda op, overload: (op, overload) != torch_lacks)
+    assert removed_aten.needs_import_shim() is expected
 
 
-def test_faked_overloads_are_only_named_tensor_overloads():
-    faked = named_overloads.faked_overloads()
-    assert "aten::prod.dim_Dimname" in faked
+def test_faked_names_are_exactly_what_this_torch_lacks():
+    faked = removed_aten.faked_overloads()
+    assert bool(faked) == removed_aten.needs_import_shim()
     assert len(set(faked)) == len(faked)
     for qualname in faked:
+        op, _, overload = qualname.removeprefix("aten::").partition(".")
         assert qualname.startswith("aten::"), qualname
-        assert "dimname" in qualname.lower() or "names" in qualname.lower(), qualname
+        assert not removed_aten._torch_has(op, overload or None), f"{qualname} exists in this torch but was faked"
 
 
 def test_getattr_is_restored_after_import():
     assert torch._ops.OpOverloadPacket.__getattr__.__qualname__ == "OpOverloadPacket.__getattr__"
-    with pytest.raises(AttributeError, match="no overload name 'dim_Dimname'"):
-        torch.ops.aten.prod.dim_Dimname  # noqa: B018
+    assert torch._ops._OpNamespace.__getattr__.__qualname__ == "_OpNamespace.__getattr__"
+    with pytest.raises(AttributeError, match="no overload name 'not_an_overload'"):
+        torch.ops.aten.prod.not_an_overload  # noqa: B018
+    with pytest.raises(AttributeError, match="not_an_op"):
+        torch.ops.aten.not_an_op  # noqa: B018
 
 
-def test_shim_window_fakes_only_named_overloads_and_restores(monkeypatch):
-    monkeypatch.setattr(named_overloads, "_faked", [])
-    original = torch._ops.OpOverloadPacket.__getattr__
-    with pytest.raises(RuntimeError, match="boom"), named_overloads.placeholder_named_overloads():
-        placeholder = torch.ops.aten.sum.dim_Dimname
-        assert isinstance(placeholder, named_overloads.MissingOverload)
+def test_shim_window_fakes_missing_names_and_restores(monkeypatch):
+    monkeypatch.setattr(removed_aten, "_faked", [])
+    packet_getattr = torch._ops.OpOverloadPacket.__getattr__
+    namespace_getattr = torch._ops._OpNamespace.__getattr__
+    with pytest.raises(RuntimeError, match="boom"), removed_aten.placeholder_removed_aten():
+        assert isinstance(torch.ops.aten.sum.not_an_overload, removed_aten.MissingOverload)
+        op = torch.ops.aten.not_an_op
+        assert isinstance(op, removed_aten.MissingOp)
+        assert isinstance(op.default, removed_aten.MissingOverload)
+        assert torch.ops.aten.sum.default is torch.ops.aten.sum.default  # real ones untouched
         with pytest.raises(AttributeError):
-            torch.ops.aten.sum.not_an_overload  # noqa: B018
+            torch.ops.aten.sum.__not_a_protocol__  # noqa: B018
         raise RuntimeError("boom")
-    assert torch._ops.OpOverloadPacket.__getattr__ is original
-    assert named_overloads.faked_overloads() == ("aten::sum.dim_Dimname",)
+    assert torch._ops.OpOverloadPacket.__getattr__ is packet_getattr
+    assert torch._ops._OpNamespace.__getattr__ is namespace_getattr
+    assert removed_aten.faked_overloads() == ("aten::sum.not_an_overload", "aten::not_an_op", "aten::not_an_op.default")
     with pytest.raises(AttributeError):
-        torch.ops.aten.sum.dim_Dimname  # noqa: B018
+        torch.ops.aten.not_an_op  # noqa: B018
 
 
-def test_missing_overload_raises_when_called():
-    placeholder = named_overloads.MissingOverload("aten::prod.dim_Dimname")
+def test_placeholders_raise_when_called():
+    placeholder = removed_aten.MissingOverload("aten::prod.dim_Dimname")
     assert not isinstance(placeholder, torch._ops.OperatorBase)
     assert placeholder in {placeholder}  # torchax keeps overloads in dicts and sets
     assert repr(placeholder) == "MissingOverload('aten::prod.dim_Dimname')"
     with pytest.raises(NotImplementedError, match=r"aten::prod\.dim_Dimname was removed"):
         placeholder(torch.ones(2), "x")
+    with pytest.raises(NotImplementedError, match=r"aten::qr was removed"):
+        removed_aten.MissingOp("aten::qr")(torch.ones(2, 2))
 
 
-def test_tripwire_torchax_still_needs_the_named_overload_shim():
-    """When this fails, google/torchax#101 is fixed in the pinned torchax: delete NAMED_OVERLOADS and its shim."""
+def test_the_import_shim_gate_agrees_with_this_stack():
+    """When this fails, the gate is wrong for the installed pair: torchax imports without the shim
+    (google/torchax#101 fixed: delete REMOVED_ATEN and its shim), or fails although the gate says it is not needed."""
     done = subprocess.run([sys.executable, "-c", "import torchax"], capture_output=True, text=True, timeout=120)
-    assert done.returncode != 0 and "dim_Dimname" in done.stderr, (
-        f"torchax now imports without the shim ({named_overloads.NAMED_OVERLOADS.bug}); remove it"
+    fails = done.returncode != 0 and "AttributeError" in done.stderr
+    assert fails == removed_aten.needs_import_shim(), (removed_aten.REMOVED_ATEN.bug, done.stderr[-2000:])
+
+
+def test_eager_torch_optimizers_step_after_import():
+    """torch 2.15 asks torchax's "jax" device for a stream in Optimizer.step (pytorch/xla#9730 twin)."""
+    code = (
+        "import torch, torchshard\n"
+        "w = torch.nn.Parameter(torch.ones(3))\n"
+        "for opt in (torch.optim.Adam([w]), torch.optim.SGD([w], lr=0.1), torch.optim.AdamW([w])):\n"
+        "    w.sum().backward(); opt.step(); opt.zero_grad()\n"
     )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-2000:]
 
 
-def test_tripwire_torchax_batch_norm_still_drops_running_stats():
-    """When this fails, google/torchax#22 is fixed in the pinned torchax: delete BATCH_NORM_STATS and its fix."""
+def test_the_batch_norm_gate_agrees_with_this_torchax():
+    """When this fails, google/torchax#22 is fixed in the installed torchax: end BATCH_NORM_STATS's gate there."""
     plain = torchax.tensor.Environment()  # torchax's own lowerings, without torchshard's
     x = torch.randn(8, 3, generator=torch.Generator().manual_seed(0))
     with plain:
@@ -102,8 +122,8 @@ def test_tripwire_torchax_batch_norm_still_drops_running_stats():
         var = plain.j2t_iso(jnp.ones(3))
         torch.nn.functional.batch_norm(plain.j2t_iso(jnp.asarray(x.numpy())), mean, var, training=True)
     bug = batch_norm_stats.BATCH_NORM_STATS.bug
-    assert float(abs(mean.jax()).max()) == 0.0, f"torchax now updates running stats ({bug})"
-    assert batch_norm_stats.needs_batch_norm_fix()
+    drops = float(abs(mean.jax()).max()) == 0.0
+    assert drops == batch_norm_stats.needs_batch_norm_fix(), f"the gate is wrong for this torchax ({bug})"
 
 
 def test_batch_norm_fix_updates_running_stats_like_torch():

@@ -158,7 +158,7 @@ def _command_problems(command: str) -> list[str]:
     flags = [w for w in words if w.startswith("--")]
     if words[0] == "dev.py":
         dev = runpy.run_path(str(ROOT / "dev.py"), run_name="readme_check")
-        return [] if words[1] in dev["COMMANDS"] else [f"{command}: dev.py has no command {words[1]!r}"]
+        return [] if words[1] in dev["ALL_COMMANDS"] else [f"{command}: dev.py has no command {words[1]!r}"]
     if words[:2] == ["-m", "torchshard"]:
         from torchshard.__main__ import build_parser
 

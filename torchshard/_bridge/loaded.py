@@ -4,13 +4,14 @@ from __future__ import annotations
 
 import importlib
 
-from torchshard._bridge.fixes import named_overloads
+from torchshard._bridge.fixes import accelerator_probe, removed_aten
 
-with named_overloads.import_shim():
+with removed_aten.import_shim():
     # torchax imports these lazily when its first environment is created; importing them here,
     # inside the shim's window, keeps the window closed afterwards and creates no environment
-    # (which would start the JAX backend).
-    for _name in ("torchax", "torchax.decompositions", "torchax.amp", "torchax.interop"):
+    # (which would start the JAX backend). The torchax.ops tables are what Environment.load_ops imports.
+    for _name in ("torchax", "torchax.decompositions", "torchax.amp", "torchax.interop", "torchax.ops.jaten",
+                  "torchax.ops.jc10d", "torchax.ops.jtorch", "torchax.ops.jtorchvision_nms"):  # fmt: skip
         importlib.import_module(_name)
 
 import torchax
@@ -18,6 +19,8 @@ from torchax import amp, interop
 from torchax.ops import mappings, ops_registry
 from torchax.tensor import TENSOR_CONSTRUCTORS, Environment, OperatorNotFound, Tensor
 from torchax.view import View, ViewInfo, ViewInfoType
+
+accelerator_probe.hide_streamless_accelerator()  # torchax registered its device on import
 
 __all__ = [
     "TENSOR_CONSTRUCTORS",

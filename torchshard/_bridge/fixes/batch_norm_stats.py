@@ -7,7 +7,8 @@ import torch
 from torchshard._bridge.loaded import Environment
 from torchshard._bridge.versions import Gate
 
-BATCH_NORM_STATS = Gate("https://github.com/google/torchax/issues/22", (0, 0, 13))
+# the 0.0.13 release and the 0.0.14 nightlies (checked: dev20261026) both drop the running stats
+BATCH_NORM_STATS = Gate("https://github.com/google/torchax/issues/22", (0, 0, 14))
 
 
 def _batch_norm_updating_stats(input, weight, bias, running_mean, running_var, training=False, momentum=0.1, eps=1e-5):
