@@ -233,6 +233,7 @@ def _cli(tmp_path, *argv):
     return done, time.perf_counter() - start
 
 
+@pytest.mark.slow
 def test_7b_llama_planned_on_meta_over_64_devices(tmp_path):
     _file(tmp_path, "llama7b.py", LLAMA_7B)
     done, seconds = _cli(
@@ -300,6 +301,7 @@ def lm_loss(model, ids):
     return model(input_ids=ids, labels=ids, use_cache=False).loss
 
 
+@pytest.mark.slow
 def test_compiled_figures_are_the_real_trainers(capsys, tmp_path):
     lm = _file(tmp_path, "tiny_lm.py", TINY_LM)
     argv = ["--mesh", "data=4,model=2", "--preset", "hf", "--compile", "--batch", "8x16", "--scan", "--remat",

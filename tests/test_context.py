@@ -172,6 +172,7 @@ def test_balanced_layout_gives_every_device_equal_causal_work():
 
 @pytest.mark.parametrize("variant", [*(pytest.param(v, marks=SLOW) for v in VARIANTS if v != "ring-balanced"),
                                      "ring-balanced"])  # fmt: skip
+@SLOW
 def test_causal_transformer_trains_like_torch(mesh, variant):
     assert_trains_like_torch(CausalLM, mesh, VARIANTS[variant])
 
@@ -183,6 +184,7 @@ def test_llama_trains_like_torch(mesh, variant):
                              VARIANTS[variant])  # fmt: skip
 
 
+@SLOW
 def test_a_four_layer_llama_trains_like_torch(mesh):
     """With 4 layers XLA moved the kernel's lax.axis_index out of the shard_map, which the partitioner refused."""
     model_fn = functools.partial(tiny_llama, layers=4, vocab_size=VOCAB, hidden_size=32, intermediate_size=64)

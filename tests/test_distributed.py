@@ -312,6 +312,7 @@ PROGRESS = {
 
 
 @pytest.mark.parametrize("child", PROGRESS)
+@pytest.mark.slow
 def test_output_or_heartbeats_are_progress(child):
     command, envs = _python(PROGRESS[child])
     out = io.StringIO()

@@ -20,6 +20,7 @@ def _run(script: str, *args: str) -> subprocess.CompletedProcess:
     )
 
 
+@pytest.mark.slow
 def test_mlp_forward_runs_and_matches_torch():
     done = _run("mlp_forward.py", "--batch", "16")
     assert done.returncode == 0, done.stdout + done.stderr

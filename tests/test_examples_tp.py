@@ -20,6 +20,7 @@ def run_example(name: str, *args: str) -> subprocess.CompletedProcess[str]:
     return subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
 
 
+@pytest.mark.slow
 def test_transformer_tp_matches_eager_torch():
     small = ["--dim", "32", "--heads", "4", "--layers", "1", "--batch", "8", "--seq", "8", "--steps", "2"]
     result = run_example("transformer_tp", *small)
@@ -39,6 +40,7 @@ def test_hf_llama_trains():
     assert "train" in result.stderr  # the progress bar
 
 
+@pytest.mark.slow
 def test_hf_llama_rejects_heads_the_model_axis_splits():
     pytest.importorskip("transformers")
     result = run_example("hf_llama", *HF_SMALL, "--mesh", "data=2,model=4", "--steps", "1")

@@ -192,6 +192,7 @@ def sharded_logits(model, ids, mesh):
 
 
 @pytest.mark.parametrize("tied", [False, True], ids=["untied", "tied"])
+@pytest.mark.slow
 def test_llama_trains_like_torch(mesh_dm, tied):
     ref = llama(tie_word_embeddings=tied)
     model = copy.deepcopy(ref)

@@ -294,6 +294,7 @@ def _tiny_hf(kind: str) -> Callable[[], nn.Module]:
 
 @pytest.mark.filterwarnings("ignore:Explicitly requested dtype int64")  # position ids, held as int32
 @pytest.mark.parametrize("kind", ["llama", "gpt2", "bert", "vit"])
+@pytest.mark.slow
 def test_transformers_init_weights_equal_eager_torch(mesh, kind):
     model, sharded = _check_like_eager(_tiny_hf(kind), mesh)
     if kind == "llama":  # _init_weights zeroes the padding row of a normal_ embedding

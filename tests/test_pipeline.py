@@ -89,6 +89,7 @@ def trained():
 
 
 @pytest.mark.parametrize("name", list(RUNS))
+@pytest.mark.slow
 def test_trains_like_eager_torch_and_like_the_unpipelined_run(name, trained, eager, unpipelined):
     run, losses = trained[name]
     np.testing.assert_allclose(losses, eager[0][:4], rtol=1e-4)
@@ -154,6 +155,7 @@ def test_names_are_torch_names(trained, tmp_path):
     ("source", "destination"),
     [("circular", "unpipelined"), ("unpipelined", "gpipe"), pytest.param("gpipe", "circular", marks=pytest.mark.slow)],
 )
+@pytest.mark.slow
 def test_checkpoints_load_pipelined_or_not_on_another_mesh(source, destination, trained, unpipelined, eager, tmp_path):
     saved = unpipelined[0] if source == "unpipelined" else trained[source][0]
     ts.save(tmp_path, saved)
@@ -339,6 +341,7 @@ def test_a_hidden_state_the_microbatches_do_not_divide_is_refused():
         run.step(batches(1)[0])
 
 
+@pytest.mark.slow
 def test_dropout_inside_pipelined_blocks_draws_masks():
     torch.manual_seed(0)
     model = BlockStack(depth=4, dropout=0.5)

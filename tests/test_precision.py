@@ -63,6 +63,7 @@ def trainer_for(model, loss_fn, *, mesh=None, **kwargs):
 
 
 @pytest.mark.parametrize(("name", "scan"), [("blocks", False), ("llama", True)])
+@pytest.mark.slow
 def test_losses_match_an_eager_torch_twin_of_the_policy(name, scan):
     factory, loss_fn, vocab = MODELS[name]
     data = batches(vocab)

@@ -53,6 +53,7 @@ def without_remat(scan: bool) -> np.ndarray:
     ],
     ids=["blocks-dots", "submodules", "scan-body", "inside-scan"],
 )
+@pytest.mark.slow
 def test_remat_changes_no_loss_even_with_dropout(remat, scan):
     torch.manual_seed(0)
     _, got = trained(BlockStack(depth=3, dropout=0.2), remat=remat, scan_layers=scan)
@@ -154,6 +155,7 @@ def routed_loss(model, ids):
     [dict(remat=r"blocks\.\d+"), dict(scan_layers=True), dict(scan_layers=True, remat=r"blocks\.\d+")],
     ids=["remat", "scan", "scan+remat"],
 )
+@pytest.mark.slow
 def test_outputs_forward_hooks_collect_inside_a_body_reach_the_loss_like_torch(kwargs):
     """Hooks that collect a submodule's output (MoE router logits for the aux loss) run inside the
     checkpointed / scanned body: their tensors are carried out of it, not leaked as tracers."""
@@ -184,6 +186,7 @@ def test_a_forward_hook_that_replaces_an_output_inside_a_body_is_an_error():
     ("family", "kwargs"),
     [("qwen3_moe", dict(remat=r"model\.layers\.\d+")), ("mixtral", dict(scan_layers=True))],
 )
+@pytest.mark.slow
 def test_moe_router_logits_train_the_aux_loss_under_remat_and_scan_like_torch(family, kwargs):
     """transformers collects router logits with forward hooks (output_router_logits=True): under remat or
     scan_layers they leaked out of the body as tracers (UnexpectedTracerError)."""

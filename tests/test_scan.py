@@ -87,6 +87,7 @@ def test_scanned_state_is_stacked_and_the_model_reads_it():
         weight._elem = weight.jax()
 
 
+@pytest.mark.slow
 def test_dropout_draws_the_same_masks_scanned_or_not():
     data = batches(64, n=3)
     trainers = []
@@ -240,6 +241,7 @@ def _default_config_model(family):
 
 
 @pytest.mark.parametrize("family", ["llama", "gpt2"])
+@pytest.mark.slow
 def test_a_default_config_with_use_cache_trains_scanned_like_torch(mesh_fsdp, family):
     """A training step never needs the KV cache: the Trainer builds none, whatever the config says."""
     reference = _default_config_model(family)
@@ -260,6 +262,7 @@ def test_a_kv_cache_asked_for_in_the_call_cannot_go_through_a_scan(mesh_fsdp):
         trainer.step(batches(128, n=1)[0])
 
 
+@pytest.mark.slow
 def test_scanned_export_has_per_layer_names_and_the_stacked_values():
     trainer = build("llama", "fsdp_tp", scan_layers=True)
     trainer.step(batches(128, n=1)[0])
@@ -287,6 +290,7 @@ def test_scanned_and_unscanned_checkpoints_load_into_each_other_across_meshes(tm
                                [float(first.step(b)["loss"]) for b in data[2:]], rtol=1e-5)  # fmt: skip
 
 
+@pytest.mark.slow
 def test_a_scanned_checkpoint_loads_into_a_plain_module(tmp_path, mesh_dm):
     trainer = build("blocks", "fsdp", scan_layers=True)
     trainer.step(batches(64, n=1)[0])
@@ -297,6 +301,7 @@ def test_a_scanned_checkpoint_loads_into_a_plain_module(tmp_path, mesh_dm):
     assert_trees_close(state_of(module), state_of(trainer.model), tol=0)
 
 
+@pytest.mark.slow
 def test_a_module_dict_of_identical_layers_scans_like_torch_with_per_layer_names(tmp_path, mesh_fsdp):
     """torchtitan keeps its layers in an nn.ModuleDict ("0".."N-1"): scanned in insertion order."""
     torch.manual_seed(0)

@@ -185,6 +185,7 @@ def check_after_kill(root: pathlib.Path, last_newest: int) -> int:
     return max(steps, default=last_newest)
 
 
+@pytest.mark.slow
 def test_sigkill_at_random_points_of_save_resave_and_prune(tmp_path):
     rng = random.Random(0)
     newest, first, started = 0, 1, time.monotonic()

@@ -53,6 +53,7 @@ def _usage_error(train_lm, capsys, args: list[str]) -> str:
     return capsys.readouterr().err.strip().splitlines()[-1]
 
 
+@pytest.mark.slow
 def test_train_lm_writes_its_outputs_and_resumes_with_the_same_losses(tmp_path, train_lm, capsys):
     stopped, whole = tmp_path / "stopped", tmp_path / "whole"
     # the interrupted run is given the uninterrupted run's schedule length; the two run side by side
