@@ -90,10 +90,5 @@ def test_pipeline_benchmark_runs(tmp_path):
     memory = {r["config"]: r for r in result["memory"]}
     assert memory["gpipe S=4"]["param_ratio"] <= 0.45  # a quarter of the blocks per device
     assert memory["circular S=2 r=2"]["bubble"] == pytest.approx(1 / (2 * 4 + 1))
-    assert [r["config"] for r in result["bubble"]] == [
-        "gpipe S=1",
-        "gpipe S=2",
-        "gpipe S=4",
-        "circular S=2 r=2",
-        "circular S=4 r=2",
-    ]
+    assert [r["config"] for r in result["bubble"]] == ["gpipe S=4", "circular S=4 r=2"]  # --tiny's subset
+    assert all("measured_bubble" in r for r in result["bubble"])  # one tiny round: its sign is noise
