@@ -13,6 +13,7 @@ SCRIPT = Path(__file__).resolve().parent.parent / "benchmarks" / "collectives.py
 OPS = ("all_gather", "psum", "psum_scatter", "all_to_all", "ppermute")
 
 
+@pytest.mark.slow
 def test_collectives_benchmark_runs(tmp_path):
     png = tmp_path / "bw.png"
     done = subprocess.run(

@@ -345,6 +345,7 @@ def test_device_memory_too_small_exits_3(capsys, tmp_path, monkeypatch):
     assert "compiling it for 8 simulated devices" in err
 
 
+@pytest.mark.slow
 def test_compile_in_a_fresh_process_simulates_the_devices(tmp_path):
     for name, text in MLP_FILES.items():
         _file(tmp_path, name, text)

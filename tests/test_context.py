@@ -192,12 +192,14 @@ def test_a_four_layer_llama_trains_like_torch(mesh):
 
 
 @pytest.mark.parametrize("mask", ["tril", pytest.param("none", marks=SLOW)])
+@SLOW
 def test_constant_masks_are_recognised(mesh, mask):
     """A constant causal mask the model builds runs as causal attention; no mask and not causal runs as full."""
     assert_trains_like_torch(functools.partial(CausalLM, mask=mask, depth=1), mesh, ContextParallel(), steps=2)
 
 
 @pytest.mark.parametrize("variant", ["ring-balanced", pytest.param("all_gather", marks=SLOW)])
+@SLOW
 def test_step_passes_blocks_round_the_context_axis(mesh, variant):
     trainer = trainer_for(CausalLM(depth=1), mesh, VARIANTS[variant])
     stats = ts.inspect.collectives(trainer, batches(1)[0])

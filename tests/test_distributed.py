@@ -257,6 +257,7 @@ CHILDREN = {
         ("sigterm_ignored", None, 128 + signal.SIGTERM, 15),
     ],
 )
+@pytest.mark.slow
 def test_run_processes(child, timeout, code, max_s):
     command, envs = _python(CHILDREN[child])
     out = io.StringIO()

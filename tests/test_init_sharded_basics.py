@@ -57,6 +57,7 @@ def test_init_sharded_shards_and_values(mesh_fsdp):
     assert_trees_close(model.state_dict(), Deterministic().state_dict())
 
 
+@pytest.mark.slow
 def test_init_sharded_random_init_is_seeded(mesh_dm):
     def build(seed):
         model = torchshard.init_sharded(lambda: MLP(), mesh_dm, presets.fsdp(min_size=16), seed=seed)
@@ -211,6 +212,7 @@ def tiny_llama_config():
     return transformers.LlamaConfig(**sizes, num_hidden_layers=1, num_attention_heads=4, num_key_value_heads=2)
 
 
+@pytest.mark.slow
 def test_init_sharded_builds_an_hf_llama_from_its_config_sharded_from_birth(mesh_fsdp, normal_lowering):
     import transformers
 

@@ -287,6 +287,7 @@ def lm_loss(model, ids):
     return model(input_ids=ids, labels=ids, use_cache=False).loss
 
 
+@pytest.mark.slow
 def test_a_scanned_fsdp_llama_keeps_its_activations_sharded_by_batch():
     # left free, GSPMD shards the scan's carry like the FSDP weights (hidden dim over "data") and
     # every device holds all 16 rows: f32[16,32,...] activations and ~5x the temp memory (a 2-layer

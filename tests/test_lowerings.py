@@ -292,6 +292,7 @@ def _llama(seq: int):
 
 
 @pytest.mark.parametrize("mesh_axes", [None, {"data": 4, "model": 2}], ids=["unsharded", "hf_rules_4x2"])
+@pytest.mark.slow
 def test_hf_llama_loss_and_grads_match_eager_torch(mesh_axes):
     """Every lowering at once (linear, blocked causal GQA attention, fused cross entropy), sharded or not."""
     import torchshard as ts

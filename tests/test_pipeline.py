@@ -98,6 +98,7 @@ def test_trains_like_eager_torch_and_like_the_unpipelined_run(name, trained, eag
     assert_trees_close(values(run.model), eager[1], tol=1e-4)
 
 
+@pytest.mark.slow
 def test_each_stage_holds_only_its_layers(trained):
     run, _ = trained["gpipe"]
     weight = run.state.params["blocks.*.up.weight"]
@@ -110,6 +111,7 @@ def test_each_stage_holds_only_its_layers(trained):
     assert opt_leaves and all(x.sharding.spec == weight.sharding.spec for x in opt_leaves)
 
 
+@pytest.mark.slow
 def test_the_compiled_step_moves_activations_by_collective_permute_and_holds_a_quarter(trained, unpipelined):
     run, _ = trained["gpipe"]
     compiled = run.lower(batches(1)[0]).compile()
@@ -210,6 +212,7 @@ class GatedStack(BlockStack):
         return self.head(self.norm(h))
 
 
+@pytest.mark.slow
 def test_call_arguments_with_the_batch_rows_are_split_with_them():
     data = batches(3)
     torch.manual_seed(0)

@@ -79,6 +79,7 @@ def _dots(text: str) -> list[tuple[str, str]]:
     return re.findall(r"stablehlo\.dot_general.*?:\s*\((tensor<[^>]*>), (tensor<[^>]*>)\)", text)
 
 
+@pytest.mark.slow
 def test_master_state_is_float32_and_nine_in_ten_dots_are_bf16():
     torch.manual_seed(0)
     trainer = trainer_for(tiny_llama(), llama_loss, precision=ts.MixedPrecision())
@@ -143,6 +144,7 @@ def test_a_bf16_model_without_a_policy_trains_in_bf16_like_torch():
     assert got[-1] < got[0]
 
 
+@pytest.mark.slow
 def test_torch_autocast_in_the_loss_takes_effect():
     def autocast_loss(model, ids):
         with torch.autocast("cpu", dtype=torch.bfloat16):

@@ -73,6 +73,7 @@ class Normed(nn.Module):
         return self.head(self.body(self.embed(ids)))
 
 
+@pytest.mark.slow
 def test_buffers_updated_inside_a_checkpoint_are_kept():
     torch.manual_seed(0)
     plain, expected = trained(Normed())

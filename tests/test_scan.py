@@ -73,6 +73,7 @@ def test_scanned_trains_like_unscanned_and_like_torch(model_name, mesh_name):
     assert_trees_close(state_of(scanned.model), state_of(ref), tol=1e-4)
 
 
+@pytest.mark.slow
 def test_scanned_state_is_stacked_and_the_model_reads_it():
     trainer = build("blocks", "fsdp_tp", scan_layers="blocks")
     params = trainer.state.params

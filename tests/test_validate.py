@@ -200,6 +200,7 @@ ENTRIES = {
 }
 
 
+@pytest.mark.slow
 def test_no_regex_entry_lets_pythons_warning_or_error_through_under_w_error():
     script = textwrap.dedent(
         """
