@@ -1,97 +1,104 @@
-"""Mixture of experts: per-step communication and time of expert parallelism against FSDP alone.
+"""Expert dispatch: bytes moved per device per step and step time, all-to-all vs GSPMD, on one model and mesh.
 
-A Mixtral-style model from transformers (grouped_mm experts, the default) trains under three plans
-on 8 devices: FSDP over data=8; expert parallelism over expert=8 with the batch over the same
-devices; and hf_rules' tensor parallelism over model=2 with FSDP over data=4. For each: the
-collectives of one compiled step (``ts.inspect.collectives``) and the median step time, the plans
-interleaved in rounds.
+A Qwen2-MoE-shaped transformers model (tiny sizes, 8 experts, top-2, a shared expert) on
+data=2 × expert=4 CPU devices, experts sharded by ``hf_rules(axis=None, expert_axis="expert")``,
+the batch split over both axes. Bytes are what ``ts.inspect.collectives`` reads from the compiled
+step (each collective's result on one device); times are the median of interleaved rounds.
 
-    python benchmarks/moe.py                 # the README numbers
-    python benchmarks/moe.py --tiny          # seconds; what the smoke test runs
+    python benchmarks/moe.py            # the table in the README
+    python benchmarks/moe.py --tiny     # seconds; what the smoke test runs
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import statistics
 import time
-import warnings
+from typing import Any
 
 import torchshard as ts
+
+KINDS: list[tuple[str, dict[str, Any]]] = [
+    ("gspmd", {"kind": "gspmd"}),
+    ("all_to_all (dropless)", {}),
+    ("all_to_all capacity 1.25", {"capacity_factor": 1.25}),
+]
 
 
 def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--tiny", action="store_true", help="a tiny model and 2 timed rounds")
-    parser.add_argument("--rounds", type=int, default=5, help="timed rounds (median reported)")
+    parser.add_argument("--tiny", action="store_true", help="a smaller batch and one timed round")
     parser.add_argument("--batch", type=int, default=16)
-    parser.add_argument("--seq", type=int, default=128)
+    parser.add_argument("--seq", type=int, default=64)
+    parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--json", help="also write the rows here")
     return parser.parse_args()
 
 
-def build(tiny: bool):
+def build():
     import torch
     import transformers
 
-    sizes = (
-        dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, vocab_size=128)
-        if tiny
-        else dict(hidden_size=512, intermediate_size=1024, num_hidden_layers=4, vocab_size=8000)
-    )
-    config = transformers.MixtralConfig(
-        **sizes, num_attention_heads=8, num_key_value_heads=8, num_local_experts=8, num_experts_per_tok=2,
-        max_position_embeddings=512, router_jitter_noise=0.0,
+    config = transformers.Qwen2MoeConfig(
+        vocab_size=256, hidden_size=64, intermediate_size=128, moe_intermediate_size=64,
+        shared_expert_intermediate_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+        num_experts=8, num_experts_per_tok=2, use_cache=False,
     )  # fmt: skip
     torch.manual_seed(0)
-    return transformers.MixtralForCausalLM(config)
+    return transformers.Qwen2MoeForCausalLM(config)
 
 
 def lm_loss(model, ids):
-    return model(input_ids=ids, labels=ids, use_cache=False).loss
+    import torch.nn.functional as F
 
-
-PLANS = {
-    # name: mesh axes, hf_rules arguments, batch spec
-    "fsdp": ({"data": 8}, dict(axis=None), ("data",)),
-    "expert_parallel": ({"expert": 8}, dict(axis=None, expert_axis="expert", fsdp_axis="expert"), ("expert",)),
-    "tp+fsdp (hf_rules)": ({"data": 4, "model": 2}, {}, ("data",)),
-}
+    logits = model(input_ids=ids).logits
+    return F.cross_entropy(logits[:, :-1].reshape(-1, logits.shape[-1]), ids[:, 1:].reshape(-1))
 
 
 def main() -> None:
     args = parse_args()
+    if args.tiny:
+        args.batch, args.seq, args.rounds = 8, 16, 1
     ts.use_cpu_devices(8)
     import jax
     import optax
     import torch
     from jax.sharding import PartitionSpec as P
 
-    batch, seq = (8, 16) if args.tiny else (args.batch, args.seq)
-    vocab = 128 if args.tiny else 8000
-    ids = torch.randint(0, vocab, (batch, seq), generator=torch.Generator().manual_seed(1))
-    trainers, placed = {}, {}
-    warnings.simplefilter("ignore", ts.UnusedRuleWarning)
-    for name, (axes, kwargs, batch_spec) in PLANS.items():
-        model = build(args.tiny)
-        plan = ts.plan(model, ts.make_mesh(axes), ts.presets.hf_rules(model, **kwargs))
-        trainers[name] = ts.Trainer(model, lm_loss, optax.adamw(1e-4), plan, batch_spec=P(*batch_spec))
-        placed[name] = ts.shard_batch(ids, plan.mesh, P(*batch_spec))
-        stats = ts.inspect.collectives(trainers[name], ids)
-        print(f"## {name} on {axes}\n{stats}\n", flush=True)
+    ids = torch.randint(0, 256, (args.batch, args.seq), generator=torch.Generator().manual_seed(1))
+    trainers, rows = {}, []
+    for name, kwargs in KINDS:
+        model = build()
+        rules = ts.presets.hf_rules(model, axis=None, expert_axis="expert", fsdp_min_size=1024)
+        plan = ts.plan(model, ts.make_mesh({"data": 2, "expert": 4}), rules)
+        trainer = ts.Trainer(model, lm_loss, optax.adamw(1e-3), plan, batch_spec=P(("data", "expert")),
+                             expert_dispatch=ts.ExpertDispatch(**kwargs))  # fmt: skip
+        stats = ts.inspect.collectives(trainer, ids)
+        placed = trainer.place_batch(ids)
+        loss = float(trainer.step(placed)["loss"])  # compile
+        trainers[name] = (trainer, placed)
+        rows.append({"dispatch": name, "bytes": stats.nbytes(), "all_to_all_bytes": stats.nbytes("all-to-all"),
+                     "first_loss": loss})  # fmt: skip
+        print(f"built {name}", flush=True)
     times: dict[str, list[float]] = {name: [] for name in trainers}
-    rounds = 2 if args.tiny else args.rounds
-    for name, trainer in trainers.items():  # compile and warm up
-        jax.block_until_ready(trainer.step(placed[name])["loss"])
-    for r in range(rounds):
-        for name, trainer in trainers.items():
+    for _ in range(args.rounds):
+        for name, (trainer, placed) in trainers.items():
             start = time.perf_counter()
-            jax.block_until_ready(trainer.step(placed[name])["loss"])
+            jax.block_until_ready(trainer.step(placed)["loss"])
             times[name].append(time.perf_counter() - start)
-        print(f"round {r + 1}/{rounds}", flush=True)
-    base = statistics.median(times["fsdp"])
-    print("| plan | s/step | ÷ FSDP |\n|---|---|---|")
-    for name, t in times.items():
-        print(f"| {name} | {statistics.median(t):.3f} | {statistics.median(t) / base:.2f} |")
+    base = rows[0]["bytes"]
+    mib = 2**20
+    print(f"\nQwen2-MoE-shaped, 2 layers, 8 experts top-2, batch {args.batch}×{args.seq}, data=2 × expert=4\n")
+    print("| dispatch | bytes/device/step (MiB) | ÷ gspmd | of which all-to-all (MiB) | step (ms) | first loss |")
+    print("|---|---|---|---|---|---|")
+    for row in rows:
+        row["step_ms"] = 1e3 * statistics.median(times[row["dispatch"]])
+        print(f"| {row['dispatch']} | {row['bytes'] / mib:.2f} | {row['bytes'] / base:.2f} | "
+              f"{row['all_to_all_bytes'] / mib:.2f} | {row['step_ms']:.0f} | {row['first_loss']:.4f} |")  # fmt: skip
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"args": vars(args), "rows": rows}, f, indent=1)
 
 
 if __name__ == "__main__":

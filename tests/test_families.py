@@ -90,3 +90,4 @@ def test_moe_family_trains_expert_parallel_like_eager_torch(family):
     np.testing.assert_allclose(got, expected, rtol=RTOL, err_msg=f"{family.model_type} expert parallel")
     experts = [n for n in trainer.plan.entries if n.endswith("experts.gate_up_proj")]
     assert experts and all(trainer.plan.spec(n)[0] == "expert" for n in experts), experts
+    assert trainer.expert_dispatch == ts.ExpertDispatch("all_to_all")  # tokens moved to their experts

@@ -15,6 +15,7 @@ import torch
 from jax.sharding import NamedSharding
 
 from torchshard._base.errors import ShardingError
+from torchshard._base.reported import collecting
 from torchshard._bridge.env import env, seeded
 from torchshard._bridge.tensors import bound, is_jax_tensor, unwrap, wrap
 from torchshard._parallel.pipeline import Stages
@@ -250,11 +251,13 @@ class Runtime:
                 _forwards(self.model, self.remat, self.remat_policy, runs),
                 no_kv_cache(self.model),
                 _entered(self.overrides),
+                collecting() as reported,  # e.g. the tokens an expert capacity dropped
             ):
                 out = call_loss(self.loss_fn, self.model, jax.tree.map(wrap, self._inputs(batch)))
             for run in runs:
                 run.finish()
         loss, aux = loss_and_aux(out)
+        aux |= {k: jnp.asarray(v, jnp.float32) for k, v in reported.items()}
         new_buffers = {k: unwrap(values[k]) for k in buffers if k in values}
         for run in runs:
             new_buffers |= {

@@ -28,6 +28,7 @@ from torchshard._bridge.module_tensors import named_tensors, set_tensor
 from torchshard._bridge.tensors import rebind, set_array, unwrap
 from torchshard._multihost.worker import heartbeat
 from torchshard._parallel.context import ContextParallel, check_context, sequence_problems, tracing
+from torchshard._parallel.experts import ExpertDispatch, Experts, dispatching, expert_dispatch_for
 from torchshard._parallel.pipeline import Pipeline
 from torchshard._sharding.placement import batch_leaf_spec, put, shard
 from torchshard._sharding.plan import ShardingPlan
@@ -135,6 +136,7 @@ class Trainer:
         skip_nonfinite: bool = False,
         pipeline: Pipeline | None = None,
         context: ContextParallel | None = None,
+        expert_dispatch: ExpertDispatch | None = None,
     ) -> None:
         check_trainer_args(model, loss_fn, optimizer, plan, batch_spec, grad_accum_steps, max_in_flight, precision,
                     donate=donate, seed=seed, skip_nonfinite=skip_nonfinite)  # fmt: skip
@@ -145,6 +147,7 @@ class Trainer:
         self.batch_spec = parse_spec(batch_spec) or PartitionSpec()
         check_context(context, plan.mesh, self.batch_spec)
         self.context = context
+        self.expert_dispatch, experts = expert_dispatch_for(model, plan, self.batch_spec, expert_dispatch)
         self.grad_accum_steps = grad_accum_steps
         self.max_in_flight = max_in_flight
         scan_groups = find_groups(model, scan_layers)
@@ -169,9 +172,18 @@ class Trainer:
         runtime = Runtime(self._model, loss_fn, precision, self._shardings(), scan_groups, tuple(targets),
                           remat_.jax_policy() if remat_ is not None else None, body_policies,
                           constrain_hidden=self._constrain_hidden, stages=self._stages,
-                          overrides=(functools.partial(tracing, context, self.mesh),) if context else ())  # fmt: skip
+                          overrides=self._overrides(experts))  # fmt: skip
         step = Step(runtime, optimizer, grad_accum_steps, self._constrain_batch, skip_nonfinite)
         self._step_fn = self._compile(step, donate)
+
+    def _overrides(self, experts: list[Experts]) -> tuple[Callable[[], Any], ...]:
+        """What the step's trace runs inside: context-parallel attention, all-to-all expert dispatch."""
+        overrides: list[Callable[[], Any]] = []
+        if self.context is not None:
+            overrides.append(functools.partial(tracing, self.context, self.mesh))
+        if experts and self.expert_dispatch is not None:
+            overrides.append(functools.partial(dispatching, self.expert_dispatch, self.mesh, experts))
+        return tuple(overrides)
 
     def _own(self, model: torch.nn.Module) -> torch.nn.Module:
         """Places ``model``'s tensors as the plan says and makes this Trainer their owner."""

@@ -1,0 +1,209 @@
+"""All-to-all expert dispatch: tokens travel to their experts' devices and back, and train like eager torch.
+
+The truth is the same model run unsharded in eager torch (AdamW losses rtol 1e-4, as the family table).
+"""
+
+from __future__ import annotations
+
+import copy
+
+import numpy as np
+import optax
+import pytest
+import torch
+from helpers import torch_losses
+from jax.sharding import PartitionSpec as P
+from torch import nn
+
+import torchshard as ts
+from torchshard import ArgumentError, ShardingError, presets
+
+RTOL = 1e-4
+EXPERTS, TOP_K, DIM, HIDDEN = 8, 2, 16, 32
+AXES = {"data": 2, "expert": 4}
+BATCH_SPEC = P(("data", "expert"))
+
+
+class Experts(nn.Module):
+    """Experts stacked on dim 0, called with the router's choice: the interface dispatch needs."""
+
+    def __init__(self):
+        super().__init__()
+        self.num_experts = EXPERTS
+        self.up = nn.Parameter(torch.randn(EXPERTS, HIDDEN, DIM) * DIM**-0.5)
+        self.down = nn.Parameter(torch.randn(EXPERTS, DIM, HIDDEN) * HIDDEN**-0.5)
+
+    def forward(self, hidden_states, top_k_index, top_k_weights):
+        out = torch.zeros_like(hidden_states)
+        for e in range(self.num_experts):  # every expert sees every row, weighted 0 where not chosen
+            weight = (top_k_weights * (top_k_index == e)).sum(-1, keepdim=True)
+            out = out + weight * (torch.relu(hidden_states @ self.up[e].T) @ self.down[e].T)
+        return out
+
+
+class MoE(nn.Module):
+    """A top-k softmax router over `Experts`, plain torch."""
+
+    def __init__(self):
+        super().__init__()
+        self.router = nn.Linear(DIM, EXPERTS, bias=True)
+        self.experts = Experts()
+
+    def forward(self, x):
+        flat = x.reshape(-1, DIM)
+        weights, index = torch.topk(torch.softmax(self.router(flat), -1), TOP_K, dim=-1)
+        return x + self.experts(flat, index, weights / weights.sum(-1, keepdim=True)).reshape(x.shape)
+
+
+class Model(nn.Module):
+    def __init__(self, layers: int = 2):
+        super().__init__()
+        self.embed = nn.Linear(DIM, DIM)
+        self.layers = nn.ModuleList(MoE() for _ in range(layers))
+
+    def forward(self, x):
+        x = self.embed(x)
+        for layer in self.layers:
+            x = layer(x)
+        return x
+
+
+def mse(model, batch):
+    x, y = batch
+    return (model(x) - y).square().mean()
+
+
+def _model(seed: int = 0) -> Model:
+    torch.manual_seed(seed)
+    return Model()
+
+
+def _batches(steps: int = 4, rows: int = 16, seq: int = 4):
+    g = torch.Generator().manual_seed(1)
+    return [(torch.randn(rows, seq, DIM, generator=g), torch.randn(rows, seq, DIM, generator=g)) for _ in range(steps)]
+
+
+def _trainer(model, **kwargs) -> ts.Trainer:
+    rules = presets.expert_parallel([r".*experts\.(up|down)"], "expert")
+    plan = ts.plan(model, ts.make_mesh(AXES), rules)
+    kwargs.setdefault("batch_spec", BATCH_SPEC)
+    return ts.Trainer(model, mse, optax.adamw(1e-2), plan, **kwargs)
+
+
+@pytest.fixture(scope="module")
+def eager():
+    ref = _model()
+    return torch_losses(ref, mse, torch.optim.AdamW(ref.parameters(), lr=1e-2, weight_decay=1e-4), _batches())
+
+
+def _losses(trainer: ts.Trainer, batches) -> tuple[list[float], list[dict]]:
+    metrics = [{k: float(v) for k, v in trainer.step(b).items()} for b in batches]
+    return [m["loss"] for m in metrics], metrics
+
+
+@pytest.fixture(scope="module")
+def dispatched():
+    trainer = _trainer(_model(), expert_dispatch=None)  # the default where the plan shards experts
+    return trainer, _losses(trainer, _batches())
+
+
+def test_default_is_all_to_all_and_trains_like_eager_torch(dispatched, eager):
+    trainer, (losses, metrics) = dispatched
+    assert trainer.expert_dispatch == ts.ExpertDispatch("all_to_all")
+    np.testing.assert_allclose(losses, eager, rtol=RTOL)
+    assert "dropped_tokens" not in metrics[0]  # dropless: nothing to report
+
+
+def test_the_step_moves_tokens_by_all_to_all_over_the_expert_axis(dispatched):
+    trainer, _ = dispatched
+    stats = ts.inspect.collectives(trainer, _batches(1)[0])
+    # per layer: tokens, expert ids and used flags out, results back; the backward pass the same way
+    assert stats.count("all-to-all", axes="expert") >= 2 * 4, str(stats)
+
+
+def test_gspmd_keeps_the_plan_alone_and_trains_the_same(eager):
+    trainer = _trainer(_model(), expert_dispatch=ts.ExpertDispatch("gspmd"))
+    losses, _ = _losses(trainer, _batches())
+    np.testing.assert_allclose(losses, eager, rtol=RTOL)
+    assert ts.inspect.collectives(trainer, _batches(1)[0]).count("all-to-all", axes="expert") == 0
+
+
+@pytest.mark.slow
+def test_composes_with_scan_remat_and_grad_accumulation(eager):
+    trainer = _trainer(_model(), scan_layers=True, remat=r"layers\.\d+", grad_accum_steps=2)
+    losses, _ = _losses(trainer, _batches())
+    np.testing.assert_allclose(losses, eager, rtol=RTOL)
+    assert trainer.expert_dispatch is not None and trainer.expert_dispatch.kind == "all_to_all"
+    names = set(ts.to_torch_state_dict(trainer.model))
+    assert names == set(_model().state_dict())
+
+
+def _overloaded() -> Model:
+    """Every token's first choice is expert 0 (its router bias dwarfs the logits)."""
+    model = _model()
+    with torch.no_grad():
+        for layer in model.layers:
+            layer.router.bias.zero_()
+            layer.router.bias[0] = 50.0
+    return model
+
+
+def test_a_capacity_drops_pairs_over_it_and_reports_them():
+    batches = _batches(2)
+    capped = _trainer(_overloaded(), expert_dispatch=ts.ExpertDispatch(capacity_factor=1.0))
+    _, metrics = _losses(capped, batches)
+    # 64 pairs per layer per expert device... 16 tokens per device choose expert 0 first; a cap of
+    # ceil(1.0 * 16 * 2 / 8) = 4 rows per expert lets 8 through to device 0 from each device
+    assert all(m["dropped_tokens"] > 0 for m in metrics), metrics
+    roomy = _trainer(_overloaded(), expert_dispatch=ts.ExpertDispatch(capacity_factor=float(EXPERTS)))
+    roomy_losses, roomy_metrics = _losses(roomy, batches)
+    assert all(m["dropped_tokens"] == 0 for m in roomy_metrics)
+    ref = _overloaded()
+    expected = torch_losses(ref, mse, torch.optim.AdamW(ref.parameters(), lr=1e-2, weight_decay=1e-4), batches)
+    np.testing.assert_allclose(roomy_losses, expected, rtol=RTOL)
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "match"),
+    [
+        ({"kind": "ragged"}, r"kind='ragged' must be one of \['all_to_all', 'gspmd'\]"),
+        ({"capacity_factor": 0}, r"capacity_factor=0 must be None \(dropless\) or a finite number > 0"),
+        ({"capacity_factor": -1.5}, r"capacity_factor=-1.5 must be"),
+        ({"capacity_factor": float("inf")}, r"capacity_factor=inf must be"),
+        ({"capacity_factor": float("nan")}, r"capacity_factor=nan must be"),
+        ({"capacity_factor": "2"}, r"capacity_factor='2' must be"),
+    ],
+)
+def test_bad_arguments_are_argument_errors(kwargs, match):
+    with pytest.raises(ArgumentError, match=match):
+        ts.ExpertDispatch(**kwargs)
+
+
+def test_all_to_all_needs_the_batch_split_over_the_expert_axis():
+    with pytest.raises(ShardingError, match=r"layers\.0\.experts: the batch is not split over the expert axis 'expert'"):
+        _trainer(_model(), batch_spec=P("data"), expert_dispatch=ts.ExpertDispatch())
+
+
+def test_all_to_all_needs_experts_the_plan_shards():
+    model = _model()
+    plan = ts.plan(model, ts.make_mesh(AXES), presets.fsdp(min_size=1))
+    with pytest.raises(ShardingError, match=r"no experts module to dispatch to"):
+        ts.Trainer(model, mse, optax.adamw(1e-2), plan, batch_spec=BATCH_SPEC, expert_dispatch=ts.ExpertDispatch())
+
+
+def test_the_default_falls_back_to_the_plan_where_all_to_all_cannot_run(eager):
+    trainer = _trainer(_model(), batch_spec=P("data"))
+    assert trainer.expert_dispatch is None
+    losses, _ = _losses(trainer, _batches())
+    np.testing.assert_allclose(losses, eager, rtol=RTOL)
+
+
+def test_a_trainer_refuses_something_else():
+    with pytest.raises(ArgumentError, match=r"expert_dispatch must be an ExpertDispatch\(...\) or None, got str"):
+        _trainer(_model(), expert_dispatch="all_to_all")
+
+
+def test_the_swapped_forward_is_gone_after_the_trace(dispatched):
+    trainer, _ = dispatched
+    assert all("forward" not in layer.experts.__dict__ for layer in trainer.model.layers)
+    assert copy.copy(trainer.expert_dispatch) == trainer.expert_dispatch
