@@ -93,3 +93,17 @@ def test_pipeline_benchmark_runs(tmp_path):
     assert memory["circular S=2 r=2"]["bubble"] == pytest.approx(1 / (2 * 4 + 1))
     assert [r["config"] for r in result["bubble"]] == ["gpipe S=4", "circular S=4 r=2"]  # --tiny's subset
     assert all("measured_bubble" in r for r in result["bubble"])  # one tiny round: its sign is noise
+
+
+@pytest.mark.slow
+def test_moe_benchmark_runs(tmp_path):
+    out = tmp_path / "moe.json"
+    done = subprocess.run([sys.executable, str(SCRIPT.parent / "moe.py"), "--tiny", "--json", str(out)],
+                          capture_output=True, text=True, timeout=600)  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    rows = {r["dispatch"]: r for r in json.loads(out.read_text())["rows"]}
+    assert list(rows) == ["gspmd", "all_to_all (dropless)", "all_to_all capacity 1.25"]
+    # the same model and batch: dropless all-to-all computes gspmd's loss, and moves at most half its bytes
+    assert rows["all_to_all (dropless)"]["first_loss"] == pytest.approx(rows["gspmd"]["first_loss"], rel=1e-5)
+    assert rows["all_to_all (dropless)"]["bytes"] <= 0.5 * rows["gspmd"]["bytes"]
+    assert rows["all_to_all (dropless)"]["all_to_all_bytes"] > 0

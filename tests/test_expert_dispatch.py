@@ -180,7 +180,9 @@ def test_bad_arguments_are_argument_errors(kwargs, match):
 
 
 def test_all_to_all_needs_the_batch_split_over_the_expert_axis():
-    with pytest.raises(ShardingError, match=r"layers\.0\.experts: the batch is not split over the expert axis 'expert'"):
+    with pytest.raises(
+        ShardingError, match=r"layers\.0\.experts: the batch is not split over the expert axis 'expert'"
+    ):
         _trainer(_model(), batch_spec=P("data"), expert_dispatch=ts.ExpertDispatch())
 
 
@@ -207,3 +209,43 @@ def test_the_swapped_forward_is_gone_after_the_trace(dispatched):
     trainer, _ = dispatched
     assert all("forward" not in layer.experts.__dict__ for layer in trainer.model.layers)
     assert copy.copy(trainer.expert_dispatch) == trainer.expert_dispatch
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("family", ["mixtral", "qwen3_moe"])
+def test_router_logits_and_the_aux_loss_train_like_torch_under_all_to_all(family):
+    """output_router_logits=True: the router is the model's own, so its logits and aux loss are unchanged."""
+    from families import MOE, Family, build
+
+    base = next(f for f in MOE if f.model_type == family)
+    reference = build(
+        Family(family, True, (*base.extra, ("output_router_logits", True), ("router_aux_loss_coef", 0.5)))
+    )
+    model = copy.deepcopy(reference)
+
+    def loss_fn(m, ids):
+        out = m(input_ids=ids, labels=ids)
+        return out.loss, {"aux_loss": out.aux_loss}
+
+    g = torch.Generator().manual_seed(0)
+    data = [torch.randint(0, 128, (8, 16), generator=g) for _ in range(3)]
+    rules = presets.hf_rules(model, axis=None, expert_axis="expert", fsdp_min_size=1024)
+    trainer = ts.Trainer(model, loss_fn, optax.sgd(0.1), ts.plan(model, ts.make_mesh(AXES), rules),
+                         batch_spec=BATCH_SPEC, scan_layers=True)  # fmt: skip
+    assert trainer.expert_dispatch == ts.ExpertDispatch("all_to_all")
+    got = [trainer.step(b) for b in data]
+    expected = torch_losses(reference, lambda m, ids: loss_fn(m, ids)[0],
+                            torch.optim.SGD(reference.parameters(), lr=0.1), data)  # fmt: skip
+    np.testing.assert_allclose([float(m["loss"]) for m in got], expected, rtol=RTOL)
+    assert float(got[0]["aux_loss"]) > 0.1
+
+
+@pytest.mark.slow
+def test_composes_with_a_pipeline(eager):
+    model = _model()
+    rules = presets.expert_parallel([r".*experts\.(up|down)"], "expert")
+    plan = ts.plan(model, ts.make_mesh({"stage": 2, "expert": 4}), rules)
+    pipeline = ts.Pipeline("stage", microbatches=2)
+    trainer = ts.Trainer(model, mse, optax.adamw(1e-2), plan, batch_spec=P("expert"), pipeline=pipeline)
+    losses, _ = _losses(trainer, _batches())
+    np.testing.assert_allclose(losses, eager, rtol=RTOL)
