@@ -59,7 +59,7 @@ def lm_loss(model, ids):
 def main() -> None:
     args = parse_args()
     if args.tiny:
-        args.batch, args.seq, args.rounds = 8, 16, 1
+        args.batch, args.seq, args.rounds = 16, 32, 1
     ts.use_cpu_devices(8)
     import jax
     import optax
