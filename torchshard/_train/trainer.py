@@ -99,6 +99,9 @@ class Trainer:
         context: a `ContextParallel`: split each batch's sequence (dim 1) over a mesh axis and run
             every ``scaled_dot_product_attention`` in the model as ring (or all-gather) attention
             over it; ``batch_spec`` must split dim 1 over that axis, e.g. ``("data", "context")``.
+        expert_dispatch: an `ExpertDispatch`: how tokens meet experts the plan shards by expert.
+            ``None`` moves them by all-to-all where the batch is split over the expert axis and
+            leaves them to the plan's sharding otherwise; ``trainer.expert_dispatch`` says which.
 
     Raises:
         ArgumentError: an argument of the wrong type or value (all listed); nothing is moved.
