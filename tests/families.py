@@ -164,3 +164,15 @@ MOE = [
 # run by default (TORCHSHARD_FAMILIES=all runs every family): a subclassed embedding, a fused qkv,
 # packed MoE experts, MoE with a shared expert and multi-head latent attention
 REPRESENTATIVE = ("gemma2", "gpt_neox", "mixtral", "qwen3_moe", "deepseek_v3")
+
+
+def with_router_logits(model_type: str) -> Family:
+    """The table's MoE family with output_router_logits=True and a weighty aux loss (it takes part in the loss)."""
+    base = next(f for f in MOE if f.model_type == model_type)
+    return Family(model_type, True, (*base.extra, ("output_router_logits", True), ("router_aux_loss_coef", 0.5)))
+
+
+def loss_and_aux(model: torch.nn.Module, ids: torch.Tensor):
+    """transformers' own LM loss (the aux loss included) and the aux loss as a metric."""
+    out = model(input_ids=ids, labels=ids)
+    return out.loss, {"aux_loss": out.aux_loss}

@@ -215,17 +215,11 @@ def test_the_swapped_forward_is_gone_after_the_trace(dispatched):
 @pytest.mark.parametrize("family", ["mixtral", "qwen3_moe"])
 def test_router_logits_and_the_aux_loss_train_like_torch_under_all_to_all(family):
     """output_router_logits=True: the router is the model's own, so its logits and aux loss are unchanged."""
-    from families import MOE, Family, build
+    from families import build, loss_and_aux, with_router_logits
 
-    base = next(f for f in MOE if f.model_type == family)
-    reference = build(
-        Family(family, True, (*base.extra, ("output_router_logits", True), ("router_aux_loss_coef", 0.5)))
-    )
+    reference = build(with_router_logits(family))
     model = copy.deepcopy(reference)
-
-    def loss_fn(m, ids):
-        out = m(input_ids=ids, labels=ids)
-        return out.loss, {"aux_loss": out.aux_loss}
+    loss_fn = loss_and_aux
 
     g = torch.Generator().manual_seed(0)
     data = [torch.randint(0, 128, (8, 16), generator=g) for _ in range(3)]

@@ -193,17 +193,11 @@ def test_moe_router_logits_train_the_aux_loss_under_remat_and_scan_like_torch(fa
     scan_layers they leaked out of the body as tracers (UnexpectedTracerError)."""
     import copy
 
-    from families import MOE, Family, build
+    from families import build, loss_and_aux, with_router_logits
 
-    base = next(f for f in MOE if f.model_type == family)
-    reference = build(
-        Family(family, True, (*base.extra, ("output_router_logits", True), ("router_aux_loss_coef", 0.5)))
-    )
+    reference = build(with_router_logits(family))
     model = copy.deepcopy(reference)
-
-    def loss_fn(m, ids):
-        out = m(input_ids=ids, labels=ids)
-        return out.loss, {"aux_loss": out.aux_loss}
+    loss_fn = loss_and_aux
 
     g = torch.Generator().manual_seed(0)  # batches whose top-2 routing has no near-tie (a flip moves the aux loss)
     data = [torch.randint(0, 128, (8, 16), generator=g) for _ in range(2)]
