@@ -161,6 +161,9 @@ MOE = [
     _f("granitemoehybrid", moe=True, layer_types=["full_attention", "linear_attention"]),
     _f("jamba", moe=True, attn_layer_period=2, attn_layer_offset=0),
 ]  # fmt: skip
+# MoE families whose experts module is not called with the router's choice, so the Trainer leaves
+# token movement to the plan's sharding (ExpertDispatch's default falls back)
+NO_DISPATCH = {"llama4_text": "Llama4TextExperts.forward(hidden_states) takes rows already grouped by expert"}
 # run by default (TORCHSHARD_FAMILIES=all runs every family): a subclassed embedding, a fused qkv,
 # packed MoE experts, MoE with a shared expert and multi-head latent attention
 REPRESENTATIVE = ("gemma2", "gpt_neox", "mixtral", "qwen3_moe", "deepseek_v3")

@@ -28,6 +28,7 @@ from jax.sharding import Mesh, PartitionSpec
 from torchshard._base.errors import ShardingError
 from torchshard._base.reported import report
 from torchshard._base.validate import raise_for_arguments
+from torchshard._bridge.loaded import View
 from torchshard._bridge.tensors import bound, unwrap, wrap
 from torchshard._parallel.vmapped import vmapped_axes
 
@@ -246,6 +247,11 @@ def _local_experts(experts: Experts, original: Any, local: int, x, ids, used, va
         _LOCAL.reset(token)
 
 
+def _array(value: Any) -> Any:
+    """The jax array behind a torchax tensor or a torchax view (some routers return views)."""
+    return unwrap(value.torch() if isinstance(value, View) else value)
+
+
 @contextlib.contextmanager
 def dispatching(dispatch: ExpertDispatch, mesh: Mesh, experts: Sequence[Experts]) -> Iterator[None]:
     """While the step is traced, these experts modules move tokens by all-to-all (and report dropped pairs)."""
@@ -256,9 +262,9 @@ def dispatching(dispatch: ExpertDispatch, mesh: Mesh, experts: Sequence[Experts]
         def forward(hidden_states, top_k_index, top_k_weights, *, _e=e, _original=original):
             if _LOCAL.get():
                 return _original(hidden_states, top_k_index, top_k_weights)
-            params = [unwrap(getattr(_e.module, p)) for p in _e.params]
-            out, lost = _moved(_e, dispatch, mesh, _original, unwrap(hidden_states), unwrap(top_k_index),
-                               unwrap(top_k_weights), params)  # fmt: skip
+            params = [_array(getattr(_e.module, p)) for p in _e.params]
+            out, lost = _moved(_e, dispatch, mesh, _original, _array(hidden_states), _array(top_k_index),
+                               _array(top_k_weights), params)  # fmt: skip
             if dispatch.capacity_factor is not None:
                 report("dropped_tokens", lost)
             return wrap(out)
