@@ -208,7 +208,6 @@ def test_a_trainer_refuses_something_else():
 def test_the_swapped_forward_is_gone_after_the_trace(dispatched):
     trainer, _ = dispatched
     assert all("forward" not in layer.experts.__dict__ for layer in trainer.model.layers)
-    assert copy.copy(trainer.expert_dispatch) == trainer.expert_dispatch
 
 
 @pytest.mark.slow

@@ -13,7 +13,6 @@ normalisation are the model's own and run before, unchanged.
 from __future__ import annotations
 
 import contextlib
-import contextvars
 import dataclasses
 import inspect
 import math
@@ -27,15 +26,15 @@ from jax.sharding import Mesh, PartitionSpec
 
 from torchshard._base.errors import ShardingError
 from torchshard._base.reported import report
+from torchshard._base.specs import entry_axes
 from torchshard._base.validate import raise_for_arguments
+from torchshard._bridge.forwards import replaced_forwards
 from torchshard._bridge.loaded import View
 from torchshard._bridge.tensors import bound, unwrap, wrap
 from torchshard._parallel.vmapped import vmapped_axes
 
 KINDS = ("all_to_all", "gspmd")
 _CALL = ("hidden_states", "top_k_index", "top_k_weights")
-# set while a device runs its local experts: the swapped forward then calls the module's own
-_LOCAL: contextvars.ContextVar[bool] = contextvars.ContextVar("torchshard_local_experts", default=False)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -117,8 +116,7 @@ def find_experts(model: torch.nn.Module, specs: dict[str, PartitionSpec]) -> lis
 
 
 def _row_axes(batch_spec: PartitionSpec) -> tuple[str, ...]:
-    first = batch_spec[0] if len(batch_spec) else None
-    return (first,) if isinstance(first, str) else tuple(first or ())
+    return entry_axes(batch_spec[0] if len(batch_spec) else None)
 
 
 def experts_problems(experts: Sequence[Experts], mesh: Mesh, batch_spec: PartitionSpec) -> list[str]:
@@ -234,7 +232,6 @@ def _moved(experts: Experts, dispatch: ExpertDispatch, mesh: Mesh, original: Any
 def _local_experts(experts: Experts, original: Any, local: int, x, ids, used, values) -> jax.Array:
     """The module's own forward on this device's experts (``num_experts`` says how many it holds)."""
     module = experts.module
-    token = _LOCAL.set(True)
     count = getattr(module, "num_experts", None)
     try:
         if isinstance(count, int):
@@ -244,7 +241,6 @@ def _local_experts(experts: Experts, original: Any, local: int, x, ids, used, va
     finally:
         if isinstance(count, int):
             setattr(module, "num_experts", count)  # noqa: B010
-        _LOCAL.reset(token)
 
 
 def _array(value: Any) -> Any:
@@ -255,26 +251,17 @@ def _array(value: Any) -> Any:
 @contextlib.contextmanager
 def dispatching(dispatch: ExpertDispatch, mesh: Mesh, experts: Sequence[Experts]) -> Iterator[None]:
     """While the step is traced, these experts modules move tokens by all-to-all (and report dropped pairs)."""
-    own = {e.name: e.module.__dict__.get("forward") for e in experts}  # an instance's own forward, if any
-    for e in experts:
-        original = e.module.forward
-
-        def forward(hidden_states, top_k_index, top_k_weights, *, _e=e, _original=original):
-            if _LOCAL.get():
-                return _original(hidden_states, top_k_index, top_k_weights)
-            params = [_array(getattr(_e.module, p)) for p in _e.params]
-            out, lost = _moved(_e, dispatch, mesh, _original, _array(hidden_states), _array(top_k_index),
-                               _array(top_k_weights), params)  # fmt: skip
-            if dispatch.capacity_factor is not None:
-                report("dropped_tokens", lost)
-            return wrap(out)
-
-        setattr(e.module, "forward", forward)  # this instance only, for this trace  # noqa: B010
-    try:
-        yield
-    finally:
+    with replaced_forwards() as replace:
         for e in experts:
-            if own[e.name] is None:
-                del e.module.forward  # the class's forward again
-            else:
-                setattr(e.module, "forward", own[e.name])  # noqa: B010
+            original = e.module.forward
+
+            def forward(hidden_states, top_k_index, top_k_weights, *, _e=e, _original=original):
+                params = [_array(getattr(_e.module, p)) for p in _e.params]
+                out, lost = _moved(_e, dispatch, mesh, _original, _array(hidden_states), _array(top_k_index),
+                                   _array(top_k_weights), params)  # fmt: skip
+                if dispatch.capacity_factor is not None:
+                    report("dropped_tokens", lost)
+                return wrap(out)
+
+            replace(e.module, forward)
+        yield

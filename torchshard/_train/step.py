@@ -17,6 +17,7 @@ from jax.sharding import NamedSharding
 from torchshard._base.errors import ShardingError
 from torchshard._base.reported import collecting
 from torchshard._bridge.env import env, seeded
+from torchshard._bridge.forwards import replaced_forwards
 from torchshard._bridge.tensors import bound, is_jax_tensor, unwrap, wrap
 from torchshard._parallel.pipeline import Stages
 from torchshard._train.kv_cache import no_kv_cache
@@ -149,29 +150,17 @@ def call_loss(loss_fn: LossFn, model: torch.nn.Module, batch: Any) -> Any:
         ) from err
 
 
-def _install(module: torch.nn.Module, forward: Callable[..., Any], saved: list[tuple[Any, ...]]) -> None:
-    saved.append((module, "forward" in vars(module), vars(module).get("forward")))
-    module.forward = forward
-
-
 @contextlib.contextmanager
 def _forwards(model: torch.nn.Module, remat: Sequence[str], policy: Any, runs: Sequence[ScanRun]) -> Iterator[None]:
     """Inside the block, remat targets run checkpointed and scanned blocks run through their scan."""
-    saved: list[tuple[Any, ...]] = []
-    try:
+    with replaced_forwards() as replace:
         for name in remat:
             module = model.get_submodule(name)
-            _install(module, checkpointed(module, module.forward, policy), saved)
+            replace(module, checkpointed(module, module.forward, policy))
         for run in runs:
             for i, block in enumerate(blocks_of(model, run.group)):
-                _install(block, run.hook(i), saved)
+                replace(block, run.hook(i))
         yield
-    finally:
-        for module, had_own, previous in reversed(saved):
-            if had_own:
-                module.forward = previous
-            else:
-                del module.forward
 
 
 @contextlib.contextmanager
