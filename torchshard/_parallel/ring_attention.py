@@ -384,7 +384,9 @@ def context_attention(
         >>> auto = (jax.sharding.AxisType.Auto,)
         >>> mesh = jax.make_mesh((4,), ("context",), axis_types=auto, devices=jax.devices()[:4])
         >>> q = jnp.ones((1, 2, 16, 8))
-        >>> context_attention(q, q, q, mesh=mesh, axis="context", causal=True, balanced=True).shape
+        >>> ring = functools.partial(context_attention, mesh=mesh, axis="context", causal=True, balanced=True)
+        >>> attend = jax.jit(ring)  # one compiled program; called eagerly, every op dispatches alone
+        >>> attend(q, q, q).shape
         (1, 2, 16, 8)
     """
     b, heads, s, d = query.shape
