@@ -1,18 +1,45 @@
 """Setup for tests and doctests: fast-compiling XLA flags, 8 simulated CPU devices, the names docstring examples use."""
 
 import os
+import subprocess
+import sys
 
 import pytest
 
 # The suite compiles hundreds of tiny steps and runs each a few times, so XLA's CPU compiler is most
-# of its time. Without LLVM optimisation and with XLA's older CPU fusion emitters it compiles ~40%
-# faster. The HLO passes (sharding, collectives, buffer assignment) stay the same, so the tests check
-# the same things: on a 4-layer Llama step, losses agree to 1e-7 and compiled temp memory to 128 bytes
-# in 1.3 MB. Subprocesses the tests launch inherit the flags. Users, and benchmarks run by hand,
-# keep XLA's defaults; TORCHSHARD_TEST_XLA_DEFAULTS=1 runs the tests with them too.
-FAST_COMPILE = "--xla_backend_optimization_level=0 --xla_cpu_use_fusion_emitters=false"
+# of its time. Without LLVM optimisation and with XLA's older CPU fusion emitters (a flag jaxlib 0.12
+# dropped) it compiles ~40% faster. The HLO passes (sharding, collectives, buffer assignment) stay
+# the same, so the tests check the same things: on a 4-layer Llama step, losses agree to 1e-7 and
+# compiled temp memory to 128 bytes in 1.3 MB. Subprocesses the tests launch inherit the flags.
+# Users, and benchmarks run by hand, keep XLA's defaults; TORCHSHARD_TEST_XLA_DEFAULTS=1 runs the
+# tests with them too.
+FAST_COMPILE = ("--xla_backend_optimization_level=0", "--xla_cpu_use_fusion_emitters=false")
+CHOSEN = "_TORCHSHARD_TEST_XLA_FLAGS"  # what the first pytest process picked; its workers reuse it
+
+
+def _starts_with(flags: list[str]) -> bool:
+    env = {**os.environ, "XLA_FLAGS": _with(" ".join(flags))}
+    probe = [sys.executable, "-c", "import jax; jax.devices('cpu')"]
+    return subprocess.run(probe, env=env, capture_output=True, timeout=120).returncode == 0
+
+
+def _known_fast_flags() -> str:
+    """The flags of FAST_COMPILE this jaxlib knows: XLA aborts the process on an unknown one (0.12
+    dropped the fusion-emitter flag), so each is tried in a throwaway process first."""
+    if _starts_with(list(FAST_COMPILE)):
+        return " ".join(FAST_COMPILE)
+    return " ".join(flag for flag in FAST_COMPILE if _starts_with([flag]))
+
+
+def _with(flags: str) -> str:
+    """XLA_FLAGS plus ``flags``, each once (pytest's workers inherit what their parent added)."""
+    return " ".join(dict.fromkeys([*os.environ.get("XLA_FLAGS", "").split(), *flags.split()]))
+
+
 if not os.environ.get("TORCHSHARD_TEST_XLA_DEFAULTS"):
-    os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} {FAST_COMPILE}".strip()
+    if CHOSEN not in os.environ:
+        os.environ[CHOSEN] = _known_fast_flags()
+    os.environ["XLA_FLAGS"] = _with(os.environ[CHOSEN])
 
 import torchshard  # noqa: E402
 
