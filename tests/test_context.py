@@ -170,8 +170,7 @@ def test_balanced_layout_gives_every_device_equal_causal_work():
 # ---------------------------------------------------------------- training against eager torch
 
 
-@pytest.mark.parametrize("variant", [*(pytest.param(v, marks=SLOW) for v in VARIANTS if v != "ring-balanced"),
-                                     "ring-balanced"])  # fmt: skip
+@pytest.mark.parametrize("variant", list(VARIANTS))
 @SLOW
 def test_causal_transformer_trains_like_torch(mesh, variant):
     assert_trains_like_torch(CausalLM, mesh, VARIANTS[variant])
@@ -191,14 +190,14 @@ def test_a_four_layer_llama_trains_like_torch(mesh):
     assert_trains_like_torch(model_fn, mesh, ContextParallel(), steps=2)
 
 
-@pytest.mark.parametrize("mask", ["tril", pytest.param("none", marks=SLOW)])
+@pytest.mark.parametrize("mask", ["tril", "none"])
 @SLOW
 def test_constant_masks_are_recognised(mesh, mask):
     """A constant causal mask the model builds runs as causal attention; no mask and not causal runs as full."""
     assert_trains_like_torch(functools.partial(CausalLM, mask=mask, depth=1), mesh, ContextParallel(), steps=2)
 
 
-@pytest.mark.parametrize("variant", ["ring-balanced", pytest.param("all_gather", marks=SLOW)])
+@pytest.mark.parametrize("variant", ["ring-balanced", "all_gather"])
 @SLOW
 def test_step_passes_blocks_round_the_context_axis(mesh, variant):
     trainer = trainer_for(CausalLM(depth=1), mesh, VARIANTS[variant])

@@ -197,13 +197,12 @@ def test_moe_router_logits_train_the_aux_loss_under_remat_and_scan_like_torch(fa
 
     reference = build(with_router_logits(family))
     model = copy.deepcopy(reference)
-    loss_fn = loss_and_aux
 
     g = torch.Generator().manual_seed(0)  # batches whose top-2 routing has no near-tie (a flip moves the aux loss)
     data = [torch.randint(0, 128, (8, 16), generator=g) for _ in range(2)]
-    trainer = ts.Trainer(model, loss_fn, optax.sgd(0.1), ts.plan(model, ts.make_mesh({"data": 8})), **kwargs)
+    trainer = ts.Trainer(model, loss_and_aux, optax.sgd(0.1), ts.plan(model, ts.make_mesh({"data": 8})), **kwargs)
     got = [trainer.step(b) for b in data]
-    expected = torch_losses(reference, lambda m, ids: loss_fn(m, ids)[0],
+    expected = torch_losses(reference, lambda m, ids: loss_and_aux(m, ids)[0],
                             torch.optim.SGD(reference.parameters(), lr=0.1), data)  # fmt: skip
     np.testing.assert_allclose([float(m["loss"]) for m in got], expected, rtol=1e-5)
     with torch.no_grad():
