@@ -17,6 +17,11 @@ FAST_COMPILE = ("--xla_backend_optimization_level=0", "--xla_cpu_use_fusion_emit
 CHOSEN = "_TORCHSHARD_TEST_XLA_FLAGS"  # what the first pytest process picked; its workers reuse it
 
 
+def _with(flags: str) -> str:
+    """XLA_FLAGS plus ``flags``, each once (pytest's workers inherit what their parent added)."""
+    return " ".join(dict.fromkeys([*os.environ.get("XLA_FLAGS", "").split(), *flags.split()]))
+
+
 def _starts_with(flags: list[str]) -> bool:
     env = {**os.environ, "XLA_FLAGS": _with(" ".join(flags))}
     probe = [sys.executable, "-c", "import jax; jax.devices('cpu')"]
@@ -29,11 +34,6 @@ def _known_fast_flags() -> str:
     if _starts_with(list(FAST_COMPILE)):
         return " ".join(FAST_COMPILE)
     return " ".join(flag for flag in FAST_COMPILE if _starts_with([flag]))
-
-
-def _with(flags: str) -> str:
-    """XLA_FLAGS plus ``flags``, each once (pytest's workers inherit what their parent added)."""
-    return " ".join(dict.fromkeys([*os.environ.get("XLA_FLAGS", "").split(), *flags.split()]))
 
 
 if not os.environ.get("TORCHSHARD_TEST_XLA_DEFAULTS"):
