@@ -1,11 +1,9 @@
-"""Test setup: 8 simulated CPU devices, configured before anything starts JAX's backend."""
+"""Test fixtures; the root conftest.py configures 8 simulated CPU devices before anything starts JAX's backend."""
+
+import jax
+import pytest
 
 import torchshard
-
-torchshard.use_cpu_devices(8)
-
-import jax  # noqa: E402
-import pytest  # noqa: E402
 
 assert len(jax.devices()) == 8, jax.devices()
 

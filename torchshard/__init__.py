@@ -20,7 +20,7 @@ from torchshard._train.precision import MixedPrecision
 from torchshard._train.prefetch import prefetch
 from torchshard._train.remat import Remat
 from torchshard._train.scan import ScanLayersWarning
-from torchshard._train.step import TrainState
+from torchshard._train.state import TrainState
 from torchshard._train.trainer import Trainer
 
 # `inspect` stays an attribute (ts.inspect.collectives) but is left out of __all__: under

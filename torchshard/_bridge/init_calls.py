@@ -15,7 +15,7 @@ from typing import Any
 
 import torch
 
-from torchshard._bridge import init_ops as _init_ops
+from torchshard._bridge.init_ops import trunc_normal_
 
 # torch's own functions, by their code (calculate_gain computes a number, it fills no tensor)
 TORCH_INITS: dict[CodeType, str] = {
@@ -34,7 +34,7 @@ def traceable_inits() -> Iterator[None]:
     init: Any = torch.nn.init
     original: Callable[..., Any] | None = getattr(init, "_no_grad_trunc_normal_", None)
     if original is not None:  # private: a torch without it keeps its own (an error here, never a silent value)
-        init._no_grad_trunc_normal_ = _init_ops.trunc_normal_
+        init._no_grad_trunc_normal_ = trunc_normal_
     try:
         yield
     finally:

@@ -20,7 +20,7 @@ from torchshard._ckpt.layout import Recipe, Slot, build, param_key, read_shardin
 from torchshard._ckpt.meta import flat
 from torchshard._ckpt.state import placed_arrays, trainer_tree
 from torchshard._sharding.plan import ShardingPlan
-from torchshard._train.step import TrainState
+from torchshard._train.state import TrainState
 from torchshard._train.trainer import Trainer
 
 Meta = dict[str, Any]

@@ -7,13 +7,12 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import torch
-from jax.sharding import NamedSharding, PartitionSpec
 
 from torchshard._base.errors import ShardingError, raise_if_any
 from torchshard._base.validate import describe_mesh, mismatch_problems
 from torchshard._bridge.module_tensors import named_tensors
 from torchshard._bridge.tensors import jax_dtype
-from torchshard._train.step import Arrays, TrainState, state_shardings
+from torchshard._train.state import Arrays, TrainState, train_state_structs
 from torchshard._train.trainer import Trainer
 
 
@@ -61,27 +60,12 @@ class AbstractTrainer(Trainer):
         return model
 
     def _physical(self, names: list[str]) -> Arrays:
-        """Train-state key → ShapeDtypeStruct (stored dtype, plan sharding) for ``names``; scanned layers stacked."""
-        stacks = self.layout.stacks()
-        dtypes = self.tensor_dtypes()
-        structs = {}
-        for key in self.layout.keys(names):
-            layers = stacks.get(key, [key])
-            entry = self.plan.entries[layers[0]]
-            shape, spec = ((len(layers), *entry.shape), PartitionSpec(None, *entry.spec)) if key in stacks else (
-                entry.shape, entry.spec)  # fmt: skip
-            sharding = NamedSharding(self.plan.mesh, spec)
-            structs[key] = jax.ShapeDtypeStruct(shape, jax_dtype(dtypes[layers[0]]), sharding=sharding)
-        return structs  # type: ignore[return-value]  # stand-ins for the arrays a Trainer holds
+        return self._structs(names)  # type: ignore[return-value]  # stand-ins for the arrays a Trainer holds
 
     def _initial_state(self) -> TrainState:
         params_names, buffer_names, _ = self._names
-        params = self._physical(params_names)
-        shapes = jax.eval_shape(self.optimizer.init, params)
-        shardings = state_shardings(shapes, params, self._replicated)
-        opt_state = jax.tree.map(lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh), shapes, shardings)
-        step = jax.ShapeDtypeStruct((), jnp.int32, sharding=self._replicated)
-        return TrainState(params, self._physical(buffer_names), opt_state, step)  # type: ignore[arg-type]
+        params, buffers = self._structs(params_names), self._structs(buffer_names)
+        return train_state_structs(self.optimizer, params, buffers, self._replicated)
 
     def _views(self) -> None:
         pass  # no arrays to view: the traced step binds every tensor of the model
@@ -98,7 +82,7 @@ class AbstractTrainer(Trainer):
 
         def struct(leaf: Any) -> jax.ShapeDtypeStruct:
             shape, dtype = _leaf_struct(leaf)
-            return jax.ShapeDtypeStruct(shape, dtype, sharding=self._leaf_sharding(leaf))
+            return jax.ShapeDtypeStruct(shape, dtype, sharding=self._batch.sharding(leaf))
 
         return jax.tree.map(struct, batch)
 

@@ -1,4 +1,4 @@
-"""A Trainer's `Pipeline`: which ModuleList it splits, checked against the model, plan and batch spec."""
+"""The pipeline strategy: which ModuleList a `Pipeline` splits, checked against the model, plan and batch spec."""
 
 from __future__ import annotations
 
@@ -10,10 +10,11 @@ from jax.sharding import Mesh, PartitionSpec
 
 from torchshard._base.errors import ShardingError, raise_if_any
 from torchshard._base.specs import spec_axes
-from torchshard._base.validate import compiled, describe_mesh, raise_for_arguments
+from torchshard._base.validate import compiled, describe_mesh, instance_problems, raise_for_arguments
 from torchshard._parallel.pipeline import Pipeline, Stages, resolve
 from torchshard._sharding.plan import ShardingPlan
 from torchshard._train.scan import ScanGroup, block_problems, find_groups, is_stack, module_lists
+from torchshard._train.strategy import Bound, Setting
 
 
 def _all_lists(model: torch.nn.Module) -> list[str]:
@@ -67,14 +68,33 @@ def _axis_problems(stages: Stages, group: ScanGroup, plan: ShardingPlan, batch_s
     return problems
 
 
-def pipeline_groups(
-    model: torch.nn.Module,
-    plan: ShardingPlan,
-    groups: tuple[ScanGroup, ...],
-    pipeline: Any,
-    batch_spec: PartitionSpec,
-) -> tuple[tuple[ScanGroup, ...], dict[str, Stages]]:
-    """The scanned groups with the pipelined one stored stage by stage, and its resolved `Stages` by prefix.
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Pipelined(Bound):
+    """A `Pipeline` bound to a model: the stack it splits, resolved into `Stages` on the plan's mesh."""
+
+    option: Pipeline
+    group: ScanGroup  # the stack it splits, as scan_layers found it
+    stages: Stages
+
+    def rewrite(self, setting: Setting) -> Setting:
+        """The stack stored stage by stage (scanned, whether scan_layers named it or not); the plan table says
+        which stage holds each layer."""
+        staged = dataclasses.replace(self.group, stages=self.stages)
+        rest = tuple(g for g in setting.groups if g.prefix != staged.prefix)
+        where = {staged.name(block, suffix): self.stages.stage_of(block)
+                 for suffix in staged.suffixes for block in range(staged.count)}  # fmt: skip
+        return dataclasses.replace(setting, groups=(*rest, staged), plan=setting.plan.with_stages(where))
+
+    def rows(self) -> tuple[str, int]:
+        return "microbatches", self.stages.microbatches
+
+    @property
+    def bubble(self) -> float:
+        return self.stages.bubble
+
+
+def bind(pipeline: Any, setting: Setting) -> Bound:
+    """``Trainer(pipeline=)``: the stack to pipeline, checked against the model, plan and batch spec.
 
     Raises:
         ArgumentError: ``pipeline`` is not a `Pipeline`.
@@ -82,40 +102,15 @@ def pipeline_groups(
             (with the ones that do), or a plan or batch spec that uses the stage axis.
     """
     if pipeline is None:
-        return groups, {}
-    if not isinstance(pipeline, Pipeline):
-        raise_for_arguments(
-            [f"pipeline must be None or a torchshard.Pipeline, got {type(pipeline).__name__}"],
-            header="invalid Trainer arguments",
-        )
-    mesh = plan.mesh
+        return Bound()
+    raise_for_arguments(instance_problems("pipeline", pipeline, Pipeline, "None or a torchshard.Pipeline"),
+                        header="invalid Trainer arguments")  # fmt: skip
+    mesh, batch_spec = setting.plan.mesh, setting.batch_spec
     assert isinstance(mesh, Mesh)  # checked with the other Trainer arguments
-    group = _named(model, pipeline.layers) if pipeline.layers is not None else _found(model, groups)
+    model = setting.model
+    group = _named(model, pipeline.layers) if pipeline.layers is not None else _found(model, setting.groups)
     batch = batch_spec[0] if len(batch_spec) else None
     stages = resolve(pipeline, mesh, prefix=group.prefix, layers=group.count, batch=batch)
-    problems = _axis_problems(stages, group, plan, batch_spec)
+    problems = _axis_problems(stages, group, setting.plan, batch_spec)
     raise_if_any(problems, header=f"Pipeline over {stages.axis} on {describe_mesh(mesh)} cannot use this plan")
-    staged = dataclasses.replace(group, order=stages.order(), axis=stages.axis)
-    rest = tuple(g for g in groups if g.prefix != group.prefix)
-    return (*rest, staged), {group.prefix: stages}
-
-
-def stage_map(groups: tuple[ScanGroup, ...], stages: dict[str, Stages]) -> dict[str, int]:
-    """torch name → the stage holding it, for every tensor of a pipelined stack (for the plan table)."""
-    return {
-        group.name(block, suffix): stages[group.prefix].stage_of(block)
-        for group in groups
-        if group.prefix in stages
-        for suffix in group.suffixes
-        for block in range(group.count)
-    }
-
-
-def batch_factor(grad_accum_steps: int, stages: dict[str, Stages]) -> tuple[str, int]:
-    """What a batch's rows must split into: grad_accum_steps micro-batches, each into a pipeline's micro-batches."""
-    micro = max((s.microbatches for s in stages.values()), default=1)
-    if micro == 1:
-        return "grad_accum_steps", grad_accum_steps
-    if grad_accum_steps == 1:
-        return "microbatches", micro
-    return "grad_accum_steps × microbatches", grad_accum_steps * micro
+    return Pipelined(option=pipeline, group=group, stages=stages)

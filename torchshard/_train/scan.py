@@ -16,7 +16,7 @@ from torchshard._base.validate import raise_for_arguments
 from torchshard._bridge.env import continue_from, current_key
 from torchshard._bridge.module_call import PureForward, split
 from torchshard._bridge.module_tensors import model_tensors, tie_groups
-from torchshard._bridge.tensors import is_jax_tensor, unwrap, wrap
+from torchshard._bridge.tensors import is_jax_tensor, wrap
 from torchshard._parallel import pipeline
 
 ScanLike = bool | str | Sequence[str]
@@ -38,9 +38,8 @@ class ScanGroup:
     suffixes: tuple[str, ...]  # tensor names relative to a block, canonical ones only
     buffers: frozenset[str]
     keys: tuple[str, ...] = ()  # a ModuleDict's keys in order ("0".."N-1" in torchtitan); a ModuleList's indices
-    # a pipelined stack: the block at each position of the stack (stage by stage), and the mesh axis of its dim 0
-    order: tuple[int, ...] | None = None
-    axis: str | None = None
+    # a pipelined stack: the stages it runs on, stored stage by stage with its dim 0 over their mesh axis
+    stages: pipeline.Stages | None = None
 
     def block(self, index: int) -> str:
         """The torch name of block ``index``, e.g. ``model.layers.3``."""
@@ -61,7 +60,12 @@ class ScanGroup:
 
     def positions(self) -> tuple[int, ...]:
         """The block at each position of the stack (in order, unless a pipeline stores it stage by stage)."""
-        return self.order if self.order is not None else tuple(range(self.count))
+        return self.stages.order() if self.stages is not None else tuple(range(self.count))
+
+    @property
+    def axis(self) -> str | None:
+        """The mesh axis the stack's dim 0 is split over (a pipeline's stages), or None."""
+        return self.stages.axis if self.stages is not None else None
 
     def members(self) -> Iterator[tuple[str, list[str]]]:
         """(stacked key, the per-block names in stack order) for every tensor of a block."""
@@ -240,7 +244,6 @@ class ScanRun:
     params: Mapping[str, jax.Array]  # suffix → stacked array
     body_policy: Callable[..., Any] | None
     hidden: Callable[[jax.Array], jax.Array] | None = None
-    stages: pipeline.Stages | None = None  # run the blocks as a pipeline over these stages
     calls: int = 0
     result: Any = None
     inputs: tuple[Any, ...] = ()
@@ -295,7 +298,7 @@ class ScanRun:
                 f"turns the config's use_cache off while it traces a step)"
             )
         pure = PureForward(self.template, self.forward, spec, sorted(self.group.buffers))
-        if self.stages is not None:
+        if self.group.stages is not None:
             final, key = self._pipelined(pure, arrays[0], arrays[1:])
         else:
             final, key = self._scanned(pure, arrays[0], arrays[1:])
@@ -319,7 +322,8 @@ class ScanRun:
         return final, key
 
     def _pipelined(self, pure: PureForward, h: jax.Array, others: Sequence[jax.Array]) -> tuple[jax.Array, jax.Array]:
-        assert self.stages is not None
+        stages = self.group.stages
+        assert stages is not None
         prefix, first = self.group.prefix, self.group.block(0)
 
         def layer_fn(layer: Mapping[str, jax.Array], h: jax.Array, others: Sequence[jax.Array], key: jax.Array):
@@ -342,7 +346,7 @@ class ScanRun:
 
         self.new_buffers = {s: a for s, a in self.params.items() if s in self.group.buffers}
         where = f"Pipeline: {prefix}"
-        return pipeline.run(self.stages, layer_fn, self.params, h, others, current_key(), policy=self.body_policy,
+        return pipeline.run(stages, layer_fn, self.params, h, others, current_key(), policy=self.body_policy,
                             where=where)  # fmt: skip
 
     def finish(self) -> None:
@@ -377,11 +381,6 @@ def layer_slices(group: ScanGroup, stacked: Mapping[str, jax.Array]) -> dict[str
         for position, block in enumerate(group.positions())
         if group.stacked(suffix) in stacked
     }
-
-
-def unwrap_all(tensors: Mapping[str, Any]) -> dict[str, Any]:
-    """name → array for a mapping of torchax tensors."""
-    return {k: unwrap(v) for k, v in tensors.items()}
 
 
 @dataclasses.dataclass(frozen=True)

@@ -6,7 +6,7 @@ import contextlib
 import dataclasses
 import types
 from collections.abc import Callable, Iterator, Mapping, Sequence
-from typing import Any, NamedTuple
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -19,37 +19,15 @@ from torchshard._base.reported import collecting
 from torchshard._bridge.env import env, seeded
 from torchshard._bridge.forwards import replaced_forwards
 from torchshard._bridge.tensors import bound, is_jax_tensor, unwrap, wrap
-from torchshard._parallel.pipeline import Stages
+from torchshard._train.batching import BatchLayout
 from torchshard._train.kv_cache import no_kv_cache
 from torchshard._train.precision import MixedPrecision, cast_on_shards
 from torchshard._train.remat import checkpointed
 from torchshard._train.scan import ScanGroup, ScanRun, blocks_of, layer_slices
+from torchshard._train.state import Arrays, TrainState
 
 LossFn = Callable[[torch.nn.Module, Any], Any]
-Arrays = dict[str, jax.Array]
 RESERVED_METRICS = ("loss", "grad_norm", "skipped")
-
-
-class TrainState(NamedTuple):
-    """Everything a step reads and writes: trainable params, carried buffers, optimizer state, step."""
-
-    params: Arrays
-    buffers: Arrays
-    opt_state: Any
-    step: jax.Array
-
-
-def state_shardings(opt_shapes: Any, params: Mapping[str, jax.Array], replicated: NamedSharding) -> Any:
-    """Shards each optimizer-state leaf like the param it belongs to (same dict key and shape)."""
-
-    def leaf_sharding(path: tuple[Any, ...], leaf: jax.ShapeDtypeStruct) -> Any:
-        for key in reversed(path):
-            name = getattr(key, "key", None)
-            if isinstance(name, str) and name in params and tuple(leaf.shape) == tuple(params[name].shape):
-                return params[name].sharding
-        return replicated
-
-    return jax.tree_util.tree_map_with_path(leaf_sharding, opt_shapes)
 
 
 def _describe(value: Any) -> str:
@@ -163,14 +141,6 @@ def _forwards(model: torch.nn.Module, remat: Sequence[str], policy: Any, runs: S
         yield
 
 
-@contextlib.contextmanager
-def _entered(overrides: Sequence[Callable[[], contextlib.AbstractContextManager[Any]]]) -> Iterator[None]:
-    with contextlib.ExitStack() as stack:
-        for override in overrides:
-            stack.enter_context(override())
-        yield
-
-
 @dataclasses.dataclass(frozen=True)
 class Runtime:
     """Binds jax arrays into the torch module for one traced call and reads updated buffers back.
@@ -187,10 +157,9 @@ class Runtime:
     remat: tuple[str, ...] = ()
     remat_policy: Any = None
     body_policies: Mapping[str, Any] = dataclasses.field(default_factory=dict)
-    constrain_hidden: Callable[[jax.Array], jax.Array] | None = None
-    stages: Mapping[str, Stages] = dataclasses.field(default_factory=dict)  # pipelined groups by prefix
-    # entered around each trace of the loss (e.g. context-parallel attention's SDPA lowering)
-    overrides: tuple[Callable[[], contextlib.AbstractContextManager[Any]], ...] = ()
+    batch: BatchLayout | None = None  # constrains scanned hidden states like the batch's rows
+    # entered around each trace of the loss: the strategies' (e.g. context-parallel attention's SDPA lowering)
+    tracing: Callable[[], contextlib.AbstractContextManager[Any]] = contextlib.nullcontext
 
     def _cast(self, arrays: Arrays) -> Arrays:
         if self.precision is None:
@@ -202,22 +171,14 @@ class Runtime:
             return batch
         return jax.tree.map(self.precision.compute, batch)
 
-    def _hidden(self, batch: Any) -> Callable[[jax.Array], jax.Array] | None:
-        """The constraint for a scan's hidden state: sharded like the batch when it leads with the batch's rows."""
-        rows = next((x.shape[0] for x in jax.tree.leaves(batch) if getattr(x, "ndim", 0) > 0), None)
-        constrain = self.constrain_hidden
-        if constrain is None or rows is None:
-            return None
-        return lambda h: constrain(h) if h.ndim > 0 and h.shape[0] == rows else h
-
     def _runs(self, state: Arrays, batch: Any = None) -> list[ScanRun]:
         runs = []
-        hidden = self._hidden(batch)
+        hidden = self.batch.hidden(batch) if self.batch is not None else None
         for group in self.groups:
             blocks = blocks_of(self.model, group)
             stacked = {s: state[group.stacked(s)] for s in group.suffixes}
-            policy, stages = self.body_policies.get(group.prefix), self.stages.get(group.prefix)
-            runs.append(ScanRun(group, blocks[0], blocks[0].forward, stacked, policy, hidden, stages))
+            policy = self.body_policies.get(group.prefix)
+            runs.append(ScanRun(group, blocks[0], blocks[0].forward, stacked, policy, hidden))
         return runs
 
     def _values(self, state: Arrays) -> dict[str, torch.Tensor]:
@@ -239,7 +200,7 @@ class Runtime:
                 bound(self.model, values),
                 _forwards(self.model, self.remat, self.remat_policy, runs),
                 no_kv_cache(self.model),
-                _entered(self.overrides),
+                self.tracing(),
                 collecting() as reported,  # e.g. the tokens an expert capacity dropped
             ):
                 out = call_loss(self.loss_fn, self.model, jax.tree.map(wrap, self._inputs(batch)))
@@ -276,7 +237,7 @@ class Step:
     runtime: Runtime
     optimizer: optax.GradientTransformation
     grad_accum_steps: int
-    constrain_batch: Callable[[jax.Array], jax.Array]
+    batch: BatchLayout  # each micro-batch is constrained to it
     skip_nonfinite: bool = False
 
     def grads(self, state: TrainState, frozen: Arrays, batch: Any, key: jax.Array):
@@ -290,7 +251,7 @@ class Step:
         def micro(carry, xs):
             index, micro_batch = xs
             buffers, grad_sum, loss_sum = carry
-            micro_batch = jax.tree.map(self.constrain_batch, micro_batch)
+            micro_batch = jax.tree.map(self.batch.constrain, micro_batch)
             micro_key = jax.random.fold_in(key, index)
             (loss, (buffers, aux)), grads = grad_fn(state.params, buffers, frozen, micro_batch, micro_key)
             grad_sum = jax.tree.map(jnp.add, grad_sum, grads)

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import collections
-import functools
 import threading
 import weakref
 from collections.abc import Callable
@@ -18,54 +17,32 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from torchshard._base.errors import ShardingError, raise_if_any
 from torchshard._base.specs import SpecLike, parse_spec
-from torchshard._base.validate import (
-    describe_mesh,
-    raise_for_arguments,
-    spec_problems,
-)
+from torchshard._base.validate import describe_mesh, raise_for_arguments, spec_problems
 from torchshard._bridge.layer_view import LayerView, StackedArray
 from torchshard._bridge.module_tensors import named_tensors, set_tensor
 from torchshard._bridge.tensors import rebind, set_array, unwrap
 from torchshard._multihost.worker import heartbeat
-from torchshard._parallel.context import ContextParallel, check_context, sequence_problems, tracing
-from torchshard._parallel.experts import ExpertDispatch, Experts, dispatching, expert_dispatch_for
-from torchshard._parallel.pipeline import Pipeline
-from torchshard._sharding.placement import batch_leaf_spec, put, shard
+from torchshard._sharding.placement import put, shard
 from torchshard._sharding.plan import ShardingPlan
 from torchshard._sharding.process import global_shape
+from torchshard._train.batching import BatchLayout
 from torchshard._train.checks import batch_type_problems, check_trainer_args
-from torchshard._train.pipelined import batch_factor, pipeline_groups, stage_map
 from torchshard._train.precision import MixedPrecision
 from torchshard._train.remat import RematLike, as_remat, remat_targets, scan_remat
-from torchshard._train.scan import Layout, ScanGroup, ScanLike, find_groups
-from torchshard._train.step import Arrays, LossFn, Runtime, Step, TrainState, state_shardings
-
-
-def _groups(model: torch.nn.Module, plan: ShardingPlan) -> tuple[list[str], list[str], list[str]]:
-    """Canonical names split into trainable params, buffers (carried and updated) and frozen params."""
-    tensors = named_tensors(model)
-    params, buffers, frozen = [], [], []
-    for entry in plan.unique_entries():
-        if entry.kind == "buffer":
-            buffers.append(entry.name)
-        elif tensors[entry.name].requires_grad:
-            params.append(entry.name)
-        else:
-            frozen.append(entry.name)
-    return params, buffers, frozen
-
-
-def _scan_spec_problems(groups: tuple[ScanGroup, ...], plan: ShardingPlan) -> list[str]:
-    problems = []
-    for group in groups:
-        for key, names in group.members():
-            specs = {plan.spec(n) for n in names}
-            if len(specs) > 1:
-                problems.append(
-                    f"{key}: the layers are sharded differently ({', '.join(f'{n} {plan.spec(n)}' for n in names)}); "
-                    f"a scan stacks them, so give every layer the same spec"
-                )
-    return problems
+from torchshard._train.scan import Layout, ScanLike, find_groups
+from torchshard._train.state import (
+    Arrays,
+    Structs,
+    TrainState,
+    shardings_of,
+    split_names,
+    stack_problems,
+    tensor_structs,
+    train_state_structs,
+)
+from torchshard._train.step import LossFn, Runtime, Step
+from torchshard._train.strategies import ContextParallel, ExpertDispatch, Pipeline, bind_all
+from torchshard._train.strategy import Setting, row_factor, tracing_all
 
 
 def _stack(arrays: list[jax.Array], sharding: NamedSharding) -> jax.Array:
@@ -144,27 +121,24 @@ class Trainer:
         check_trainer_args(model, loss_fn, optimizer, plan, batch_spec, grad_accum_steps, max_in_flight, precision,
                     donate=donate, seed=seed, skip_nonfinite=skip_nonfinite)  # fmt: skip
         remat_ = as_remat(remat)
-        self.plan = plan
         self.optimizer = optimizer
         self.precision = precision
         self.batch_spec = parse_spec(batch_spec) or PartitionSpec()
-        check_context(context, plan.mesh, self.batch_spec)
-        self.context = context
-        self.expert_dispatch, experts = expert_dispatch_for(model, plan, self.batch_spec, expert_dispatch)
         self.grad_accum_steps = grad_accum_steps
         self.max_in_flight = max_in_flight
-        scan_groups = find_groups(model, scan_layers)
-        scan_groups, self._stages = pipeline_groups(model, plan, scan_groups, pipeline, self.batch_spec)
-        if self._stages:  # the plan table says which stage holds each layer
-            self.plan = plan.with_stages(stage_map(scan_groups, self._stages))
+        scanned = Setting(model, plan, self.batch_spec, find_groups(model, scan_layers))
+        options = {"pipeline": pipeline, "context": context, "expert_dispatch": expert_dispatch}
+        self._strategies, setting = bind_all(scanned, options)
+        self.plan = setting.plan  # the plan table says which stage holds each pipelined layer
         targets = remat_targets(model, remat_) if remat_ is not None else []
-        body_policies, targets = scan_remat(scan_groups, targets, remat_)
-        raise_if_any(_scan_spec_problems(scan_groups, plan), header="scan_layers cannot stack this plan")
-        self.layout = Layout(scan_groups)
+        body_policies, targets = scan_remat(setting.groups, targets, remat_)
+        raise_if_any(stack_problems(setting.groups, plan), header="scan_layers cannot stack this plan")
+        self.layout = Layout(setting.groups)
+        self._batch = BatchLayout(self.mesh, self.batch_spec)
         self._lock = threading.RLock()
         self._model = self._own(model)
         self._tensors = named_tensors(self._model)
-        self._names = _groups(self._model, plan)
+        self._names = split_names(self._model, plan)
         self._replicated = NamedSharding(plan.mesh, PartitionSpec())
         self._base_key = jax.device_put(jax.random.key_data(jax.random.key(seed)), self._replicated)
         self._in_flight: collections.deque[jax.Array] = collections.deque()
@@ -172,21 +146,21 @@ class Trainer:
         self._frozen = self._physical(self._names[2])
         self._state = self._initial_state()
         self._views()
-        runtime = Runtime(self._model, loss_fn, precision, self._shardings(), scan_groups, tuple(targets),
-                          remat_.jax_policy() if remat_ is not None else None, body_policies,
-                          constrain_hidden=self._constrain_hidden, stages=self._stages,
-                          overrides=self._overrides(experts))  # fmt: skip
-        step = Step(runtime, optimizer, grad_accum_steps, self._constrain_batch, skip_nonfinite)
+        runtime = Runtime(self._model, loss_fn, precision, self._shardings(), setting.groups, tuple(targets),
+                          remat_.jax_policy() if remat_ is not None else None, body_policies, self._batch,
+                          tracing_all(list(self._strategies.values())))  # fmt: skip
+        step = Step(runtime, optimizer, grad_accum_steps, self._batch, skip_nonfinite)
         self._step_fn = self._compile(step, donate)
 
-    def _overrides(self, experts: list[Experts]) -> tuple[Callable[[], Any], ...]:
-        """What the step's trace runs inside: context-parallel attention, all-to-all expert dispatch."""
-        overrides: list[Callable[[], Any]] = []
-        if self.context is not None:
-            overrides.append(functools.partial(tracing, self.context, self.mesh))
-        if experts and self.expert_dispatch is not None:
-            overrides.append(functools.partial(dispatching, self.expert_dispatch, self.mesh, experts))
-        return tuple(overrides)
+    @property
+    def context(self) -> ContextParallel | None:
+        """The `ContextParallel` the step runs under, or None."""
+        return self._strategies["context"].option
+
+    @property
+    def expert_dispatch(self) -> ExpertDispatch | None:
+        """How tokens meet experts: ``ExpertDispatch()`` where all-to-all runs, else what was passed (or None)."""
+        return self._strategies["expert_dispatch"].option
 
     def _own(self, model: torch.nn.Module) -> torch.nn.Module:
         """Places ``model``'s tensors as the plan says and makes this Trainer their owner."""
@@ -241,22 +215,23 @@ class Trainer:
     @property
     def pipeline_bubble(self) -> float:
         """The idle fraction of the pipeline schedule, ``(S-1)/(repeats*M + S-1)``; 0.0 without a pipeline."""
-        return max((s.bubble for s in self._stages.values()), default=0.0)
+        return max((s.bubble for s in self._strategies.values()), default=0.0)
 
     @property
     def rng_key(self) -> jax.Array:
         """Raw key data (uint32) the per-step keys are folded from: part of a resumable state."""
         return self._base_key
 
+    def _structs(self, names: list[str]) -> Structs:
+        return tensor_structs(self.plan, self.layout, names, self.tensor_dtypes())
+
     def _physical(self, names: list[str]) -> Arrays:
         """Train-state key → array for ``names``: per-layer tensors of scanned blocks stacked."""
         stacks = self.layout.stacks()
         arrays = {}
-        for key in self.layout.keys(names):
+        for key, struct in self._structs(names).items():
             if key in stacks:
-                layers = [unwrap(self._tensors[n]) for n in stacks[key]]
-                spec = PartitionSpec(self.layout.axis(key), *self.plan.spec(stacks[key][0]))
-                arrays[key] = _stack(layers, NamedSharding(self.plan.mesh, spec))
+                arrays[key] = _stack([unwrap(self._tensors[n]) for n in stacks[key]], struct.sharding)
             else:
                 arrays[key] = unwrap(self._tensors[key])
         return arrays
@@ -281,9 +256,8 @@ class Trainer:
     def _initial_state(self) -> TrainState:
         params_names, buffer_names, _ = self._names
         params = self._physical(params_names)
-        shapes = jax.eval_shape(self.optimizer.init, params)
-        shardings = state_shardings(shapes, params, self._replicated)
-        opt_state = jax.jit(self.optimizer.init, out_shardings=shardings)(params)
+        structs = train_state_structs(self.optimizer, self._structs(params_names), {}, self._replicated)
+        opt_state = jax.jit(self.optimizer.init, out_shardings=shardings_of(structs.opt_state))(params)
         step = jax.device_put(jnp.zeros((), jnp.int32), self._replicated)
         return TrainState(params, self._physical(buffer_names), opt_state, step)
 
@@ -310,18 +284,6 @@ class Trainer:
         out = (self.state_shardings(), self._replicated)
         return jax.jit(step.__call__, donate_argnums=(0,) if donate else (), out_shardings=out)
 
-    def _constrain_batch(self, x: jax.Array) -> jax.Array:
-        return put(x, self._leaf_sharding(x))
-
-    def _constrain_hidden(self, h: jax.Array) -> jax.Array:
-        # left free, GSPMD shards a scan's carry like the FSDP weights (hidden dim over "data") and
-        # holds the whole batch on every device: a 2-layer Llama-3-8B-shaped step on 256 devices had
-        # 21.9 GiB of temporaries instead of 2.1
-        return self._constrain_batch(h) if h.ndim >= len(self.batch_spec) else h
-
-    def _leaf_sharding(self, x: Any) -> NamedSharding:
-        return NamedSharding(self.mesh, batch_leaf_spec(x, self.batch_spec))
-
     def place_batch(self, batch: Any, *, local: bool = False) -> Any:
         """Places every leaf of ``batch`` (torch CPU/torchax tensors, numpy, jax) with ``batch_spec``.
 
@@ -336,25 +298,24 @@ class Trainer:
             ShardingError: every leaf whose sharded dims do not divide by the mesh axes.
         """
         leaves = jax.tree.leaves(batch)
-        if not local and all(isinstance(x, jax.Array) and x.sharding == self._leaf_sharding(x) for x in leaves):
+        if not local and all(isinstance(x, jax.Array) and x.sharding == self._batch.sharding(x) for x in leaves):
             return batch  # already placed (by place_batch or prefetch): nothing to check or move
         raise_for_arguments(batch_type_problems(leaves), header="invalid batch")
         problems = [p for i, leaf in enumerate(leaves) for p in self._batch_problems(i, leaf, local=local)]
         raise_if_any(problems, header=f"batch does not fit batch_spec {self.batch_spec} on {describe_mesh(self.mesh)}")
-        return jax.tree.map(lambda x: put(x, self._leaf_sharding(x), process_local=local), batch)
+        return jax.tree.map(lambda x: put(x, self._batch.sharding(x), process_local=local), batch)
 
     def _batch_problems(self, index: int, leaf: Any, *, local: bool = False) -> list[str]:
-        shape = tuple(np.shape(leaf))
+        shape, what, sharding = tuple(np.shape(leaf)), f"batch leaf #{index}", self._batch.sharding(leaf)
         if local:
-            what = f"process-local batch leaf #{index}"
-            shape, problems = global_shape(shape, self._leaf_sharding(leaf), what=what)
+            shape, problems = global_shape(shape, sharding, what=f"process-local {what}")
             if problems:
                 return problems
-        if sequence := sequence_problems(self.context, self.mesh, f"batch leaf #{index}", shape):
-            return sequence
-        spec = batch_leaf_spec(leaf, self.batch_spec)
-        factors = {0: batch_factor(self.grad_accum_steps, self._stages)} if shape else {}
-        return spec_problems(f"batch leaf #{index}", shape, spec, self.mesh, factors=factors,
+        strategies = self._strategies.values()
+        if problems := [p for s in strategies for p in s.batch_problems(what, shape)]:
+            return problems
+        factors = {0: row_factor(self.grad_accum_steps, list(strategies))} if shape else {}
+        return spec_problems(what, shape, sharding.spec, self.mesh, factors=factors,
                              fix=lambda multiple: f"use a batch size that is a multiple of {multiple}")  # fmt: skip
 
     def step(self, batch: Any, *, local: bool = False) -> dict[str, jax.Array]:

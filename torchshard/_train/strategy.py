@@ -1,0 +1,89 @@
+"""The strategy seam: what a parallel strategy binds to, and what a bound strategy gives the Trainer and its step.
+
+A strategy is a function ``bind(option, setting) -> Bound``: ``option`` is what the user passed for
+its Trainer keyword (``None`` included), ``setting`` what it binds to. It checks its arguments there
+(raising `ArgumentError` / `ShardingError` before anything moves) and returns a `Bound` whose
+methods the Trainer calls in turn for every strategy; the defaults contribute nothing.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+from jax.sharding import PartitionSpec
+
+from torchshard._sharding.plan import ShardingPlan
+from torchshard._train.scan import ScanGroup
+
+
+@dataclasses.dataclass(frozen=True)
+class Setting:
+    """What a strategy binds to: the model, its plan, the batch spec and the layer groups the step scans."""
+
+    model: torch.nn.Module
+    plan: ShardingPlan
+    batch_spec: PartitionSpec
+    groups: tuple[ScanGroup, ...] = ()
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Bound:
+    """A strategy bound to a `Setting`. Subclasses (keyword-only dataclasses) override what their strategy adds."""
+
+    option: Any = None  # what the Trainer reports for the strategy's keyword (resolved, e.g. a default)
+
+    def rewrite(self, setting: Setting) -> Setting:
+        """The setting as this strategy lays it out (a pipeline stores its stack stage by stage)."""
+        return setting
+
+    def rows(self) -> tuple[str, int]:
+        """What every batch's rows must split into for this strategy: (its name in messages, the factor)."""
+        return "", 1
+
+    def batch_problems(self, what: str, shape: Sequence[int]) -> list[str]:
+        """Why a batch leaf of ``shape`` (named ``what``) cannot go through this strategy."""
+        return []
+
+    def tracing(self) -> contextlib.AbstractContextManager[Any]:
+        """Entered around every trace of the model (e.g. attention lowered as ring attention)."""
+        return contextlib.nullcontext()
+
+    @property
+    def bubble(self) -> float:
+        """The idle fraction of the devices' schedule this strategy adds."""
+        return 0.0
+
+
+Binder = Callable[[Any, Setting], Bound]
+
+
+def row_factor(grad_accum_steps: int, bound: Sequence[Bound]) -> tuple[str, int]:
+    """What a batch's rows must split into: grad_accum_steps micro-batches, each as every strategy needs.
+
+    Example:
+        >>> row_factor(2, [])
+        ('grad_accum_steps', 2)
+    """
+    factors = [("grad_accum_steps", grad_accum_steps), *(b.rows() for b in bound)]
+    factors = [(name, n) for name, n in factors if n > 1] or [("grad_accum_steps", 1)]
+    total = 1
+    for _, n in factors:
+        total *= n
+    return " × ".join(name for name, _ in factors), total
+
+
+def tracing_all(bound: Sequence[Bound]) -> Callable[[], contextlib.AbstractContextManager[Any]]:
+    """One context manager entering every strategy's trace-time context, in order."""
+
+    @contextlib.contextmanager
+    def entered():
+        with contextlib.ExitStack() as stack:
+            for strategy in bound:
+                stack.enter_context(strategy.tracing())
+            yield
+
+    return entered
