@@ -64,14 +64,24 @@ def train(name: str) -> dict:
         local = i % 2 == 1
         metrics = trainer.step((x[rows], y[rows]) if local else (x, y), local=local)
         losses.append(float(metrics["loss"]))
-    return {"losses": losses, "rows": [rows.start, rows.stop], "params": gathered(trainer.model)}
+    x, y = batches()[0]  # evaluated on the global batch, then from each process's own rows
+    evaluated = [
+        float(trainer.evaluate((x, y))["loss"]),
+        float(trainer.evaluate((x[rows], y[rows]), local=True)["loss"]),
+    ]
+    return {
+        "losses": losses,
+        "evaluated": evaluated,
+        "rows": [rows.start, rows.stop],
+        "params": gathered(trainer.model),
+    }
 
 
 def init() -> dict:
     """A model materialised directly sharded, with random init: the same values on any process layout."""
     mesh, rules = setup("tp")
     model = ts.init_sharded(MLP, mesh, rules, seed=3)
-    return {"losses": [], "rows": [0, 0], "params": gathered(model)}
+    return {"losses": [], "evaluated": [], "rows": [0, 0], "params": gathered(model)}
 
 
 def main(out_dir: str) -> None:

@@ -108,3 +108,15 @@ def test_moe_benchmark_runs(tmp_path):
     assert rows["all_to_all (dropless)"]["first_loss"] == pytest.approx(rows["gspmd"]["first_loss"], rel=1e-5)
     assert rows["all_to_all (dropless)"]["bytes"] <= 0.5 * rows["gspmd"]["bytes"]
     assert rows["all_to_all (dropless)"]["all_to_all_bytes"] > 0
+
+
+@pytest.mark.slow
+def test_evaluate_benchmark_runs(tmp_path):
+    out = tmp_path / "evaluate.json"
+    done = subprocess.run([sys.executable, str(SCRIPT.parent / "evaluate.py"), "--tiny", "--json", str(out)],
+                          capture_output=True, text=True, timeout=600)  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    result = json.loads(out.read_text())
+    assert set(result["median_s"]) == {"eager loop", "evaluate"} and result["speedup"] > 0
+    losses = [line.split()[3::3] for line in done.stdout.splitlines() if line.startswith("batch:")]
+    assert losses and all(eager == compiled for eager, compiled in losses)  # the same loss both ways

@@ -415,6 +415,8 @@ def test_every_process_sees_the_same_run(runs):
 def test_two_processes_match_one(runs, name):
     one, two = runs["1x8"][0]["results"][name], runs["2x4"][0]["results"][name]
     assert_close(two["losses"], one["losses"], tol=1e-5, what=f"{name} losses")
+    assert_close(two["evaluated"], one["evaluated"], tol=1e-5, what=f"{name} evaluate(batch) and (local=True)")
+    assert len(set(one["evaluated"])) <= 1  # the global batch and the processes' own rows give one loss
     assert_trees_close(two["params"], one["params"], tol=1e-5)
 
 

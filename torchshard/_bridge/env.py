@@ -10,7 +10,7 @@ import jax
 import torch
 
 from torchshard._bridge import autocast, init_ops
-from torchshard._bridge.fixes import batch_norm_stats, narrow_dtypes
+from torchshard._bridge.fixes import batch_norm_stats, captured_constants, narrow_dtypes
 from torchshard._bridge.loaded import Environment, torchax
 from torchshard._bridge.ops import asserts, attention, cross_entropy, embedding, gather, grouped_mm, linear, same_dtype
 from torchshard._bridge.registry import register
@@ -32,6 +32,7 @@ def _install_lowerings(tx: Environment) -> None:
     autocast.install(tx)
     batch_norm_stats.install(tx)  # google/torchax#22
     narrow_dtypes.install(tx)
+    captured_constants.install(tx)
     init_ops.install(tx)
     gather.install(tx)
     embedding.install(tx)

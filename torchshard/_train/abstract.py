@@ -70,14 +70,14 @@ class AbstractTrainer(Trainer):
     def _views(self) -> None:
         pass  # no arrays to view: the traced step binds every tensor of the model
 
-    def abstract_batch(self, batch: Any) -> Any:
+    def abstract_batch(self, batch: Any, *, steps: int | None = None) -> Any:
         """``batch`` as ShapeDtypeStructs with the shardings `Trainer.place_batch` would give its leaves.
 
         Raises:
             ShardingError: every leaf whose sharded dims do not divide by the mesh axes.
         """
         leaves = jax.tree.leaves(batch)
-        problems = [p for i, leaf in enumerate(leaves) for p in self._batch_problems(i, leaf)]
+        problems = [p for i, leaf in enumerate(leaves) for p in self._batch_problems(i, leaf, steps=steps)]
         raise_if_any(problems, header=f"batch does not fit batch_spec {self.batch_spec} on {describe_mesh(self.mesh)}")
 
         def struct(leaf: Any) -> jax.ShapeDtypeStruct:
@@ -86,8 +86,8 @@ class AbstractTrainer(Trainer):
 
         return jax.tree.map(struct, batch)
 
-    def _step_args(self, batch: Any, *, local: bool = False) -> tuple[Any, ...]:
-        return self._state, self._frozen, self.abstract_batch(batch), self._base_key
+    def _step_args(self, batch: Any, *, local: bool = False, steps: int | None = None) -> tuple[Any, ...]:
+        return self._state, self._frozen, self.abstract_batch(batch, steps=steps), self._base_key
 
     def step(self, batch: Any, *, local: bool = False) -> dict[str, jax.Array]:
         """Raises: an AbstractTrainer holds shapes, not values (build a `Trainer` to train)."""

@@ -11,8 +11,10 @@ import torch
 from jax.sharding import NamedSharding
 
 from torchshard._base.validate import raise_for_arguments
-from torchshard._bridge.tensors import jax_dtype
+from torchshard._bridge.module_tensors import named_tensors
+from torchshard._bridge.tensors import jax_dtype, rebind, unwrap
 from torchshard._sharding.placement import put
+from torchshard._sharding.plan import ShardingPlan
 
 
 @dataclasses.dataclass(frozen=True)
@@ -84,3 +86,20 @@ def cast_on_shards(x: jax.Array, sharding: NamedSharding | None, policy: MixedPr
     if cast is x or sharding is None:
         return cast
     return put(cast, sharding)
+
+
+def stored_dtypes(plan: ShardingPlan, precision: MixedPrecision | None) -> dict[str, torch.dtype]:
+    """The torch dtype each tensor of ``plan`` is stored in: floating params in the policy's master dtype."""
+    dtypes = {n: e.dtype for n, e in plan.entries.items()}
+    if precision is None:
+        return dtypes
+    params = {n for n, e in plan.entries.items() if e.kind == "param"}
+    return {n: precision.param_dtype if n in params and d.is_floating_point else d for n, d in dtypes.items()}
+
+
+def store_params(model: torch.nn.Module, plan: ShardingPlan, precision: MixedPrecision) -> None:
+    """Rebinds ``model``'s params (as placed by ``plan``) to copies in the policy's master dtype."""
+    params = {n: t for n, t in named_tensors(model).items() if n in plan and plan.entries[n].kind == "param"}
+    arrays = {n: unwrap(t) for n, t in params.items()}
+    stored = jax.jit(lambda t: jax.tree.map(precision.stored, t))(arrays)
+    rebind(params, stored)

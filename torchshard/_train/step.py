@@ -188,8 +188,8 @@ class Runtime:
             values |= layer_slices(group, state)
         return values
 
-    def loss(self, params: Arrays, buffers: Arrays, frozen: Arrays, batch: Any, key: jax.Array):
-        """``loss_fn(model, batch)`` with the module bound to these arrays: (loss, (new buffers, aux))."""
+    def run(self, fn: LossFn, params: Arrays, buffers: Arrays, frozen: Arrays, batch: Any, key: jax.Array):
+        """``fn(model, batch)`` with the module bound to these arrays: (what it returned, new buffers, reported)."""
         state = {**self._cast({**params, **frozen}), **buffers}
         # torch randomness (dropout, torch.rand) draws from torchax's key: this step's, for this trace
         # only; factory calls without a device make traced tensors, not CPU ones frozen at trace time
@@ -203,17 +203,21 @@ class Runtime:
                 self.tracing(),
                 collecting() as reported,  # e.g. the tokens an expert capacity dropped
             ):
-                out = call_loss(self.loss_fn, self.model, jax.tree.map(wrap, self._inputs(batch)))
+                out = call_loss(fn, self.model, jax.tree.map(wrap, self._inputs(batch)))
             for run in runs:
                 run.finish()
-        loss, aux = loss_and_aux(out)
-        aux |= {k: jnp.asarray(v, jnp.float32) for k, v in reported.items()}
         new_buffers = {k: unwrap(values[k]) for k in buffers if k in values}
         for run in runs:
             new_buffers |= {
                 run.group.stacked(s): a for s, a in run.new_buffers.items() if run.group.stacked(s) in buffers
             }
-        return loss, (new_buffers, aux)
+        return out, new_buffers, {k: jnp.asarray(v, jnp.float32) for k, v in reported.items()}
+
+    def loss(self, params: Arrays, buffers: Arrays, frozen: Arrays, batch: Any, key: jax.Array):
+        """``loss_fn(model, batch)`` with the module bound to these arrays: (loss, (new buffers, aux))."""
+        out, new_buffers, reported = self.run(self.loss_fn, params, buffers, frozen, batch, key)
+        loss, aux = loss_and_aux(out)
+        return loss, (new_buffers, aux | reported)
 
 
 def micro_batches(batch: Any, k: int) -> Any:

@@ -13,10 +13,14 @@ import dataclasses
 from collections.abc import Callable, Sequence
 from typing import Any
 
+import numpy as np
 import torch
 from jax.sharding import PartitionSpec
 
+from torchshard._base.validate import spec_problems
 from torchshard._sharding.plan import ShardingPlan
+from torchshard._sharding.process import global_shape
+from torchshard._train.batching import BatchLayout
 from torchshard._train.scan import ScanGroup
 
 
@@ -74,6 +78,25 @@ def row_factor(grad_accum_steps: int, bound: Sequence[Bound]) -> tuple[str, int]
     for _, n in factors:
         total *= n
     return " × ".join(name for name, _ in factors), total
+
+
+def leaf_problems(
+    layout: BatchLayout, bound: Sequence[Bound], steps: int, index: int, leaf: Any, *, local: bool = False
+) -> list[str]:
+    """Why batch leaf ``index`` cannot be placed by ``layout`` and split into ``steps`` micro-batches for ``bound``.
+
+    With ``local``, ``leaf`` is this process's part of the global leaf.
+    """
+    shape, what, sharding = tuple(np.shape(leaf)), f"batch leaf #{index}", layout.sharding(leaf)
+    if local:
+        shape, problems = global_shape(shape, sharding, what=f"process-local {what}")
+        if problems:
+            return problems
+    if problems := [p for strategy in bound for p in strategy.batch_problems(what, shape)]:
+        return problems
+    factors = {0: row_factor(steps, bound)} if shape else {}
+    return spec_problems(what, shape, sharding.spec, layout.mesh, factors=factors,
+                         fix=lambda multiple: f"use a batch size that is a multiple of {multiple}")  # fmt: skip
 
 
 def tracing_all(bound: Sequence[Bound]) -> Callable[[], contextlib.AbstractContextManager[Any]]:

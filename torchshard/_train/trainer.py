@@ -10,24 +10,23 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 import optax
 import torch
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from torchshard._base.errors import ShardingError, raise_if_any
 from torchshard._base.specs import SpecLike, parse_spec
-from torchshard._base.validate import describe_mesh, raise_for_arguments, spec_problems
+from torchshard._base.validate import describe_mesh, raise_for_arguments
 from torchshard._bridge.layer_view import LayerView, StackedArray
 from torchshard._bridge.module_tensors import named_tensors, set_tensor
 from torchshard._bridge.tensors import rebind, set_array, unwrap
 from torchshard._multihost.worker import heartbeat
 from torchshard._sharding.placement import put, shard
 from torchshard._sharding.plan import ShardingPlan
-from torchshard._sharding.process import global_shape
 from torchshard._train.batching import BatchLayout
 from torchshard._train.checks import batch_type_problems, check_trainer_args
-from torchshard._train.precision import MixedPrecision
+from torchshard._train.evaluate import Compiled, evaluating, structure, structure_problems
+from torchshard._train.precision import MixedPrecision, store_params, stored_dtypes
 from torchshard._train.remat import RematLike, as_remat, remat_targets, scan_remat
 from torchshard._train.scan import Layout, ScanLike, find_groups
 from torchshard._train.state import (
@@ -42,7 +41,7 @@ from torchshard._train.state import (
 )
 from torchshard._train.step import LossFn, Runtime, Step
 from torchshard._train.strategies import ContextParallel, ExpertDispatch, Pipeline, bind_all
-from torchshard._train.strategy import Setting, row_factor, tracing_all
+from torchshard._train.strategy import Setting, leaf_problems, tracing_all
 
 
 def _stack(arrays: list[jax.Array], sharding: NamedSharding) -> jax.Array:
@@ -151,6 +150,8 @@ class Trainer:
                           tracing_all(list(self._strategies.values())))  # fmt: skip
         step = Step(runtime, optimizer, grad_accum_steps, self._batch, skip_nonfinite)
         self._step_fn = self._compile(step, donate)
+        self._evaluations = Compiled(runtime)
+        self._trained_on: Any = None  # the structure of the batches steps took, which evaluate checks against
 
     @property
     def context(self) -> ContextParallel | None:
@@ -175,17 +176,8 @@ class Trainer:
             rebind(tensors, copies)
         model._torchshard_trainer = weakref.ref(self)  # type: ignore[assignment]
         if self.precision is not None:
-            self._store_in_param_dtype(model)
+            store_params(model, self.plan, self.precision)
         return model
-
-    def _store_in_param_dtype(self, model: torch.nn.Module) -> None:
-        assert self.precision is not None
-        params = {
-            n: t for n, t in named_tensors(model).items() if n in self.plan and self.plan.entries[n].kind == "param"
-        }
-        arrays = {n: unwrap(t) for n, t in params.items()}
-        stored = jax.jit(lambda t: jax.tree.map(self.precision.stored, t))(arrays)  # type: ignore[union-attr]
-        rebind(params, stored)
 
     @property
     def lock(self) -> threading.RLock:
@@ -274,23 +266,20 @@ class Trainer:
 
     def tensor_dtypes(self) -> dict[str, torch.dtype]:
         """The torch dtype each tensor is stored in (the master dtype under `MixedPrecision`)."""
-        dtypes = {n: e.dtype for n, e in self.plan.entries.items()}
-        if self.precision is None:
-            return dtypes
-        params = {n for n, e in self.plan.entries.items() if e.kind == "param"}
-        return {n: self.precision.param_dtype if n in params and d.is_floating_point else d for n, d in dtypes.items()}
+        return stored_dtypes(self.plan, self.precision)
 
     def _compile(self, step: Step, donate: bool) -> Callable[..., Any]:
         out = (self.state_shardings(), self._replicated)
         return jax.jit(step.__call__, donate_argnums=(0,) if donate else (), out_shardings=out)
 
-    def place_batch(self, batch: Any, *, local: bool = False) -> Any:
+    def place_batch(self, batch: Any, *, local: bool = False, steps: int | None = None) -> Any:
         """Places every leaf of ``batch`` (torch CPU/torchax tensors, numpy, jax) with ``batch_spec``.
 
         Args:
             batch: the global batch, the same on every process; or, with ``local``, only this
                 process's rows (see `torchshard.distributed.local_batch_slice`).
             local: ``batch`` is this process's slice of the global batch.
+            steps: the micro-batches its rows must split into (default: ``grad_accum_steps``; 1 to evaluate).
 
         Raises:
             ArgumentError: a leaf that is not a tensor or array (e.g. a string), on the meta device,
@@ -301,22 +290,13 @@ class Trainer:
         if not local and all(isinstance(x, jax.Array) and x.sharding == self._batch.sharding(x) for x in leaves):
             return batch  # already placed (by place_batch or prefetch): nothing to check or move
         raise_for_arguments(batch_type_problems(leaves), header="invalid batch")
-        problems = [p for i, leaf in enumerate(leaves) for p in self._batch_problems(i, leaf, local=local)]
+        problems = [p for i, leaf in enumerate(leaves) for p in self._batch_problems(i, leaf, local=local, steps=steps)]
         raise_if_any(problems, header=f"batch does not fit batch_spec {self.batch_spec} on {describe_mesh(self.mesh)}")
         return jax.tree.map(lambda x: put(x, self._batch.sharding(x), process_local=local), batch)
 
-    def _batch_problems(self, index: int, leaf: Any, *, local: bool = False) -> list[str]:
-        shape, what, sharding = tuple(np.shape(leaf)), f"batch leaf #{index}", self._batch.sharding(leaf)
-        if local:
-            shape, problems = global_shape(shape, sharding, what=f"process-local {what}")
-            if problems:
-                return problems
-        strategies = self._strategies.values()
-        if problems := [p for s in strategies for p in s.batch_problems(what, shape)]:
-            return problems
-        factors = {0: row_factor(self.grad_accum_steps, list(strategies))} if shape else {}
-        return spec_problems(what, shape, sharding.spec, self.mesh, factors=factors,
-                             fix=lambda multiple: f"use a batch size that is a multiple of {multiple}")  # fmt: skip
+    def _batch_problems(self, index: int, leaf: Any, *, local: bool = False, steps: int | None = None) -> list[str]:
+        steps = self.grad_accum_steps if steps is None else steps
+        return leaf_problems(self._batch, list(self._strategies.values()), steps, index, leaf, local=local)
 
     def step(self, batch: Any, *, local: bool = False) -> dict[str, jax.Array]:
         """Runs one training step on ``batch``; returns metrics as unsynchronised jax scalars.
@@ -343,6 +323,7 @@ class Trainer:
             args = self._step_args(batch, local=local)
             with jax.set_mesh(self.mesh):  # constrain() inside forward reads the mesh it is traced under
                 self._state, metrics = self._step_fn(*args)
+            self._trained_on = self._trained_on or structure(batch)
             self._bind()
             self._throttle(metrics["loss"])
         heartbeat()  # progress for the launcher's hang watchdog (nothing outside a launched run)
@@ -378,8 +359,53 @@ class Trainer:
             with jax.set_mesh(self.mesh):
                 return self._step_fn.lower(*args)  # type: ignore[attr-defined]
 
-    def _step_args(self, batch: Any, *, local: bool = False) -> tuple[Any, ...]:
-        placed = self.place_batch(jax.tree.map(unwrap, batch), local=local)
+    def evaluate(self, batch: Any, fn: LossFn | None = None, *, local: bool = False) -> dict[str, jax.Array]:
+        """``fn(model, batch)`` on the current state in eval mode, as one compiled call; nothing in the state changes.
+
+        No gradients, nothing donated: step count, RNG key, parameters, buffers and optimizer state
+        stay as they are. The model runs in ``eval()`` mode (dropout off, BatchNorm on its running
+        statistics), its modes restored after. Compiled once per function and batch shape; the last
+        few compiled evaluations are kept.
+
+        Args:
+            batch: as for `step` (with ``local``, this process's rows); every option of the Trainer
+                applies (a pipeline runs its forward alone; ``grad_accum_steps`` does not split it).
+            fn: ``fn(model, batch)`` returning a tensor (reported as ``"output"``) or a dict of
+                tensors; by default ``loss_fn``, reported as ``"loss"`` with its metrics.
+            local: ``batch`` holds only this process's rows of the global batch.
+
+        Returns:
+            name → jax array (unsynchronised, as `step`'s metrics).
+
+        Raises:
+            ArgumentError: ``fn`` is not callable or returns something other than tensors; a batch
+                whose structure, ranks or kinds of values differ from the batches `step` took.
+            ShardingError: the batch does not fit ``batch_spec`` (as for `step`).
+
+        Example:
+            >>> model = torch.nn.Linear(16, 4)
+            >>> eager = __import__("copy").deepcopy(model)  # the Trainer moves the model's tensors to the mesh
+            >>> p = ts.plan(model, ts.make_mesh({"data": 8}))
+            >>> trainer = Trainer(model, lambda m, b: m(b).square().mean(), __import__("optax").sgd(0.1), p)
+            >>> x = torch.randn(32, 16)
+            >>> abs(float(trainer.evaluate(x)["loss"]) - eager(x).square().mean().item()) < 1e-6
+            True
+            >>> trainer.evaluate(x, lambda m, b: {"mean": m(b).mean()})["mean"].shape, trainer.step_count
+            ((), 0)
+        """
+        callable_ = fn is None or callable(fn)
+        raise_for_arguments([] if callable_ else [f"fn must be a function fn(model, batch), got {fn!r:.40}"],
+                            header="invalid evaluate arguments")  # fmt: skip
+        with self._lock:
+            self._check_owner()
+            raise_for_arguments(structure_problems(self._trained_on, jax.tree.map(unwrap, batch)),
+                                header="evaluate: the batch is not like the training batches")  # fmt: skip
+            args = self._step_args(batch, local=local, steps=1)
+            with jax.set_mesh(self.mesh), evaluating(self._model):
+                return self._evaluations(fn, *args)
+
+    def _step_args(self, batch: Any, *, local: bool = False, steps: int | None = None) -> tuple[Any, ...]:
+        placed = self.place_batch(jax.tree.map(unwrap, batch), local=local, steps=steps)
         return self._state, self._frozen, placed, self._base_key
 
     def _throttle(self, marker: jax.Array) -> None:
