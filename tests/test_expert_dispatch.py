@@ -6,6 +6,9 @@ The truth is the same model run unsharded in eager torch (AdamW losses rtol 1e-4
 from __future__ import annotations
 
 import copy
+import inspect
+import re
+import warnings
 
 import numpy as np
 import optax
@@ -55,11 +58,65 @@ class MoE(nn.Module):
         return x + self.experts(flat, index, weights / weights.sum(-1, keepdim=True)).reshape(x.shape)
 
 
+class ScoredExperts(Experts):
+    """GPT-OSS's experts before transformers 5: other argument names, the router's scores over every expert."""
+
+    def forward(self, tokens, router_indices, routing_weights):  # [T, H], [T, k], [T, experts]
+        out = torch.zeros_like(tokens)
+        for e in range(self.num_experts):
+            weight = routing_weights[:, e : e + 1] * (router_indices == e).any(-1, keepdim=True)
+            out = out + weight * (torch.relu(tokens @ self.up[e].T) @ self.down[e].T)
+        return out
+
+
+class ScoredMoE(MoE):
+    """GPT-OSS's router (a softmax over the top-k logits) with its weights scattered over every expert, [T, experts]."""
+
+    def __init__(self):
+        super().__init__()
+        self.experts = ScoredExperts()
+
+    def forward(self, x):
+        flat = x.reshape(-1, DIM)
+        logits, index = torch.topk(self.router(flat), TOP_K, dim=-1)
+        scores = flat.new_zeros(flat.shape[0], EXPERTS).scatter(1, index, torch.softmax(logits, -1))
+        return x + self.experts(flat, index, scores).reshape(x.shape)
+
+
+class BatchedExperts(Experts):
+    """Called with [B, S, H] hidden states and [B, S, k] choices: three arguments, but not the rows dispatch moves."""
+
+    def forward(self, hidden_states, top_k_index, top_k_weights):
+        rows = super().forward(*(t.flatten(0, 1) for t in (hidden_states, top_k_index, top_k_weights)))
+        return rows.reshape(hidden_states.shape)
+
+
+class BatchedMoE(MoE):
+    # the router softmaxes its top-k logits (GPT-OSS's): with this init a softmax over all experts,
+    # renormalised over the top-k, leaves router gradients of ~1e-8 whose rounding AdamW's first
+    # step turns into 0.5% loss differences (under GSPMD and all-to-all alike)
+    def __init__(self):
+        super().__init__()
+        self.experts = BatchedExperts()
+
+    def forward(self, x):
+        logits, index = torch.topk(self.router(x), TOP_K, dim=-1)
+        return x + self.experts(x, index, torch.softmax(logits, -1))
+
+
+class GroupedExperts(Experts):
+    """Takes rows already grouped by expert (llama4's experts): no router's choice to move tokens by."""
+
+    def forward(self, hidden_states):  # [experts · rows, H]
+        grouped = hidden_states.reshape(EXPERTS, -1, DIM)
+        return (torch.relu(grouped @ self.up.transpose(1, 2)) @ self.down.transpose(1, 2)).flatten(0, 1)
+
+
 class Model(nn.Module):
-    def __init__(self, layers: int = 2):
+    def __init__(self, layers: int = 2, moe: type[MoE] = MoE):
         super().__init__()
         self.embed = nn.Linear(DIM, DIM)
-        self.layers = nn.ModuleList(MoE() for _ in range(layers))
+        self.layers = nn.ModuleList(moe() for _ in range(layers))
 
     def forward(self, x):
         x = self.embed(x)
@@ -73,9 +130,9 @@ def mse(model, batch):
     return (model(x) - y).square().mean()
 
 
-def _model(seed: int = 0) -> Model:
+def _model(seed: int = 0, moe: type[MoE] = MoE) -> Model:
     torch.manual_seed(seed)
-    return Model()
+    return Model(moe=moe)
 
 
 def _batches(steps: int = 4, rows: int = 16, seq: int = 4):
@@ -193,8 +250,14 @@ def test_all_to_all_needs_experts_the_plan_shards():
         ts.Trainer(model, mse, optax.adamw(1e-2), plan, batch_spec=BATCH_SPEC, expert_dispatch=ts.ExpertDispatch())
 
 
-def test_the_default_falls_back_to_the_plan_where_all_to_all_cannot_run(eager):
-    trainer = _trainer(_model(), batch_spec=P("data"))
+def test_the_default_falls_back_to_the_plan_where_all_to_all_cannot_run_and_says_so_once(eager):
+    with pytest.warns(ts.ExpertDispatchWarning) as caught:
+        trainer = _trainer(_model(), batch_spec=P("data"))
+    assert len(caught) == 1, [str(w.message) for w in caught]
+    message = str(caught[0].message)
+    assert "keeps the plan's sharding (GSPMD, no all-to-all)" in message
+    for layer in ("layers.0.experts", "layers.1.experts"):
+        assert f"{layer}: the batch is not split over the expert axis 'expert'" in message
     assert trainer.expert_dispatch is None
     losses, _ = _losses(trainer, _batches())
     np.testing.assert_allclose(losses, eager, rtol=RTOL)
@@ -242,3 +305,99 @@ def test_composes_with_a_pipeline(eager):
     trainer = ts.Trainer(model, mse, optax.adamw(1e-2), plan, batch_spec=P("expert"), pipeline=pipeline)
     losses, _ = _losses(trainer, _batches())
     np.testing.assert_allclose(losses, eager, rtol=RTOL)
+
+
+@pytest.mark.slow
+def test_experts_are_recognised_by_their_arguments_meaning_not_names_and_dense_scores_train_like_torch():
+    """GPT-OSS's old interface: (tokens, router_indices, routing_weights [T, experts])."""
+    trainer = _trainer(_model(moe=ScoredMoE))
+    assert trainer.expert_dispatch == ts.ExpertDispatch("all_to_all")
+    losses, _ = _losses(trainer, _batches())
+    ref = _model(moe=ScoredMoE)
+    expected = torch_losses(ref, mse, torch.optim.AdamW(ref.parameters(), lr=1e-2, weight_decay=1e-4), _batches())
+    np.testing.assert_allclose(losses, expected, rtol=RTOL)
+    assert ts.inspect.collectives(trainer, _batches(1)[0]).count("all-to-all", axes="expert") >= 2 * 4
+
+
+@pytest.mark.slow
+def test_a_call_that_is_not_the_routing_rows_keeps_the_plan_and_says_so_once_per_module():
+    trainer = _trainer(_model(moe=BatchedMoE))
+    assert trainer.expert_dispatch == ts.ExpertDispatch("all_to_all")  # the signature fits; the call does not
+    batches = _batches()
+    with pytest.warns(ts.ExpertDispatchWarning) as caught:
+        losses, _ = _losses(trainer, batches)
+    assert len(caught) == 1, [str(w.message) for w in caught]
+    assert re.search(r"layers\.0\.experts: called with \(float32\[16, 4, 16\], int\d+\[16, 4, 2\], "
+                     r"float32\[16, 4, 2\]\), not \(hidden states \[T, H\]", str(caught[0].message))  # fmt: skip
+    assert "layers.1.experts: called with" in str(caught[0].message)
+    ref = _model(moe=BatchedMoE)
+    expected = torch_losses(ref, mse, torch.optim.AdamW(ref.parameters(), lr=1e-2, weight_decay=1e-4), batches)
+    np.testing.assert_allclose(losses, expected, rtol=RTOL)
+
+
+def test_asking_for_all_to_all_with_a_call_that_is_not_the_routing_rows_is_an_error():
+    trainer = _trainer(_model(moe=BatchedMoE), expert_dispatch=ts.ExpertDispatch())
+    with pytest.raises(ShardingError, match=r"cannot move this experts module's tokens:[\s\S]*layers\.0\.experts: "
+                                            r"called with \(float32\[16, 4, 16\]"):  # fmt: skip
+        trainer.step(_batches(1)[0])
+
+
+def _grouped() -> Model:
+    model = _model()
+    for layer in model.layers:
+        layer.experts = GroupedExperts()
+    return model
+
+
+def test_experts_that_take_no_routing_keep_the_plan_and_say_why():
+    with pytest.warns(ts.ExpertDispatchWarning) as caught:
+        trainer = _trainer(_grouped())
+    assert len(caught) == 1
+    assert re.search(r"layers\.0\.experts: its experts are sharded over 'expert', but GroupedExperts\.forward"
+                     r"\(hidden_states\) does not take \(hidden states \[T, H\], expert indices \[T, k\]",
+                     str(caught[0].message))  # fmt: skip
+    assert trainer.expert_dispatch is None
+    with pytest.raises(ShardingError, match=r"GroupedExperts\.forward\(hidden_states\) does not take[\s\S]*"
+                                            r"no experts module to dispatch to"):  # fmt: skip
+        _trainer(_grouped(), expert_dispatch=ts.ExpertDispatch())
+
+
+def test_choosing_gspmd_says_nothing():
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert _trainer(_grouped(), expert_dispatch=ts.ExpertDispatch("gspmd")).expert_dispatch.kind == "gspmd"
+
+
+def _gpt_oss(seed: int = 0) -> nn.Module:
+    """A tiny transformers GPT-OSS: experts called as (hidden_states, router_indices, routing_weights)."""
+    transformers = pytest.importorskip("transformers")
+    config = transformers.GptOssConfig(
+        hidden_size=32, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=8,
+        intermediate_size=32, vocab_size=64, num_local_experts=4, num_experts_per_tok=2, max_position_embeddings=64,
+        sliding_window=8, layer_types=["sliding_attention", "full_attention"], router_aux_loss_coef=0.0,
+    )  # fmt: skip
+    torch.manual_seed(seed)
+    return transformers.GptOssForCausalLM(config)
+
+
+def _lm_loss(model, ids):
+    return model(input_ids=ids, labels=ids, use_cache=False).loss
+
+
+@pytest.mark.slow
+def test_gpt_oss_experts_move_tokens_by_all_to_all_and_train_like_torch():
+    model, ref = _gpt_oss(), _gpt_oss()
+    assert "router_indices" in str(inspect.signature(model.model.layers[0].mlp.experts.forward))
+    g = torch.Generator().manual_seed(0)
+    data = [torch.randint(3, 64, (8, 16), generator=g) for _ in range(3)]
+    rules = presets.hf_rules(model, axis=None, expert_axis="expert", fsdp_min_size=1024)
+    plan = ts.plan(model, ts.make_mesh(AXES), rules)
+    trainer = ts.Trainer(model, _lm_loss, optax.adamw(1e-3), plan, batch_spec=BATCH_SPEC)
+    assert trainer.expert_dispatch == ts.ExpertDispatch("all_to_all")
+    losses = [float(trainer.step(ids)["loss"]) for ids in data]
+    expected = torch_losses(ref, _lm_loss, torch.optim.AdamW(ref.parameters(), lr=1e-3, weight_decay=1e-4), data)
+    np.testing.assert_allclose(losses, expected, rtol=RTOL)
+    assert ts.inspect.collectives(trainer, data[0]).count("all-to-all", axes="expert") >= 2 * 4
+    capped = ts.Trainer(_gpt_oss(), _lm_loss, optax.adamw(1e-3), plan, batch_spec=BATCH_SPEC,
+                        expert_dispatch=ts.ExpertDispatch(capacity_factor=1.0))  # fmt: skip
+    assert "dropped_tokens" in capped.step(data[0])

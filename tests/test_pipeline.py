@@ -223,6 +223,75 @@ def test_call_arguments_with_the_batch_rows_are_split_with_them():
     np.testing.assert_allclose([float(run.step(b)["loss"]) for b in data], expected, rtol=1e-4)
 
 
+class Rotary(nn.Module):
+    """A torchtitan-style layer on a flat token stream: h [T, H] rotated by its positions (RoPE), then an MLP."""
+
+    def __init__(self):
+        super().__init__()
+        self.block = Block()
+
+    def forward(self, h, positions):
+        freqs = 100.0 ** -(torch.arange(16, device=h.device) / 16)
+        angles = positions.reshape(-1, 1) * freqs  # [T, H/2], one row per token: [T] and [T, 1] alike
+        first, second = h.chunk(2, -1)
+        cos, sin = angles.cos(), angles.sin()
+        return self.block(torch.cat([first * cos - second * sin, first * sin + second * cos], -1))
+
+
+class FlatStream(BlockStack):
+    """tokens [T] embedded to [T, H]; every layer takes (h, positions). ``column``: positions passed as [T, 1]."""
+
+    def __init__(self, column=False):
+        super().__init__(depth=4)
+        self.blocks = nn.ModuleList(Rotary() for _ in range(4))
+        self.column = column
+
+    def forward(self, tokens, positions):
+        h = self.embed(tokens)
+        positions = positions[:, None] if self.column else positions
+        for block in self.blocks:
+            h = block(h, positions)
+        return self.head(self.norm(h))
+
+
+def stream_loss(model, batch):
+    tokens, positions, targets = batch
+    return nn.functional.cross_entropy(model(tokens, positions), targets)
+
+
+def streams(n=3, tokens=32):
+    g = torch.Generator().manual_seed(5)
+    return [(torch.randint(0, VOCAB, (tokens,), generator=g), torch.arange(tokens) % 8,
+             torch.randint(0, VOCAB, (tokens,), generator=g)) for _ in range(n)]  # fmt: skip
+
+
+def stream_trainer(model):
+    plan = ts.plan(model, ts.make_mesh({"stage": 2, "data": 4}), FSDP)
+    return ts.Trainer(model, stream_loss, adamw(), plan, pipeline=Pipeline(microbatches=2))
+
+
+def test_a_flat_stream_whose_positions_go_whole_to_every_micro_batch_names_the_split_and_the_fix():
+    torch.manual_seed(0)
+    run = stream_trainer(FlatStream())
+    split = (r"Pipeline: blocks: a layer failed \(.+\) after the pipeline split the hidden state \[32, 32\] "
+             r"along dim 0 into microbatches=2 of 16 rows and gave positions \(int32\[32\]\) whole to every "
+             r"micro-batch: a rank-1 argument is taken as per-position.*")  # fmt: skip
+    fixes = r"x\[:, None\], shape \[32, 1\]\) so it is split with them.*tokens \[B, S\] with positions \[B, S\]"
+    with pytest.raises(ShardingError, match=split + fixes):
+        run.step(streams(1)[0])
+
+
+@pytest.mark.slow
+def test_a_flat_stream_with_per_row_positions_marked_as_a_column_trains_like_eager_torch():
+    data = streams()
+    torch.manual_seed(0)
+    ref = FlatStream(column=True)
+    expected = torch_losses(ref, stream_loss, torch.optim.AdamW(ref.parameters(), lr=LR, weight_decay=WD), data)
+    torch.manual_seed(0)
+    run = stream_trainer(FlatStream(column=True))
+    np.testing.assert_allclose([float(run.step(b)["loss"]) for b in data], expected, rtol=1e-4)
+
+
 def hf_loss(model, batch):
     ids, mask = batch
     return model(input_ids=ids, attention_mask=mask, labels=ids, use_cache=False).loss

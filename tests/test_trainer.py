@@ -428,3 +428,43 @@ def test_non_scalar_loss_raises():
     trainer = make_trainer(model, lambda m, b: m(b[0]), optax.sgd(0.1), MESHES["data8"], None)
     with pytest.raises(ts.ShardingError, match=r"scalar loss.*shape \(16, 16\)"):
         trainer.step(mlp_batches(1)[0])
+
+
+class LoopMoE(nn.Module):
+    """The textbook MoE loop: each expert gathers the tokens that chose it, a shape only their values fix."""
+
+    def __init__(self, select):
+        super().__init__()
+        self.select = select
+        self.router = nn.Linear(32, 4)
+        self.experts = nn.ModuleList(nn.Linear(32, 32) for _ in range(4))
+
+    def forward(self, x):
+        weights, top_k_index = torch.topk(self.router(x).softmax(-1), 2)
+        out = torch.zeros_like(x)
+        for e, expert in enumerate(self.experts):
+            if self.select == "mask":
+                chosen = (top_k_index == e).any(-1)
+                out[chosen] += expert(x[chosen])
+                continue
+            mask = top_k_index == e
+            idx, k = torch.where(mask) if self.select == "where" else mask.nonzero(as_tuple=True)
+            out = out.index_add(0, idx, weights[idx, k, None] * expert(x[idx]))
+        return out
+
+
+@pytest.mark.parametrize(
+    ("select", "call"),
+    [("where", r"torch\.nonzero \(what one-argument torch\.where\(mask\) and \.nonzero\(\) run\)"),
+     ("nonzero", r"torch\.nonzero \(what one-argument"),
+     ("mask", r"indexing with a boolean mask \(x\[mask\]\)")],
+    ids=["where", "nonzero", "mask"],
+)  # fmt: skip
+def test_the_textbook_moe_loop_is_named_a_data_dependent_shape_with_the_static_form(mesh_fsdp, select, call):
+    model = LoopMoE(select)
+    trainer = ts.Trainer(model, lambda m, x: m(x).square().mean(), optax.sgd(0.1), ts.plan(model, mesh_fsdp))
+    with pytest.raises(ts.ShardingError, match=rf"loss_fn: LoopMoE '\(the model\)' uses {call}.*, a data-dependent "
+                                               r"shape: .*torch\.where\(mask, x, 0\) with three arguments.*"
+                                               r"top_k_index == e.*ExpertDispatch") as caught:  # fmt: skip
+        trainer.step(torch.randn(16, 32))
+    assert "instead of if" not in str(caught.value)

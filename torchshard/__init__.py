@@ -8,7 +8,7 @@ from torchshard._ckpt.export import from_torch_state_dict, to_torch_state_dict
 from torchshard._ckpt.safetensors import save_safetensors
 from torchshard._ckpt.stepdir import checkpoint_steps
 from torchshard._parallel.context import ContextParallel
-from torchshard._parallel.experts import ExpertDispatch
+from torchshard._parallel.experts import ExpertDispatch, ExpertDispatchWarning
 from torchshard._parallel.pipeline import Pipeline
 from torchshard._report.visualize import visualize, visualize_plan
 from torchshard._sharding.init import init_sharded
@@ -30,6 +30,7 @@ __all__ = [
     "CheckpointError",
     "ContextParallel",
     "ExpertDispatch",
+    "ExpertDispatchWarning",
     "MixedPrecision",
     "Pipeline",
     "PlanEntry",

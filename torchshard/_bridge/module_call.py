@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import inspect
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
 
@@ -19,6 +20,7 @@ import torch.utils._pytree as torch_pytree
 
 from torchshard._base.errors import ShardingError
 from torchshard._bridge.env import current_key, seeded
+from torchshard._bridge.loaded import View
 from torchshard._bridge.module_tensors import model_tensors
 from torchshard._bridge.tensors import bound, is_jax_tensor, unwrap, wrap
 
@@ -48,10 +50,38 @@ class Split:
 def split(tree: Any) -> tuple[list[jax.Array], Split]:
     """``tree``'s torchax tensors as arrays, and how to put it back together."""
     leaves, treedef = torch_pytree.tree_flatten(tree)
+    # a torchax view (x[:, None], x.T) is a tensor too: left a static leaf, a pipeline would give it whole to
+    # every micro-batch and a scan would close over it
+    leaves = [leaf.torch() if isinstance(leaf, View) else leaf for leaf in leaves]
     tensor_at = tuple(i for i, leaf in enumerate(leaves) if is_jax_tensor(leaf))
     arrays = [unwrap(leaves[i]) for i in tensor_at]
     rest = tuple(None if i in tensor_at else leaf for i, leaf in enumerate(leaves))
     return arrays, Split(treedef, rest, tensor_at)
+
+
+def argument_names(forward: Callable[..., Any], call: Split) -> tuple[str, ...]:
+    """A name for each tensor of a ``(args, kwargs)`` call: its parameter in ``forward``'s signature, or its place.
+
+    Example:
+        >>> _, call = split(((1, {"x": 2}), {"mask": 3}))
+        >>> argument_names(lambda h, extra, mask=None: h, dataclasses.replace(call, tensor_at=(0, 1, 2)))
+        ('h', "extra['x']", 'mask')
+    """
+    try:
+        positional = list(inspect.signature(forward).parameters)
+    except (TypeError, ValueError):
+        positional = []
+    indexed = torch_pytree.tree_unflatten(list(range(len(call.leaves))), call.treedef)  # leaf i holds i
+    names: dict[int, str] = {}
+    for path, leaf in torch_pytree.tree_flatten_with_path(indexed)[0]:
+        where: Any = path[0]  # (args, kwargs)[0 or 1]
+        top: Any = path[1]  # an args index or a keyword
+        inner = torch_pytree.keystr(path[2:])
+        if where.idx == 1:
+            names[leaf] = f"{top.key}{inner}"
+        else:
+            names[leaf] = f"{positional[top.idx] if top.idx < len(positional) else f'args[{top.idx}]'}{inner}"
+    return tuple(names[i] for i in call.tensor_at)
 
 
 def module_arrays(module: torch.nn.Module) -> tuple[dict[str, jax.Array], list[str]]:

@@ -1,8 +1,9 @@
 """Expert parallelism that moves tokens: each (token, expert) pair goes to its expert's device by ``all_to_all``.
 
 A mixture-of-experts *experts module* holds its experts stacked on dim 0 of every parameter and is
-called as ``experts(hidden_states [T, H], top_k_index [T, k], top_k_weights [T, k]) -> [T, H]``
-(transformers' experts modules, and any plain-torch module written the same way). When the plan
+called as ``experts(hidden_states [T, H], expert_indices [T, k], routing_weights [T, k]) -> [T, H]``,
+the three by position whatever their names (transformers' experts modules, GPT-OSS's among them, and
+any plain-torch module written the same way; ``[T, experts]`` scores are taken too). When the plan
 shards those parameters' dim 0 over a mesh axis, the Trainer swaps the module's forward, for the
 trace only, for one that runs inside a ``shard_map`` manual over that axis: route pairs to the
 device holding their expert, run the module's own forward there on its local experts, send the
@@ -16,6 +17,8 @@ import contextlib
 import dataclasses
 import inspect
 import math
+import warnings
+import weakref
 from collections.abc import Iterator, Sequence
 from typing import Any
 
@@ -34,7 +37,6 @@ from torchshard._bridge.tensors import bound, unwrap, wrap
 from torchshard._parallel.vmapped import vmapped_axes
 
 KINDS = ("all_to_all", "gspmd")
-_CALL = ("hidden_states", "top_k_index", "top_k_weights")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -84,14 +86,38 @@ class Experts:
     params: tuple[str, ...]
     count: int  # experts, before sharding
     token_axes: tuple[str, ...] = ()  # the axes the batch's rows (so the tokens) are split over
+    strict: bool = False  # asked for explicitly: a call that does not fit is an error, not a fallback
 
 
-def _takes_routing(module: torch.nn.Module) -> bool:
+_POSITIONAL = (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
+_INTERFACE = "(hidden states [T, H], expert indices [T, k], routing weights [T, k] or [T, experts])"
+
+
+class ExpertDispatchWarning(UserWarning):
+    """The default expert dispatch kept the plan's sharding (no all-to-all) for a module the plan shards by expert."""
+
+
+def routing_signature(module: torch.nn.Module) -> inspect.Signature | None:
+    """The forward's signature where its first three parameters can be passed by position, else ``None``.
+
+    Those three are taken by meaning, whatever their names: hidden states, expert indices, routing
+    weights (transformers' ``top_k_index``/``top_k_weights``, GPT-OSS's ``router_indices``/``routing_weights``).
+    """
     try:
-        names = list(inspect.signature(module.forward).parameters)
+        signature = inspect.signature(module.forward)
     except (TypeError, ValueError):
-        return False
-    return names[:3] == list(_CALL)
+        return None
+    params = list(signature.parameters.values())
+    return signature if len(params) >= 3 and all(p.kind in _POSITIONAL for p in params[:3]) else None
+
+
+def _stacked(params: dict[str, torch.Tensor]) -> bool:
+    """Experts stacked on dim 0: one leading size, matrices (≥ 3-D) among them, biases (2-D) at least."""
+    return (
+        len({t.shape[0] for t in params.values()}) == 1
+        and all(t.ndim >= 2 for t in params.values())
+        and any(t.ndim >= 3 for t in params.values())
+    )
 
 
 def _dim0_axis(spec: PartitionSpec | None) -> str | None:
@@ -100,19 +126,44 @@ def _dim0_axis(spec: PartitionSpec | None) -> str | None:
     return spec[0]
 
 
+def _sharded_stacks(model: torch.nn.Module, specs: dict[str, PartitionSpec]) -> Iterator[tuple[str, Any, str, Any]]:
+    """(name, module, axis, params) of each module whose stacked parameters the plan shards on dim 0 over one axis."""
+    for name, module in model.named_modules():
+        params = dict(module.named_parameters(recurse=False))
+        if not params or not _stacked(params):
+            continue
+        axes = {_dim0_axis(specs.get(f"{name}.{p}" if name else p)) for p in params}
+        axis = axes.pop() if len(axes) == 1 else None
+        if axis is not None:
+            yield name, module, axis, params
+
+
 def find_experts(model: torch.nn.Module, specs: dict[str, PartitionSpec]) -> list[Experts]:
     """The experts modules whose every stacked parameter the plan shards on dim 0 over one axis."""
     found = []
-    for name, module in model.named_modules():
-        params = dict(module.named_parameters(recurse=False))
-        if not params or not _takes_routing(module):
-            continue
-        full = {p: f"{name}.{p}" if name else p for p in params}
-        axes = {_dim0_axis(specs.get(full[p])) for p in params}
-        counts = {t.shape[0] for t in params.values()}
-        if len(axes) == 1 and None not in axes and len(counts) == 1:
-            found.append(Experts(name, module, axes.pop(), tuple(params), counts.pop()))  # type: ignore[arg-type]
+    for name, module, axis, params in _sharded_stacks(model, specs):
+        if routing_signature(module) is not None:
+            count = next(iter(params.values())).shape[0]
+            found.append(Experts(name, module, axis, tuple(params), count))
     return found
+
+
+def _unroutable(model: torch.nn.Module, specs: dict[str, PartitionSpec]) -> list[str]:
+    """Why each module that looks like experts sharded by expert (several stacked parameters) takes no routing."""
+    return [
+        f"{name or 'the model'}: its experts are sharded over {axis!r}, but "
+        f"{type(module).__name__}.forward{_signature_text(module)} does not take {_INTERFACE} as its first "
+        f"three positional arguments"
+        for name, module, axis, params in _sharded_stacks(model, specs)
+        if len(params) >= 2 and routing_signature(module) is None
+    ]
+
+
+def _signature_text(module: torch.nn.Module) -> str:
+    try:
+        return str(inspect.signature(module.forward))
+    except (TypeError, ValueError):
+        return "(...)"
 
 
 def _row_axes(batch_spec: PartitionSpec) -> tuple[str, ...]:
@@ -142,7 +193,8 @@ def expert_dispatch_for(
     """The dispatch a Trainer uses and the experts modules it moves tokens for.
 
     ``None`` (the default) means all-to-all where it can run (the plan shards experts by expert and
-    the batch is split over that axis) and the plan's own sharding otherwise; an explicit
+    the batch is split over that axis) and the plan's own sharding otherwise, said once by an
+    `ExpertDispatchWarning` naming each module left to the plan and why; an explicit
     ``ExpertDispatch("all_to_all")`` that cannot run is a `ShardingError` saying why.
     """
     if dispatch is not None and not isinstance(dispatch, ExpertDispatch):
@@ -150,20 +202,34 @@ def expert_dispatch_for(
                             header="invalid Trainer arguments")  # fmt: skip
     if dispatch is not None and dispatch.kind == "gspmd":
         return dispatch, []
-    experts = find_experts(model, {name: entry.spec for name, entry in plan.entries.items()})
+    specs = {name: entry.spec for name, entry in plan.entries.items()}
+    experts, unroutable = find_experts(model, specs), _unroutable(model, specs)
     problems = experts_problems(experts, plan.mesh, batch_spec)
-    experts = [dataclasses.replace(e, token_axes=_row_axes(batch_spec)) for e in experts]
+    experts = [dataclasses.replace(e, token_axes=_row_axes(batch_spec), strict=dispatch is not None) for e in experts]
     if dispatch is None:
+        _warn_fallback(unroutable + problems)
         return (None, []) if problems or not experts else (ExpertDispatch(), experts)
     if not experts:
-        problems.append(
+        problems += [
+            *unroutable,
             "no experts module to dispatch to: none has parameters stacked on dim 0 that the plan shards over "
-            "an axis and a forward(hidden_states, top_k_index, top_k_weights); shard them with "
-            "presets.expert_parallel or hf_rules(expert_axis=...)"
-        )
+            f"an axis and a forward taking {_INTERFACE} as its first three positional arguments; shard them "
+            "with presets.expert_parallel or hf_rules(expert_axis=...)",
+        ]
     if problems:
         raise ShardingError(problems, header="ExpertDispatch('all_to_all') cannot run on this model, plan and batch")
     return dispatch, experts
+
+
+def _warn_fallback(reasons: Sequence[str]) -> None:
+    if reasons:
+        lines = "".join(f"\n  - {r}" for r in reasons)
+        warnings.warn(
+            f"expert_dispatch=None keeps the plan's sharding (GSPMD, no all-to-all) for:{lines}\n"
+            "pass expert_dispatch=ExpertDispatch('gspmd') to choose that without this warning",
+            ExpertDispatchWarning,
+            stacklevel=4,
+        )
 
 
 def _capacity(dispatch: ExpertDispatch, pairs: int, experts: int, local: int) -> int:
@@ -203,6 +269,9 @@ def _moved(experts: Experts, dispatch: ExpertDispatch, mesh: Mesh, original: Any
             header="all-to-all expert dispatch cannot split these tokens",
         )
     capacity = _capacity(dispatch, tokens // split * k, experts.count, local)
+    dense = weights.shape[1] != k  # [T, experts] scores (GPT-OSS before transformers 5): the chosen ones
+    if dense:
+        weights = jnp.take_along_axis(weights, index, axis=1)
 
     def body(x, index, weights, *values):
         pairs = index.size
@@ -213,8 +282,10 @@ def _moved(experts: Experts, dispatch: ExpertDispatch, mesh: Mesh, original: Any
         ids = jnp.zeros((n, capacity), index.dtype).at[dest, slot].set(index.reshape(-1) % local, mode="drop")
         used = jnp.zeros((n, capacity), weights.dtype).at[dest, slot].set(1, mode="drop")
         got, got_ids, got_used = (_exchange(a, experts.axis) for a in (send, ids, used))
-        out = _local_experts(experts, original, local, got.reshape(n * capacity, -1), got_ids.reshape(-1, 1),
-                             got_used.reshape(-1, 1), values)  # fmt: skip
+        got_ids, got_used = got_ids.reshape(-1, 1), got_used.reshape(-1, 1)
+        if dense:  # the module reads its rows' weights at their expert's column
+            got_used = jax.nn.one_hot(got_ids[:, 0], local, dtype=got_used.dtype) * got_used
+        out = _local_experts(experts, original, local, got.reshape(n * capacity, -1), got_ids, got_used, values)
         back = _exchange(out.reshape(n, capacity, -1), experts.axis)
         picked = back[dest, jnp.minimum(row, capacity - 1)]
         scale = jnp.where(fits, weights.reshape(-1), 0).astype(picked.dtype)
@@ -248,20 +319,71 @@ def _array(value: Any) -> Any:
     return unwrap(value.torch() if isinstance(value, View) else value)
 
 
+def _routing_call(signature: inspect.Signature | None, args: tuple[Any, ...], kwargs: dict[str, Any]) -> list[Any]:
+    """The call's first three arguments where it passes exactly those (by position or by name), else ``[]``."""
+    try:
+        passed = signature.bind(*args, **kwargs).arguments if signature is not None else {}
+    except TypeError:
+        return []
+    names = list(signature.parameters)[:3] if signature is not None else []
+    return [_array(passed[n]) for n in names] if names and list(passed) == names else []
+
+
+def _described(value: Any) -> str:
+    if isinstance(value, jax.Array):
+        return f"{value.dtype}{list(value.shape)}"
+    return type(value).__name__
+
+
+def _call_problem(experts: Experts, values: list[Any]) -> str | None:
+    """Why a call is not (hidden states [T, H] float, indices [T, k] integer, weights [T, k] or [T, E] float)."""
+    if len(values) == 3 and all(isinstance(v, jax.Array) and v.ndim == 2 for v in values):
+        x, index, weights = values
+        (tokens, k), floats = index.shape, [jnp.issubdtype(v.dtype, jnp.floating) for v in (x, weights)]
+        rows = x.shape[0] == tokens == weights.shape[0]
+        if all(floats) and jnp.issubdtype(index.dtype, jnp.integer) and rows and weights.shape[1] in (k, experts.count):
+            return None
+    got = ", ".join(map(_described, values)) if values else "other arguments than three"
+    return f"{experts.name}: called with ({got}), not {_INTERFACE} of {experts.count} experts"
+
+
+_WARNED: weakref.WeakSet[torch.nn.Module] = weakref.WeakSet()  # modules a fallback warning has named
+
+
+def _fallback(experts: Experts, problem: str, fallen: dict[torch.nn.Module, str]) -> None:
+    """A call all-to-all cannot move: an error where it was asked for, else noted for one warning."""
+    if experts.strict:
+        raise ShardingError([problem], header="ExpertDispatch('all_to_all') cannot move this experts module's tokens")
+    fallen.setdefault(experts.module, problem)
+
+
 @contextlib.contextmanager
 def dispatching(dispatch: ExpertDispatch, mesh: Mesh, experts: Sequence[Experts]) -> Iterator[None]:
-    """While the step is traced, these experts modules move tokens by all-to-all (and report dropped pairs)."""
+    """While the step is traced, these experts modules move tokens by all-to-all (and report dropped pairs).
+
+    A call that is not (hidden states, expert indices, routing weights) runs the module's own forward
+    under the plan's sharding; the default dispatch says so in one warning per module, the first trace.
+    """
+    fallen: dict[torch.nn.Module, str] = {}
     with replaced_forwards() as replace:
         for e in experts:
-            original = e.module.forward
+            original, signature = e.module.forward, routing_signature(e.module)
 
-            def forward(hidden_states, top_k_index, top_k_weights, *, _e=e, _original=original):
+            def forward(*args, _e=e, _original=original, _signature=signature, **kwargs):
+                values = _routing_call(_signature, args, kwargs)
+                problem = _call_problem(_e, values)
+                if problem is not None:
+                    _fallback(_e, problem, fallen)
+                    return _original(*args, **kwargs)
                 params = [_array(getattr(_e.module, p)) for p in _e.params]
-                out, lost = _moved(_e, dispatch, mesh, _original, _array(hidden_states), _array(top_k_index),
-                                   _array(top_k_weights), params)  # fmt: skip
+                x, index, weights = values
+                out, lost = _moved(_e, dispatch, mesh, _original, x, index, weights, params)
                 if dispatch.capacity_factor is not None:
                     report("dropped_tokens", lost)
                 return wrap(out)
 
             replace(e.module, forward)
         yield
+    news = [problem for module, problem in fallen.items() if module not in _WARNED]
+    _WARNED.update(fallen)
+    _warn_fallback(news)

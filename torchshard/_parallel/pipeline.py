@@ -277,6 +277,7 @@ def run(
     *,
     policy: Any = None,
     where: str = "pipeline",
+    names: Sequence[str] = (),
 ) -> tuple[jax.Array, jax.Array]:
     """The stack applied to ``h`` as a pipeline: ``(output, key after)``.
 
@@ -290,9 +291,11 @@ def run(
         key: raw RNG key; each stage and iteration draws from its own fold of it.
         policy: a ``jax.checkpoint`` policy for each layer's body (remat), or None.
         where: how errors name the stack.
+        names: how errors name ``others`` (the layer's parameter names), if known.
 
     Raises:
-        ShardingError: the hidden state's rows do not split into the micro-batches.
+        ShardingError: the hidden state's rows do not split into the micro-batches, or a layer fails
+            on a rank-1 argument as long as the rows that went whole to every micro-batch.
     """
     rows, m = h.shape[0] if h.ndim else 0, spec.microbatches
     if h.ndim == 0 or rows % m:
@@ -311,9 +314,35 @@ def run(
     micro = _split(h, m)
     buffer = loop.constrain(jnp.broadcast_to(micro, (spec.stages, *micro.shape)), None, spec.batch)
     shift = loop.constrain(jnp.zeros((spec.stages, *micro.shape[1:]), h.dtype), spec.batch)
-    with vmapped_over(spec.axis):  # shard_maps inside the layers (context-parallel attention) take the axis as manual
-        (buffer, _), _ = jax.lax.scan(loop.iteration, (buffer, shift), jnp.arange(spec.iterations))
+    try:
+        with vmapped_over(spec.axis):  # shard_maps inside the layers (context-parallel attention) take the axis
+            (buffer, _), _ = jax.lax.scan(loop.iteration, (buffer, shift), jnp.arange(spec.iterations))
+    except (TypeError, ValueError) as err:
+        if isinstance(err, ShardingError) or not (whole_rows := _whole_rows(h, others, names)):
+            raise
+        raise ShardingError(_whole_rows_message(err, where, h, m, whole_rows)) from err
     return _merge(buffer[0]), jax.random.fold_in(key, spec.iterations)
+
+
+def _whole_rows(h: jax.Array, others: Sequence[jax.Array], names: Sequence[str]) -> list[str]:
+    """The rank-1 call arguments as long as the rows, which went whole to every micro-batch: ``name dtype[shape]``."""
+    named = [*names, *(f"argument #{i + 1}" for i in range(len(names), len(others)))]
+    return [f"{n} ({x.dtype}{list(x.shape)})" for n, x in zip(named, others, strict=False)
+            if x.ndim == 1 and not _by_batch(x, h.shape[0]) and x.shape[0] == h.shape[0]]  # fmt: skip
+
+
+def _whole_rows_message(err: BaseException, where: str, h: jax.Array, m: int, whole: Sequence[str]) -> str:
+    rows = h.shape[0]
+    first = (str(err).strip().splitlines() or [""])[0]
+    return (
+        f"{where}: a layer failed ({type(err).__name__}: {first}) after the pipeline split the hidden state "
+        f"{list(h.shape)} along dim 0 into microbatches={m} of {rows // m} rows and gave {', '.join(whole)} whole "
+        f"to every micro-batch: a rank-1 argument is taken as per-position (like cache_position), not per-row. "
+        f"If the rows are independent samples, give it a trailing dim (x[:, None], shape [{rows}, 1]) so it is "
+        f"split with them. If they are one flat token stream (tokens [T] with positions [T]), a micro-batch would "
+        f"cut the sequence and tokens could attend only within it: feed rows of sequences instead, tokens [B, S] "
+        f"with positions [B, S], which split whole sequences"
+    )
 
 
 def _stage_spec(spec: Stages, ndim: int, blocks: tuple[int, ...]) -> NamedSharding:

@@ -14,7 +14,7 @@ import torch
 from torchshard._base.errors import ShardingError
 from torchshard._base.validate import raise_for_arguments
 from torchshard._bridge.env import continue_from, current_key
-from torchshard._bridge.module_call import PureForward, split
+from torchshard._bridge.module_call import PureForward, argument_names, split
 from torchshard._bridge.module_tensors import model_tensors, tie_groups
 from torchshard._bridge.tensors import is_jax_tensor, wrap
 from torchshard._parallel import pipeline
@@ -347,7 +347,7 @@ class ScanRun:
         self.new_buffers = {s: a for s, a in self.params.items() if s in self.group.buffers}
         where = f"Pipeline: {prefix}"
         return pipeline.run(stages, layer_fn, self.params, h, others, current_key(), policy=self.body_policy,
-                            where=where)  # fmt: skip
+                            where=where, names=argument_names(self.forward, pure.inputs)[1:])  # fmt: skip
 
     def finish(self) -> None:
         """Raises if the model's loop did not call every block."""

@@ -25,6 +25,7 @@ from torchshard._train.precision import MixedPrecision, cast_on_shards
 from torchshard._train.remat import checkpointed
 from torchshard._train.scan import ScanGroup, ScanRun, blocks_of, layer_slices
 from torchshard._train.state import Arrays, TrainState
+from torchshard._train.traced_errors import traced_value_message
 
 LossFn = Callable[[torch.nn.Module, Any], Any]
 RESERVED_METRICS = ("loss", "grad_norm", "skipped")
@@ -109,15 +110,10 @@ def call_loss(loss_fn: LossFn, model: torch.nn.Module, batch: Any) -> Any:
     """``loss_fn(model, batch)`` while tracing, with the errors tracing causes translated to what to do."""
     try:
         return loss_fn(model, batch)
-    except jax.errors.JAXTypeError as err:
-        if not isinstance(err, jax.errors.ConcretizationTypeError | jax.errors.TracerArrayConversionError |
-                          jax.errors.TracerIntegerConversionError):  # fmt: skip
+    except (jax.errors.JAXTypeError, jax.errors.JAXIndexError) as err:
+        if (message := traced_value_message(err, _culprit(err.__traceback__, model))) is None:
             raise
-        raise ShardingError(
-            f"loss_fn: {_culprit(err.__traceback__, model)} turns a traced tensor into a Python value (if/while on "
-            f"a tensor, bool(), int(), .item(), .tolist(), .numpy()); inside the jitted step a tensor has no value "
-            f"yet. Keep it a tensor (torch.where instead of if; for LayerDrop set layerdrop=0)"
-        ) from err
+        raise ShardingError(message) from err
     except (TypeError, ValueError) as err:
         if isinstance(err, ShardingError) or not _from_numerics_library(err):
             raise
