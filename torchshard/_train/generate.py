@@ -322,7 +322,7 @@ def generate(
         arrays = {n: unwrap(t) for n, t in tensors.items() if canonical[n] == n}
         decoder = _decoder(model, found.mesh, hf, rows, prompt, length)
         program = Program(decoder, prompt, max_new_tokens, sampling)
-        jitted = _compiled_for(model, (program, loop), lambda: _jitted(program))
+        jitted = _compiled_for(model, program, lambda: _jitted(program))
         inputs = _placed(found.mesh, input_ids.detach().cpu().to(torch.int32).numpy(), mask.numpy(), seed)
         tokens, made = _traced_run(model, lambda: _run(jitted, program, loop, arrays, *inputs))
         out = np.asarray(jax.device_get(tokens))
