@@ -108,3 +108,19 @@ def test_moe_benchmark_runs(tmp_path):
     assert rows["all_to_all (dropless)"]["first_loss"] == pytest.approx(rows["gspmd"]["first_loss"], rel=1e-5)
     assert rows["all_to_all (dropless)"]["bytes"] <= 0.5 * rows["gspmd"]["bytes"]
     assert rows["all_to_all (dropless)"]["all_to_all_bytes"] > 0
+
+
+@pytest.mark.slow
+def test_generate_benchmark_runs():
+    done = subprocess.run([sys.executable, str(SCRIPT.parent / "generate.py"), "--tiny"],
+                          capture_output=True, text=True, timeout=600)  # fmt: skip
+    assert done.returncode == 0, done.stderr  # non-zero when any way decodes other tokens
+    assert "same tokens every way: yes" in done.stdout
+    rows = [[c.strip() for c in line.split("|")[1:-1]] for line in done.stdout.splitlines() if line.startswith("| ")]
+    assert [r[0] for r in rows[2:]] == [
+        "ts.generate, one jitted loop",
+        "ts.generate, a compiled step per token",
+        "transformers generate, eager on the mesh",
+        "transformers generate, eager torch on the CPU",
+    ]
+    assert all(float(r[1]) > 0 for r in rows[2:])
