@@ -117,10 +117,10 @@ def test_generate_benchmark_runs():
     assert done.returncode == 0, done.stderr  # non-zero when any way decodes other tokens
     assert "same tokens every way: yes" in done.stdout
     rows = [[c.strip() for c in line.split("|")[1:-1]] for line in done.stdout.splitlines() if line.startswith("| ")]
-    assert [r[0] for r in rows[2:]] == [
+    assert [r[0] for r in rows[1:]] == [
         "ts.generate, one jitted loop",
         "ts.generate, a compiled step per token",
         "transformers generate, eager on the mesh",
         "transformers generate, eager torch on the CPU",
     ]
-    assert all(float(r[1]) > 0 for r in rows[2:])
+    assert all(float(r[1]) > 0 for r in rows[1:])
