@@ -120,3 +120,19 @@ def test_evaluate_benchmark_runs(tmp_path):
     assert set(result["median_s"]) == {"eager loop", "evaluate"} and result["speedup"] > 0
     losses = [line.split()[3::3] for line in done.stdout.splitlines() if line.startswith("batch:")]
     assert losses and all(eager == compiled for eager, compiled in losses)  # the same loss both ways
+
+
+@pytest.mark.slow
+def test_generate_benchmark_runs():
+    done = subprocess.run([sys.executable, str(SCRIPT.parent / "generate.py"), "--tiny"],
+                          capture_output=True, text=True, timeout=600)  # fmt: skip
+    assert done.returncode == 0, done.stderr  # non-zero when any way decodes other tokens
+    assert "same tokens every way: yes" in done.stdout
+    rows = [[c.strip() for c in line.split("|")[1:-1]] for line in done.stdout.splitlines() if line.startswith("| ")]
+    assert [r[0] for r in rows[1:]] == [
+        "ts.generate, one jitted loop",
+        "ts.generate, a compiled step per token",
+        "transformers generate, eager on the mesh",
+        "transformers generate, eager torch on the CPU",
+    ]
+    assert all(float(r[1]) > 0 for r in rows[1:])

@@ -31,6 +31,11 @@ def _ids(n: int, high: int, seed: int = 1) -> torch.Tensor:
     return torch.randint(0, high, (n,), generator=torch.Generator().manual_seed(seed))
 
 
+def _seen_rows(m: torch.Tensor) -> torch.Tensor:
+    """Query rows 0 and 3 of 6 may attend to nothing (as left padding's rows): False there."""
+    return torch.arange(6, device=m.device)[:, None] % 3 != 0
+
+
 # name, scalar torch function, inputs, indices of the float inputs to differentiate
 OPS = [
     ("matmul", lambda x, w: (x @ w).tanh().sum(), _inputs(0, (8, 16), (16, 4)), (0, 1)),
@@ -88,6 +93,20 @@ OPS = [
         "attention_bool_mask",
         lambda q, k, v, m: F.scaled_dot_product_attention(q, k, v, attn_mask=m > -0.5).sin().sum(),
         _inputs(12, (2, 4, 6, 8), (2, 4, 5, 8), (2, 4, 5, 8), (2, 1, 6, 5)),
+        (0, 1, 2),
+    ),
+    (  # query rows that see no key (left padding's rows): torch's SDPA gives them zeros
+        "attention_bool_mask_blocked_rows",
+        lambda q, k, v, m: F.scaled_dot_product_attention(q, k, v, attn_mask=(m > -0.5) & _seen_rows(m)).sin().sum(),
+        _inputs(13, (2, 4, 6, 8), (2, 4, 5, 8), (2, 4, 5, 8), (2, 1, 6, 5)),
+        (0, 1, 2),
+    ),
+    (
+        "attention_float_mask_blocked_rows",
+        lambda q, k, v, m: (
+            F.scaled_dot_product_attention(q, k, v, attn_mask=m.masked_fill(~_seen_rows(m), -torch.inf)).sin().sum()
+        ),
+        _inputs(14, (2, 4, 6, 8), (2, 4, 5, 8), (2, 4, 5, 8), (2, 1, 6, 5)),
         (0, 1, 2),
     ),
     (

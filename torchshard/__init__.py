@@ -16,6 +16,7 @@ from torchshard._sharding.mesh import make_mesh, use_cpu_devices
 from torchshard._sharding.placement import constrain, shard, shard_batch
 from torchshard._sharding.plan import PlanEntry, ShardingPlan, plan
 from torchshard._sharding.rules import Rule, Rules, TensorInfo
+from torchshard._train.generate import generate
 from torchshard._train.precision import MixedPrecision
 from torchshard._train.prefetch import prefetch
 from torchshard._train.remat import Remat
@@ -49,6 +50,7 @@ __all__ = [
     "constrain",
     "distributed",
     "from_torch_state_dict",
+    "generate",
     "init_sharded",
     "load",
     "make_mesh",

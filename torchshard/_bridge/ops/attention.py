@@ -48,12 +48,20 @@ def _attend(
     are read through the group dim instead of being repeated.
     """
     logits = jnp.einsum("bkgqh,bksh->bkgqs", q, key, preferred_element_type=jnp.float32)
+    lowest = jnp.finfo(jnp.float32).min
+    blocked = None  # query rows that may attend to no key: torch's SDPA gives them zeros, not a mean of values
     if bias is not None:
-        logits = logits + bias.astype(jnp.float32)
+        bias = bias.astype(jnp.float32)
+        blocked = jnp.all(bias == -jnp.inf, axis=-1, keepdims=True)
+        logits = jnp.maximum(logits + bias, lowest)  # -inf → lowest: a fully blocked row stays finite under grad
     if mask is not None:
-        logits = jnp.where(mask, logits, jnp.finfo(jnp.float32).min)
-    probs = jax.nn.softmax(logits, axis=-1).astype(value.dtype)
-    return jnp.einsum("bkgqs,bksh->bkgqh", probs, value)
+        logits = jnp.where(mask, logits, lowest)
+        none = ~jnp.any(mask, axis=-1, keepdims=True)
+        blocked = none if blocked is None else blocked | none
+    probs = jax.nn.softmax(logits, axis=-1)
+    if blocked is not None:  # e.g. the left padding of a batch of prompts
+        probs = jnp.where(blocked, 0.0, probs)
+    return jnp.einsum("bkgqs,bksh->bkgqh", probs.astype(value.dtype), value)
 
 
 def _as_grouped_mask(mask: jax.Array, heads: int, kv_heads: int) -> jax.Array:

@@ -1,0 +1,359 @@
+"""Compiled decoding on the mesh: prefill, then one token per step, from a Trainer or a sharded module."""
+
+from __future__ import annotations
+
+import collections
+import contextlib
+import dataclasses
+import math
+from collections.abc import Callable, Sequence
+from typing import Any, Literal
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import torch
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+from torchshard._base.errors import ArgumentError, raise_if_any
+from torchshard._bridge.layer_view import LayerView
+from torchshard._bridge.module_tensors import canonical_names, named_tensors
+from torchshard._bridge.tensors import is_jax_tensor, unwrap
+from torchshard._train.decoders import Cached, Window, is_hf_causal_lm, max_positions, text_config
+from torchshard._train.sampling import Sampling, choose, finish
+from torchshard._train.trainer import Trainer
+
+Loop = Literal["fused", "stepped"]
+# one jitted call runs prefill and every step in a lax.while_loop: measured faster than a compiled
+# step called once per token (benchmarks/generate.py prints both; README "Evaluation and generation")
+DEFAULT_LOOP: Loop = "fused"
+_CACHE_SIZE = 8  # compiled programs kept per module (one per batch shape and setting)
+
+
+@dataclasses.dataclass(frozen=True)
+class Program:
+    """Decoding ``new`` tokens after a ``prompt``-token prompt as pure functions of the module's arrays."""
+
+    decoder: Cached | Window
+    prompt: int
+    new: int
+    sampling: Sampling
+
+    def first(self, arrays: dict[str, jax.Array], ids: jax.Array, mask: jax.Array, key: jax.Array):
+        """Prefill and the first new token: (tokens [B, prompt + new], done [B], decoder carry)."""
+        tokens = jnp.full((ids.shape[0], self.prompt + self.new), self.sampling.pad, jnp.int32)
+        tokens = tokens.at[:, : self.prompt].set(ids)
+        logits, carry = self.decoder.prefill(arrays, tokens, mask)
+        done = jnp.zeros(ids.shape[0], jnp.bool_)
+        token, done = finish(choose(logits, key, jnp.int32(0), self.sampling), done, self.sampling)
+        return tokens.at[:, self.prompt].set(token), done, carry
+
+    def next(self, arrays, tokens, done, carry, mask, key, index):
+        """New token number ``index`` (from 0) of every row."""
+        at = self.prompt + index - 1
+        logits, carry = self.decoder.step(arrays, carry, tokens, mask, at)
+        token, done = finish(choose(logits, key, index, self.sampling), done, self.sampling)
+        return jax.lax.dynamic_update_slice_in_dim(tokens, token[:, None], at + 1, axis=1), done, carry
+
+    def fused(self, arrays: dict[str, jax.Array], ids: jax.Array, mask: jax.Array, key: jax.Array):
+        """Every token in one call: (tokens, how many new tokens were made before every row was done)."""
+        tokens, done, carry = self.first(arrays, ids, mask, key)
+
+        def body(state):
+            index, tokens, done, carry = state
+            return (index + 1, *self.next(arrays, tokens, done, carry, mask, key, index))
+
+        keep_going = lambda state: (state[0] < self.new) & ~state[2].all()  # noqa: E731
+        made, tokens, _, _ = jax.lax.while_loop(keep_going, body, (jnp.int32(1), tokens, done, carry))
+        return tokens, made
+
+
+def _compiled_for(model: torch.nn.Module, key: Any, build: Callable[[], Any]) -> Any:
+    """``build()``'s programs for ``model`` and ``key``, reused while at most `_CACHE_SIZE` others are newer."""
+    # kept on the module: the programs hold the module, so a table keyed by it would keep it alive
+    programs = model.__dict__.setdefault("_torchshard_generate", collections.OrderedDict())
+    if key not in programs:
+        programs[key] = build()
+        while len(programs) > _CACHE_SIZE:
+            programs.popitem(last=False)
+    programs.move_to_end(key)
+    return programs[key]
+
+
+def _jitted(program: Program) -> dict[str, Any]:
+    return {
+        "fused": jax.jit(program.fused),
+        "first": jax.jit(program.first),
+        "next": jax.jit(program.next, donate_argnums=(1, 2, 3)),
+    }
+
+
+def _run(jitted: dict[str, Any], program: Program, loop: Loop, *args: Any) -> tuple[jax.Array, int]:
+    arrays, _, mask, key = args
+    if loop == "fused":
+        tokens, made = jitted["fused"](*args)
+        return tokens, int(made)
+    tokens, done, carry = jitted["first"](*args)
+    made = 1
+    while made < program.new and not bool(done.all()):
+        tokens, done, carry = jitted["next"](arrays, tokens, done, carry, mask, key, jnp.int32(made))
+        made += 1
+    return tokens, made
+
+
+@dataclasses.dataclass(frozen=True)
+class _Target:
+    model: torch.nn.Module
+    mesh: Mesh | None
+    lock: contextlib.AbstractContextManager[Any]
+
+
+def _target(target: Any) -> _Target:
+    if isinstance(target, Trainer):
+        return _Target(target.model, target.mesh, target.lock)
+    if not isinstance(target, torch.nn.Module):
+        raise ArgumentError(f"target is a {type(target).__name__}; pass a ts.Trainer or a module placed by ts.shard")
+    tensors = named_tensors(target)
+    unplaced = [n for n, t in tensors.items() if not is_jax_tensor(t)]
+    if unplaced:
+        raise ArgumentError(
+            f"target: {len(unplaced)} tensor(s) are not on the mesh ({', '.join(unplaced[:3])}); place the module "
+            f"with ts.shard(model, plan) first, or pass its Trainer"
+        )
+    meshes = [s.mesh for t in tensors.values() if isinstance(s := unwrap(t).sharding, NamedSharding)]
+    mesh = meshes[0] if meshes and isinstance(meshes[0], Mesh) else None
+    return _Target(target, mesh, contextlib.nullcontext())
+
+
+def _eos(model: torch.nn.Module, eos_token_id: Any) -> tuple[int, ...]:
+    if eos_token_id is None:  # as transformers: the model's generation config says
+        eos_token_id = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
+    if eos_token_id is None:
+        return ()
+    return (eos_token_id,) if isinstance(eos_token_id, int) else tuple(eos_token_id)
+
+
+def _pad(model: torch.nn.Module, pad_token_id: int | None, eos: tuple[int, ...]) -> int:
+    if pad_token_id is None:
+        pad_token_id = getattr(getattr(model, "generation_config", None), "pad_token_id", None)
+    if pad_token_id is None:  # transformers pads finished rows with the first eos token
+        pad_token_id = eos[0] if eos else 0
+    return int(pad_token_id)
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int | np.integer) and not isinstance(value, bool)
+
+
+def _is_number(value: Any) -> bool:
+    return isinstance(value, int | float) and not isinstance(value, bool)
+
+
+def _setting_problems(max_new_tokens: Any, temperature: Any, top_k: Any, top_p: Any, eos: Any, seed: Any) -> list[str]:
+    problems = []
+    if not _is_int(max_new_tokens) or max_new_tokens <= 0:
+        problems.append(f"max_new_tokens={max_new_tokens!r}: generate at least one token (a positive int)")
+    if not _is_number(temperature) or not temperature >= 0:
+        problems.append(f"temperature={temperature!r}: 0 for greedy decoding, or a positive float to sample")
+    if top_k is not None and (not _is_int(top_k) or top_k < 1):
+        problems.append(f"top_k={top_k!r}: keep the k ≥ 1 most likely tokens, or None")
+    if top_p is not None and (not _is_number(top_p) or not 0 < top_p <= 1):
+        problems.append(f"top_p={top_p!r}: a probability in (0, 1], or None")
+    ints = [eos] if _is_int(eos) else eos if isinstance(eos, Sequence) and not isinstance(eos, str) else None
+    if eos is not None and (ints is None or not all(_is_int(e) for e in ints)):
+        problems.append(f"eos_token_id={eos!r}: a token id, a list of them, or None")
+    if not _is_int(seed):
+        problems.append(f"seed={seed!r}: an int")
+    return problems
+
+
+def _id_problems(input_ids: Any, attention_mask: Any) -> list[str]:
+    if not isinstance(input_ids, torch.Tensor) or input_ids.ndim != 2 or input_ids.dtype.is_floating_point:
+        shape = list(getattr(input_ids, "shape", []))
+        return [f"input_ids is {type(input_ids).__name__} {shape}: pass integer token ids [batch, seq] as a tensor"]
+    if input_ids.shape[0] == 0 or input_ids.shape[1] == 0:
+        return [f"input_ids has shape {list(input_ids.shape)}: pass at least one row of at least one token"]
+    if attention_mask is None:
+        return []
+    if not isinstance(attention_mask, torch.Tensor) or tuple(attention_mask.shape) != tuple(input_ids.shape):
+        shape = list(getattr(attention_mask, "shape", []))
+        return [f"attention_mask {shape} must be a tensor shaped like input_ids {list(input_ids.shape)}"]
+    mask = attention_mask.detach().cpu().to(torch.int64)
+    if not bool(((mask == 0) | (mask == 1)).all()):
+        return ["attention_mask holds values other than 0 and 1"]
+    rows = [r for r in range(mask.shape[0]) if bool((mask[r, 1:] < mask[r, :-1]).any()) or not bool(mask[r, -1])]
+    if rows:
+        return [f"attention_mask rows {rows[:8]} are not left-padded (zeros only before the tokens, a token last); "
+                f"pad prompts on the left (tokenizer.padding_side = 'left')"]  # fmt: skip
+    return []
+
+
+def _length_problems(model: torch.nn.Module, hf: bool, prompt: int, new: Any, attention_mask: Any) -> list[str]:
+    problems = []
+    limit = max_positions(model) if hf else None
+    if limit is not None and _is_int(new) and prompt + new > limit:
+        problems.append(
+            f"the prompt ({prompt} tokens) and max_new_tokens={new} need {prompt + new} positions; the model and "
+            f"its KV cache hold {limit} (config.max_position_embeddings): shorten the prompt or generate fewer"
+        )
+    if not hf and attention_mask is not None:
+        problems.append(
+            f"attention_mask: {type(model).__name__} is not a transformers causal LM, so generate feeds it ids "
+            f"alone; pass unpadded prompts of one length"
+        )
+    return problems
+
+
+def _kv_heads(model: torch.nn.Module) -> int | None:
+    text = text_config(model)
+    for field in ("num_key_value_heads", "num_attention_heads", "n_head"):
+        value = getattr(text, field, None)
+        if isinstance(value, int):
+            return value
+    return None
+
+
+def _axes_size(mesh: Mesh, axes: Any) -> int:
+    names = axes if isinstance(axes, tuple) else (axes,)
+    return math.prod(mesh.shape[a] for a in names)
+
+
+def kv_sharding(model: torch.nn.Module, mesh: Mesh | None, rows: int) -> NamedSharding | None:
+    """Keys and values [batch, kv heads, positions, dim] sharded like the key projection's heads, rows over the rest.
+
+    The head axis is the one the plan put a ``k_proj`` weight's output dim on (``"model"`` under
+    `presets.hf_rules`); the batch is split over the other mesh axes when its rows divide evenly.
+    """
+    if mesh is None:
+        return None
+    heads, kv = None, _kv_heads(model)
+    for name, tensor in named_tensors(model).items():
+        sharding = unwrap(tensor).sharding
+        if name.endswith("k_proj.weight") and isinstance(sharding, NamedSharding) and len(sharding.spec):
+            heads = sharding.spec[0]
+            break
+    if heads is None or kv is None or kv % _axes_size(mesh, heads) != 0:
+        heads = None
+    used = set(heads if isinstance(heads, tuple) else (heads,))
+    rest = tuple(a for a in mesh.axis_names if a not in used and mesh.shape[a] > 1)
+    batch = rest if rest and rows % _axes_size(mesh, rest) == 0 else None
+    return NamedSharding(mesh, PartitionSpec(batch, heads, None, None))
+
+
+def _decoder(model: torch.nn.Module, mesh: Mesh | None, hf: bool, rows: int, prompt: int, length: int):
+    if hf:
+        return Cached(model, prompt, length, kv_sharding(model, mesh, rows))
+    return Window(model, prompt)
+
+
+def generate(
+    target: Trainer | torch.nn.Module,
+    input_ids: torch.Tensor,
+    *,
+    max_new_tokens: int,
+    temperature: float = 0.0,
+    top_k: int | None = None,
+    top_p: float | None = None,
+    eos_token_id: int | Sequence[int] | None = None,
+    attention_mask: torch.Tensor | None = None,
+    seed: int = 0,
+    pad_token_id: int | None = None,
+    loop: Loop = DEFAULT_LOOP,
+) -> torch.Tensor:
+    """Continues each prompt by ``max_new_tokens`` tokens, compiled on the mesh the model's tensors are on.
+
+    A transformers causal LM decodes over a static KV cache (``transformers.StaticCache``) whose keys
+    and values are sharded like the attention heads: the prompt is prefilled once, then each step
+    feeds one token. Any other module mapping ids [B, T] to logits [B, T, V] (a tensor, or an output
+    with ``.logits``) reruns the whole window of ``T + max_new_tokens`` ids each step, which a causal
+    model's earlier positions do not see past. Greedy output equals transformers'
+    ``model.generate(do_sample=False)`` token for token. The model runs in eval mode.
+
+    Args:
+        target: a `Trainer` (its latest parameters; built without ``scan_layers`` or ``pipeline``)
+            or a module placed by `shard`.
+        input_ids: token ids [batch, seq], the same on every process.
+        max_new_tokens: how many tokens to add to each row.
+        temperature: 0 picks the most likely token; above 0 samples from softmax(logits / temperature).
+        top_k: when sampling, only the ``top_k`` most likely tokens.
+        top_p: when sampling, only the most likely tokens whose probabilities add up to ``top_p``.
+        eos_token_id: a row stops after one of these tokens and is padded with ``pad_token_id``;
+            None takes a transformers model's ``generation_config.eos_token_id``, ``[]`` never stops.
+        attention_mask: 1 for tokens, 0 for left padding, shaped like ``input_ids`` (transformers models).
+        seed: sampled tokens are the same for the same seed, prompt and settings.
+        pad_token_id: fills rows after they stop; None takes the model's, else the first eos token.
+        loop: ``"fused"`` runs every step in one jitted call; ``"stepped"`` calls one compiled step per token.
+
+    Returns:
+        A CPU int64 tensor [batch, seq + n]: the prompts and ``n ≤ max_new_tokens`` new tokens, fewer
+        only when every row has stopped (as transformers returns).
+
+    Raises:
+        ArgumentError: names every bad argument: ``max_new_tokens`` ≤ 0, ids that are not an integer
+            [batch, seq] tensor, a prompt and ``max_new_tokens`` longer than the model's positions,
+            a mask that is not left padding, a target not placed on a mesh, a model whose output is
+            not logits.
+
+    Example:
+        >>> model = torch.nn.Sequential(torch.nn.Embedding(32, 16), torch.nn.Linear(16, 32))
+        >>> model = ts.shard(model, ts.plan(model, ts.make_mesh({"data": 8})))
+        >>> ts.generate(model, torch.tensor([[1, 2, 3]]), max_new_tokens=4).shape
+        torch.Size([1, 7])
+    """
+    problems = _setting_problems(max_new_tokens, temperature, top_k, top_p, eos_token_id, seed)
+    problems += _id_problems(input_ids, attention_mask)
+    if loop not in ("fused", "stepped"):
+        problems.append(f"loop={loop!r}: 'fused' or 'stepped'")
+    raise_if_any(problems, header=f"generate: {len(problems)} bad argument(s)", error=ArgumentError)
+    found = _target(target)
+    model, hf, (rows, prompt) = found.model, is_hf_causal_lm(found.model), tuple(input_ids.shape)
+    problems = _length_problems(model, hf, prompt, max_new_tokens, attention_mask)
+    raise_if_any(problems, header=f"generate: {len(problems)} bad argument(s)", error=ArgumentError)
+    eos = _eos(model, eos_token_id)
+    sampling = Sampling(float(temperature), top_k, top_p, eos, _pad(model, pad_token_id, eos))
+    length = prompt + max_new_tokens
+    mask = torch.ones(rows, length, dtype=torch.int32)
+    if attention_mask is not None:
+        mask[:, :prompt] = attention_mask.detach().cpu().to(torch.int32)
+    with found.lock, jax.set_mesh(found.mesh) if found.mesh is not None else contextlib.nullcontext():
+        tensors = named_tensors(model)
+        _refuse_stacked(tensors)
+        canonical = canonical_names(model)
+        arrays = {n: unwrap(t) for n, t in tensors.items() if canonical[n] == n}
+        decoder = _decoder(model, found.mesh, hf, rows, prompt, length)
+        program = Program(decoder, prompt, max_new_tokens, sampling)
+        jitted = _compiled_for(model, program, lambda: _jitted(program))
+        inputs = _placed(found.mesh, input_ids.detach().cpu().to(torch.int32).numpy(), mask.numpy(), seed)
+        tokens, made = _traced_run(model, lambda: _run(jitted, program, loop, arrays, *inputs))
+        out = np.asarray(jax.device_get(tokens))
+    return torch.from_numpy(out[:, : prompt + made].astype(np.int64))
+
+
+def _refuse_stacked(tensors: dict[str, torch.Tensor]) -> None:
+    stacked = [n for n, t in tensors.items() if isinstance(t, LayerView)]
+    if stacked:
+        raise ArgumentError(
+            f"generate: the module's layers are stacked by a Trainer built with scan_layers= or pipeline= "
+            f"({stacked[0]}, ...); generate from a Trainer without them, or from a module placed by ts.shard"
+        )
+
+
+def _placed(mesh: Mesh | None, ids: np.ndarray, mask: np.ndarray, seed: int) -> tuple[jax.Array, ...]:
+    key = jax.random.key_data(jax.random.key(seed))
+    if mesh is None:
+        return jnp.asarray(ids), jnp.asarray(mask), key
+    replicated = NamedSharding(mesh, PartitionSpec())
+    return tuple(jax.device_put(x, replicated) for x in (ids, mask, key))
+
+
+def _traced_run(model: torch.nn.Module, run: Callable[[], Any]) -> Any:
+    """``run()``, with the errors tracing the model raises said as what to change."""
+    try:
+        return run()
+    except TypeError as err:
+        if isinstance(err, ArgumentError):
+            raise
+        raise ArgumentError(
+            f"generate could not decode with {type(model).__name__}: {err}; it needs a model mapping ids "
+            f"[batch, seq] to logits [batch, seq, vocab]"
+        ) from err
