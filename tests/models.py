@@ -178,3 +178,53 @@ class RoutedStack(nn.Module):
             h = block(h)
         aux = sum(torch.softmax(logits, -1).mean((0, 1)).square().sum() for logits in self._collected)
         return self.head(h), aux
+
+
+class Experts(nn.Module):
+    """Experts stacked on dim 0, called with the router's choice: the interface expert dispatch needs."""
+
+    count, dim, hidden = 8, 16, 32
+
+    def __init__(self):
+        super().__init__()
+        self.num_experts = self.count
+        self.up = nn.Parameter(torch.randn(self.count, self.hidden, self.dim) * self.dim**-0.5)
+        self.down = nn.Parameter(torch.randn(self.count, self.dim, self.hidden) * self.hidden**-0.5)
+
+    def forward(self, hidden_states, top_k_index, top_k_weights):
+        out = torch.zeros_like(hidden_states)
+        for e in range(self.num_experts):  # every expert sees every row, weighted 0 where not chosen
+            weight = (top_k_weights * (top_k_index == e)).sum(-1, keepdim=True)
+            out = out + weight * (torch.relu(hidden_states @ self.up[e].T) @ self.down[e].T)
+        return out
+
+
+class MoE(nn.Module):
+    """A top-2 softmax router over `Experts`, plain torch, residual."""
+
+    top_k = 2
+
+    def __init__(self):
+        super().__init__()
+        self.router = nn.Linear(Experts.dim, Experts.count, bias=True)
+        self.experts = Experts()
+
+    def forward(self, x):
+        flat = x.reshape(-1, Experts.dim)
+        weights, index = torch.topk(torch.softmax(self.router(flat), -1), self.top_k, dim=-1)
+        return x + self.experts(flat, index, weights / weights.sum(-1, keepdim=True)).reshape(x.shape)
+
+
+class MoEStack(nn.Module):
+    """A Linear, then a ModuleList of `MoE` layers: float inputs [B, T, Experts.dim] in and out."""
+
+    def __init__(self, layers: int = 2):
+        super().__init__()
+        self.embed = nn.Linear(Experts.dim, Experts.dim)
+        self.layers = nn.ModuleList(MoE() for _ in range(layers))
+
+    def forward(self, x):
+        x = self.embed(x)
+        for layer in self.layers:
+            x = layer(x)
+        return x

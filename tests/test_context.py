@@ -1,4 +1,7 @@
-"""Context parallelism: the sequence split over a mesh axis, SDPA run as ring / all-gather attention, vs eager torch."""
+"""Context parallelism: the sequence split over a mesh axis, SDPA run as ring / all-gather attention, vs eager torch.
+
+The attention kernel alone (against torch's dense SDPA, values and gradients) is tested in test_kernels.py.
+"""
 
 from __future__ import annotations
 
@@ -8,20 +11,16 @@ import subprocess
 import sys
 from pathlib import Path
 
-import jax
-import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
 import torch
-from helpers import assert_close, eager_value_and_grads, torch_losses
-from jax.sharding import NamedSharding, PartitionSpec
+from helpers import torch_losses
 from models import tiny_llama
 from torch import nn
 
 import torchshard as ts
 from torchshard import ArgumentError, ContextParallel, ShardingError
-from torchshard._parallel.ring_attention import context_attention
 
 SEQ, BATCH, VOCAB = 256, 2, 64
 LR, BETAS, EPS, WEIGHT_DECAY = 1e-2, (0.9, 0.99), 1e-8, 0.01
@@ -116,55 +115,6 @@ def assert_trains_like_torch(model_fn, mesh, context, *, steps=3, batch=BATCH, *
     got = [float(trainer.step(b)["loss"]) for b in data]
     np.testing.assert_allclose(got, eager_losses(ref, data), rtol=1e-4)
     return trainer
-
-
-# ---------------------------------------------------------------- the attention itself, against torch's SDPA
-
-KERNEL_CASES = [
-    # (variant, causal, heads, kv_heads, key_tile): small tiles fold the 128 (64 balanced) key runs in 2 tiles
-    ("ring-balanced", True, 4, 2, 512),
-    ("ring-balanced", False, 4, 4, 512),
-    ("ring", True, 4, 1, 64),
-    ("all_gather", True, 4, 2, 512),
-    ("all_gather-balanced", True, 2, 2, 32),
-    ("all_gather", False, 4, 2, 64),
-]
-
-
-@pytest.mark.parametrize(("variant", "causal", "heads", "kv_heads", "key_tile"), KERNEL_CASES)
-def test_attention_matches_torch_sdpa(mesh, variant, causal, heads, kv_heads, key_tile):
-    context = VARIANTS[variant]
-    g = torch.Generator().manual_seed(1)
-    shapes = [(4, heads, 512, 8), (4, kv_heads, 512, 8), (4, kv_heads, 512, 8), (4, heads, 512, 8)]
-    q, k, v, w = (torch.randn(s, generator=g) for s in shapes)
-
-    def torch_fn(q, k, v):
-        out = nn.functional.scaled_dot_product_attention(q, k, v, is_causal=causal, enable_gqa=True)
-        return (out * w).sum()
-
-    expected, expected_grads = eager_value_and_grads(torch_fn, [q, k, v], argnums=(0, 1, 2))
-    attend = functools.partial(context_attention, mesh=mesh, axis="context", causal=causal, key_tile=key_tile,
-                               gathered=context.attention == "all_gather", balanced=context.load_balance)  # fmt: skip
-    place = functools.partial(jax.device_put, device=NamedSharding(mesh, PartitionSpec("data", None, "context")))
-    q_, k_, v_, w_ = (place(jnp.asarray(t.numpy())) for t in (q, k, v, w))
-    value, grads = jax.jit(jax.value_and_grad(lambda q, k, v: (attend(q, k, v) * w_).sum(), argnums=(0, 1, 2)))(
-        q_, k_, v_
-    )
-    assert_close(value, expected, what="value")
-    for name, got, want in zip("qkv", grads, expected_grads, strict=True):
-        assert_close(got, want, what=f"d{name}")
-
-
-def test_balanced_layout_gives_every_device_equal_causal_work():
-    from torchshard._parallel.ring_attention import Layout
-
-    def visible_pairs(layout, device):
-        rows = [int(s) + i for s in layout.starts(device) for i in range(layout.run)]
-        return sum(r + 1 for r in rows)  # causal: row r sees keys 0..r
-
-    natural, balanced = Layout(64, 4, balanced=False), Layout(64, 4, balanced=True)
-    assert len({visible_pairs(balanced, d) for d in range(4)}) == 1
-    assert [visible_pairs(natural, d) for d in range(4)] == [136, 392, 648, 904]
 
 
 # ---------------------------------------------------------------- training against eager torch

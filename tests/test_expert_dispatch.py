@@ -13,59 +13,15 @@ import pytest
 import torch
 from helpers import torch_losses
 from jax.sharding import PartitionSpec as P
-from torch import nn
+from models import Experts, MoEStack
 
 import torchshard as ts
 from torchshard import ArgumentError, ShardingError, presets
 
 RTOL = 1e-4
-EXPERTS, TOP_K, DIM, HIDDEN = 8, 2, 16, 32
+EXPERTS = Experts.count
 AXES = {"data": 2, "expert": 4}
 BATCH_SPEC = P(("data", "expert"))
-
-
-class Experts(nn.Module):
-    """Experts stacked on dim 0, called with the router's choice: the interface dispatch needs."""
-
-    def __init__(self):
-        super().__init__()
-        self.num_experts = EXPERTS
-        self.up = nn.Parameter(torch.randn(EXPERTS, HIDDEN, DIM) * DIM**-0.5)
-        self.down = nn.Parameter(torch.randn(EXPERTS, DIM, HIDDEN) * HIDDEN**-0.5)
-
-    def forward(self, hidden_states, top_k_index, top_k_weights):
-        out = torch.zeros_like(hidden_states)
-        for e in range(self.num_experts):  # every expert sees every row, weighted 0 where not chosen
-            weight = (top_k_weights * (top_k_index == e)).sum(-1, keepdim=True)
-            out = out + weight * (torch.relu(hidden_states @ self.up[e].T) @ self.down[e].T)
-        return out
-
-
-class MoE(nn.Module):
-    """A top-k softmax router over `Experts`, plain torch."""
-
-    def __init__(self):
-        super().__init__()
-        self.router = nn.Linear(DIM, EXPERTS, bias=True)
-        self.experts = Experts()
-
-    def forward(self, x):
-        flat = x.reshape(-1, DIM)
-        weights, index = torch.topk(torch.softmax(self.router(flat), -1), TOP_K, dim=-1)
-        return x + self.experts(flat, index, weights / weights.sum(-1, keepdim=True)).reshape(x.shape)
-
-
-class Model(nn.Module):
-    def __init__(self, layers: int = 2):
-        super().__init__()
-        self.embed = nn.Linear(DIM, DIM)
-        self.layers = nn.ModuleList(MoE() for _ in range(layers))
-
-    def forward(self, x):
-        x = self.embed(x)
-        for layer in self.layers:
-            x = layer(x)
-        return x
 
 
 def mse(model, batch):
@@ -73,14 +29,15 @@ def mse(model, batch):
     return (model(x) - y).square().mean()
 
 
-def _model(seed: int = 0) -> Model:
+def _model(seed: int = 0) -> MoEStack:
     torch.manual_seed(seed)
-    return Model()
+    return MoEStack()
 
 
 def _batches(steps: int = 4, rows: int = 16, seq: int = 4):
     g = torch.Generator().manual_seed(1)
-    return [(torch.randn(rows, seq, DIM, generator=g), torch.randn(rows, seq, DIM, generator=g)) for _ in range(steps)]
+    shape = (rows, seq, Experts.dim)
+    return [(torch.randn(shape, generator=g), torch.randn(shape, generator=g)) for _ in range(steps)]
 
 
 def _trainer(model, **kwargs) -> ts.Trainer:
@@ -138,7 +95,7 @@ def test_composes_with_scan_remat_and_grad_accumulation(eager):
     assert names == set(_model().state_dict())
 
 
-def _overloaded() -> Model:
+def _overloaded() -> MoEStack:
     """Every token's first choice is expert 0 (its router bias dwarfs the logits)."""
     model = _model()
     with torch.no_grad():
