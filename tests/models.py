@@ -228,3 +228,45 @@ class MoEStack(nn.Module):
         for layer in self.layers:
             x = layer(x)
         return x
+
+
+class AttentionBlock(nn.Module):
+    """Pre-norm causal self-attention (grouped K/V heads, through ``F.scaled_dot_product_attention``) and MLP."""
+
+    def __init__(self, dim=32, heads=4, kv_heads=2):
+        super().__init__()
+        self.heads, self.kv_heads, self.head_dim = heads, kv_heads, dim // heads
+        self.attn_norm, self.mlp_norm = nn.LayerNorm(dim), nn.LayerNorm(dim)
+        self.q = nn.Linear(dim, dim)
+        self.kv = nn.Linear(dim, 2 * kv_heads * self.head_dim)
+        self.out = nn.Linear(dim, dim)
+        self.up = nn.Linear(dim, 2 * dim)
+        self.down = nn.Linear(2 * dim, dim)
+
+    def attention(self, x):
+        b, s, _ = x.shape
+        q = self.q(x).view(b, s, self.heads, self.head_dim).transpose(1, 2)
+        k, v = self.kv(x).view(b, s, 2, self.kv_heads, self.head_dim).permute(2, 0, 3, 1, 4).unbind(0)
+        y = nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+        return self.out(y.transpose(1, 2).reshape(b, s, -1))
+
+    def forward(self, x):
+        h = x + self.attention(self.attn_norm(x))
+        return h + self.down(nn.functional.gelu(self.up(self.mlp_norm(h))))
+
+
+class TinyTransformer(nn.Module):
+    """Token + learned position embeddings → a ModuleList of `AttentionBlock` → LayerNorm → head."""
+
+    def __init__(self, vocab=64, dim=32, depth=2, seq=16):
+        super().__init__()
+        self.embed, self.pos = nn.Embedding(vocab, dim), nn.Embedding(seq, dim)
+        self.blocks = nn.ModuleList(AttentionBlock(dim) for _ in range(depth))
+        self.norm = nn.LayerNorm(dim)
+        self.head = nn.Linear(dim, vocab)
+
+    def forward(self, ids):
+        h = self.embed(ids) + self.pos(torch.arange(ids.shape[1]))
+        for block in self.blocks:
+            h = block(h)
+        return self.head(self.norm(h))

@@ -159,51 +159,7 @@ def test_step_passes_blocks_round_the_context_axis(mesh, variant):
     assert stats.count("all-gather") == 0, stats
 
 
-# ---------------------------------------------------------------- composition
-
-
-@SLOW
-def test_composes_with_fsdp_tp_remat_scan_and_accumulation():
-    mesh = ts.make_mesh({"data": 2, "context": 2, "model": 2})
-    layer = r"model\.layers\.\d+"
-    tp = ts.presets.tensor_parallel(colwise=[rf"{layer}\.self_attn\.[qkv]_proj", rf"{layer}\.mlp\.(gate|up)_proj"],
-                                    rowwise=[rf"{layer}\.self_attn\.o_proj", rf"{layer}\.mlp\.down_proj"])  # fmt: skip
-    rules = tp + ts.presets.fsdp("data", min_size=256)
-    model_fn = functools.partial(tiny_llama, vocab_size=VOCAB, hidden_size=32, intermediate_size=64)
-    assert_trains_like_torch(model_fn, mesh, ContextParallel(), rules=rules, remat=ts.Remat(r"model\.layers\.\d+"),
-                             scan_layers=True, grad_accum_steps=2, batch=4)  # fmt: skip
-
-
-@SLOW
-def test_composes_with_a_pipeline():
-    """Inside a pipeline's stages (a vmap over the stage axis) the ring's shard_map takes that axis as manual too."""
-    mesh = ts.make_mesh({"stage": 2, "data": 2, "context": 2})
-    model_fn = functools.partial(tiny_llama, vocab_size=VOCAB, hidden_size=32, intermediate_size=64)
-    pipeline = ts.Pipeline(microbatches=2)
-    trainer = assert_trains_like_torch(model_fn, mesh, ContextParallel(), pipeline=pipeline, batch=4, steps=2)
-    assert trainer.pipeline_bubble == pytest.approx(1 / 3)
-
-
-@SLOW
-def test_mixed_precision_runs_in_bf16(mesh):
-    trainer = trainer_for(CausalLM(depth=1), mesh, ContextParallel(), precision=ts.MixedPrecision())
-    losses = [float(trainer.step(b)["loss"]) for b in batches(2)]
-    assert np.isfinite(losses).all() and abs(losses[0] - np.log(VOCAB)) < 0.5, losses
-
-
-@SLOW
-def test_checkpoint_resumes_into_a_trainer_without_context(mesh, tmp_path):
-    torch.manual_seed(0)
-    ref = CausalLM(depth=1)
-    data = batches(3)
-    expected = eager_losses(copy.deepcopy(ref), data)
-    trainer = trainer_for(copy.deepcopy(ref), mesh, ContextParallel())
-    first = float(trainer.step(data[0])["loss"])
-    ts.save(tmp_path / "ckpt", trainer)
-    plain = ts.Trainer(copy.deepcopy(ref), lm_loss, adamw(), ts.plan(ref, ts.make_mesh({"data": 2, "model": 4})))
-    ts.load(tmp_path / "ckpt", plain)
-    rest = [float(plain.step(b)["loss"]) for b in data[1:]]
-    np.testing.assert_allclose([first, *rest], expected, rtol=1e-4)
+# composition with remat, scan, MixedPrecision, grad accumulation, checkpoints and pipelines: test_matrix.py
 
 
 # ---------------------------------------------------------------- what it cannot take

@@ -85,16 +85,6 @@ def test_gspmd_keeps_the_plan_alone_and_trains_the_same(eager):
     assert ts.inspect.collectives(trainer, _batches(1)[0]).count("all-to-all", axes="expert") == 0
 
 
-@pytest.mark.slow
-def test_composes_with_scan_remat_and_grad_accumulation(eager):
-    trainer = _trainer(_model(), scan_layers=True, remat=r"layers\.\d+", grad_accum_steps=2)
-    losses, _ = _losses(trainer, _batches())
-    np.testing.assert_allclose(losses, eager, rtol=RTOL)
-    assert trainer.expert_dispatch is not None and trainer.expert_dispatch.kind == "all_to_all"
-    names = set(ts.to_torch_state_dict(trainer.model))
-    assert names == set(_model().state_dict())
-
-
 def _overloaded() -> MoEStack:
     """Every token's first choice is expert 0 (its router bias dwarfs the logits)."""
     model = _model()
@@ -188,14 +178,3 @@ def test_router_logits_and_the_aux_loss_train_like_torch_under_all_to_all(family
                             torch.optim.SGD(reference.parameters(), lr=0.1), data)  # fmt: skip
     np.testing.assert_allclose([float(m["loss"]) for m in got], expected, rtol=RTOL)
     assert float(got[0]["aux_loss"]) > 0.1
-
-
-@pytest.mark.slow
-def test_composes_with_a_pipeline(eager):
-    model = _model()
-    rules = presets.expert_parallel([r".*experts\.(up|down)"], "expert")
-    plan = ts.plan(model, ts.make_mesh({"stage": 2, "expert": 4}), rules)
-    pipeline = ts.Pipeline("stage", microbatches=2)
-    trainer = ts.Trainer(model, mse, optax.adamw(1e-2), plan, batch_spec=P("expert"), pipeline=pipeline)
-    losses, _ = _losses(trainer, _batches())
-    np.testing.assert_allclose(losses, eager, rtol=RTOL)
