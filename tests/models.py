@@ -178,3 +178,95 @@ class RoutedStack(nn.Module):
             h = block(h)
         aux = sum(torch.softmax(logits, -1).mean((0, 1)).square().sum() for logits in self._collected)
         return self.head(h), aux
+
+
+class Experts(nn.Module):
+    """Experts stacked on dim 0, called with the router's choice: the interface expert dispatch needs."""
+
+    count, dim, hidden = 8, 16, 32
+
+    def __init__(self):
+        super().__init__()
+        self.num_experts = self.count
+        self.up = nn.Parameter(torch.randn(self.count, self.hidden, self.dim) * self.dim**-0.5)
+        self.down = nn.Parameter(torch.randn(self.count, self.dim, self.hidden) * self.hidden**-0.5)
+
+    def forward(self, hidden_states, top_k_index, top_k_weights):
+        out = torch.zeros_like(hidden_states)
+        for e in range(self.num_experts):  # every expert sees every row, weighted 0 where not chosen
+            weight = (top_k_weights * (top_k_index == e)).sum(-1, keepdim=True)
+            out = out + weight * (torch.relu(hidden_states @ self.up[e].T) @ self.down[e].T)
+        return out
+
+
+class MoE(nn.Module):
+    """A top-2 softmax router over `Experts`, plain torch, residual."""
+
+    top_k = 2
+
+    def __init__(self):
+        super().__init__()
+        self.router = nn.Linear(Experts.dim, Experts.count, bias=True)
+        self.experts = Experts()
+
+    def forward(self, x):
+        flat = x.reshape(-1, Experts.dim)
+        weights, index = torch.topk(torch.softmax(self.router(flat), -1), self.top_k, dim=-1)
+        return x + self.experts(flat, index, weights / weights.sum(-1, keepdim=True)).reshape(x.shape)
+
+
+class MoEStack(nn.Module):
+    """A Linear, then a ModuleList of `MoE` layers (or a variant): float inputs [B, T, Experts.dim] in and out."""
+
+    def __init__(self, layers: int = 2, moe: type[nn.Module] = MoE):
+        super().__init__()
+        self.embed = nn.Linear(Experts.dim, Experts.dim)
+        self.layers = nn.ModuleList(moe() for _ in range(layers))
+
+    def forward(self, x):
+        x = self.embed(x)
+        for layer in self.layers:
+            x = layer(x)
+        return x
+
+
+class AttentionBlock(nn.Module):
+    """Pre-norm causal self-attention (grouped K/V heads, through ``F.scaled_dot_product_attention``) and MLP."""
+
+    def __init__(self, dim=32, heads=4, kv_heads=2):
+        super().__init__()
+        self.heads, self.kv_heads, self.head_dim = heads, kv_heads, dim // heads
+        self.attn_norm, self.mlp_norm = nn.LayerNorm(dim), nn.LayerNorm(dim)
+        self.q = nn.Linear(dim, dim)
+        self.kv = nn.Linear(dim, 2 * kv_heads * self.head_dim)
+        self.out = nn.Linear(dim, dim)
+        self.up = nn.Linear(dim, 2 * dim)
+        self.down = nn.Linear(2 * dim, dim)
+
+    def attention(self, x):
+        b, s, _ = x.shape
+        q = self.q(x).view(b, s, self.heads, self.head_dim).transpose(1, 2)
+        k, v = self.kv(x).view(b, s, 2, self.kv_heads, self.head_dim).permute(2, 0, 3, 1, 4).unbind(0)
+        y = nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+        return self.out(y.transpose(1, 2).reshape(b, s, -1))
+
+    def forward(self, x):
+        h = x + self.attention(self.attn_norm(x))
+        return h + self.down(nn.functional.gelu(self.up(self.mlp_norm(h))))
+
+
+class TinyTransformer(nn.Module):
+    """Token + learned position embeddings → a ModuleList of `AttentionBlock` → LayerNorm → head."""
+
+    def __init__(self, vocab=64, dim=32, depth=2, seq=16):
+        super().__init__()
+        self.embed, self.pos = nn.Embedding(vocab, dim), nn.Embedding(seq, dim)
+        self.blocks = nn.ModuleList(AttentionBlock(dim) for _ in range(depth))
+        self.norm = nn.LayerNorm(dim)
+        self.head = nn.Linear(dim, vocab)
+
+    def forward(self, ids):
+        h = self.embed(ids) + self.pos(torch.arange(ids.shape[1]))
+        for block in self.blocks:
+            h = block(h)
+        return self.head(self.norm(h))

@@ -1,4 +1,7 @@
-"""Context parallelism: the sequence split over a mesh axis, SDPA run as ring / all-gather attention, vs eager torch."""
+"""Context parallelism: the sequence split over a mesh axis, SDPA run as ring / all-gather attention, vs eager torch.
+
+The attention kernel alone (against torch's dense SDPA, values and gradients) is tested in test_kernels.py.
+"""
 
 from __future__ import annotations
 
@@ -8,20 +11,16 @@ import subprocess
 import sys
 from pathlib import Path
 
-import jax
-import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
 import torch
-from helpers import assert_close, eager_value_and_grads, torch_losses
-from jax.sharding import NamedSharding, PartitionSpec
+from helpers import torch_losses
 from models import tiny_llama
 from torch import nn
 
 import torchshard as ts
 from torchshard import ArgumentError, ContextParallel, ShardingError
-from torchshard._parallel.ring_attention import context_attention
 
 SEQ, BATCH, VOCAB = 256, 2, 64
 LR, BETAS, EPS, WEIGHT_DECAY = 1e-2, (0.9, 0.99), 1e-8, 0.01
@@ -118,55 +117,6 @@ def assert_trains_like_torch(model_fn, mesh, context, *, steps=3, batch=BATCH, *
     return trainer
 
 
-# ---------------------------------------------------------------- the attention itself, against torch's SDPA
-
-KERNEL_CASES = [
-    # (variant, causal, heads, kv_heads, key_tile): small tiles fold the 128 (64 balanced) key runs in 2 tiles
-    ("ring-balanced", True, 4, 2, 512),
-    ("ring-balanced", False, 4, 4, 512),
-    ("ring", True, 4, 1, 64),
-    ("all_gather", True, 4, 2, 512),
-    ("all_gather-balanced", True, 2, 2, 32),
-    ("all_gather", False, 4, 2, 64),
-]
-
-
-@pytest.mark.parametrize(("variant", "causal", "heads", "kv_heads", "key_tile"), KERNEL_CASES)
-def test_attention_matches_torch_sdpa(mesh, variant, causal, heads, kv_heads, key_tile):
-    context = VARIANTS[variant]
-    g = torch.Generator().manual_seed(1)
-    shapes = [(4, heads, 512, 8), (4, kv_heads, 512, 8), (4, kv_heads, 512, 8), (4, heads, 512, 8)]
-    q, k, v, w = (torch.randn(s, generator=g) for s in shapes)
-
-    def torch_fn(q, k, v):
-        out = nn.functional.scaled_dot_product_attention(q, k, v, is_causal=causal, enable_gqa=True)
-        return (out * w).sum()
-
-    expected, expected_grads = eager_value_and_grads(torch_fn, [q, k, v], argnums=(0, 1, 2))
-    attend = functools.partial(context_attention, mesh=mesh, axis="context", causal=causal, key_tile=key_tile,
-                               gathered=context.attention == "all_gather", balanced=context.load_balance)  # fmt: skip
-    place = functools.partial(jax.device_put, device=NamedSharding(mesh, PartitionSpec("data", None, "context")))
-    q_, k_, v_, w_ = (place(jnp.asarray(t.numpy())) for t in (q, k, v, w))
-    value, grads = jax.jit(jax.value_and_grad(lambda q, k, v: (attend(q, k, v) * w_).sum(), argnums=(0, 1, 2)))(
-        q_, k_, v_
-    )
-    assert_close(value, expected, what="value")
-    for name, got, want in zip("qkv", grads, expected_grads, strict=True):
-        assert_close(got, want, what=f"d{name}")
-
-
-def test_balanced_layout_gives_every_device_equal_causal_work():
-    from torchshard._parallel.ring_attention import Layout
-
-    def visible_pairs(layout, device):
-        rows = [int(s) + i for s in layout.starts(device) for i in range(layout.run)]
-        return sum(r + 1 for r in rows)  # causal: row r sees keys 0..r
-
-    natural, balanced = Layout(64, 4, balanced=False), Layout(64, 4, balanced=True)
-    assert len({visible_pairs(balanced, d) for d in range(4)}) == 1
-    assert [visible_pairs(natural, d) for d in range(4)] == [136, 392, 648, 904]
-
-
 # ---------------------------------------------------------------- training against eager torch
 
 
@@ -209,51 +159,7 @@ def test_step_passes_blocks_round_the_context_axis(mesh, variant):
     assert stats.count("all-gather") == 0, stats
 
 
-# ---------------------------------------------------------------- composition
-
-
-@SLOW
-def test_composes_with_fsdp_tp_remat_scan_and_accumulation():
-    mesh = ts.make_mesh({"data": 2, "context": 2, "model": 2})
-    layer = r"model\.layers\.\d+"
-    tp = ts.presets.tensor_parallel(colwise=[rf"{layer}\.self_attn\.[qkv]_proj", rf"{layer}\.mlp\.(gate|up)_proj"],
-                                    rowwise=[rf"{layer}\.self_attn\.o_proj", rf"{layer}\.mlp\.down_proj"])  # fmt: skip
-    rules = tp + ts.presets.fsdp("data", min_size=256)
-    model_fn = functools.partial(tiny_llama, vocab_size=VOCAB, hidden_size=32, intermediate_size=64)
-    assert_trains_like_torch(model_fn, mesh, ContextParallel(), rules=rules, remat=ts.Remat(r"model\.layers\.\d+"),
-                             scan_layers=True, grad_accum_steps=2, batch=4)  # fmt: skip
-
-
-@SLOW
-def test_composes_with_a_pipeline():
-    """Inside a pipeline's stages (a vmap over the stage axis) the ring's shard_map takes that axis as manual too."""
-    mesh = ts.make_mesh({"stage": 2, "data": 2, "context": 2})
-    model_fn = functools.partial(tiny_llama, vocab_size=VOCAB, hidden_size=32, intermediate_size=64)
-    pipeline = ts.Pipeline(microbatches=2)
-    trainer = assert_trains_like_torch(model_fn, mesh, ContextParallel(), pipeline=pipeline, batch=4, steps=2)
-    assert trainer.pipeline_bubble == pytest.approx(1 / 3)
-
-
-@SLOW
-def test_mixed_precision_runs_in_bf16(mesh):
-    trainer = trainer_for(CausalLM(depth=1), mesh, ContextParallel(), precision=ts.MixedPrecision())
-    losses = [float(trainer.step(b)["loss"]) for b in batches(2)]
-    assert np.isfinite(losses).all() and abs(losses[0] - np.log(VOCAB)) < 0.5, losses
-
-
-@SLOW
-def test_checkpoint_resumes_into_a_trainer_without_context(mesh, tmp_path):
-    torch.manual_seed(0)
-    ref = CausalLM(depth=1)
-    data = batches(3)
-    expected = eager_losses(copy.deepcopy(ref), data)
-    trainer = trainer_for(copy.deepcopy(ref), mesh, ContextParallel())
-    first = float(trainer.step(data[0])["loss"])
-    ts.save(tmp_path / "ckpt", trainer)
-    plain = ts.Trainer(copy.deepcopy(ref), lm_loss, adamw(), ts.plan(ref, ts.make_mesh({"data": 2, "model": 4})))
-    ts.load(tmp_path / "ckpt", plain)
-    rest = [float(plain.step(b)["loss"]) for b in data[1:]]
-    np.testing.assert_allclose([first, *rest], expected, rtol=1e-4)
+# composition with remat, scan, MixedPrecision, grad accumulation, checkpoints and pipelines: test_matrix.py
 
 
 # ---------------------------------------------------------------- what it cannot take

@@ -173,21 +173,6 @@ def test_checkpoints_load_pipelined_or_not_on_another_mesh(source, destination, 
     np.testing.assert_allclose(loss, eager[0][4], rtol=1e-4)
 
 
-@pytest.mark.slow
-def test_mixed_precision_remat_and_grad_accum_compose():
-    from test_precision import RTOL, torch_mixed_precision
-    from test_precision import blocks_loss as float_loss  # the loss in fp32 (bf16 losses are 1/128 apart)
-
-    data = batches(3, rows=16)  # 2 accumulation steps × 4 micro-batches × data=2
-    expected = torch_mixed_precision(blocks(), float_loss, data)
-    model = blocks()
-    plan = ts.plan(model, ts.make_mesh(RUNS["gpipe"][0]), FSDP)
-    run = ts.Trainer(model, float_loss, adamw(), plan, pipeline=Pipeline(microbatches=4), precision=ts.MixedPrecision(),
-                     remat=r"blocks\.\d+\.up", grad_accum_steps=2)  # fmt: skip
-    got = np.array([float(run.step(b)["loss"]) for b in data])
-    np.testing.assert_allclose(got, expected, rtol=RTOL)
-
-
 class Gated(nn.Module):
     """A block called with a second per-row argument: the pipeline splits it into micro-batches with the rows."""
 

@@ -7,9 +7,9 @@ import optax
 import pytest
 import torch
 from models import BlockStack, tiny_llama
+from models import MoEStack as MoEModel
 from test_context import CausalLM
 from test_context import lm_loss as pair_loss
-from test_expert_dispatch import Model as MoEModel
 from test_expert_dispatch import mse
 from test_pipeline import blocks_loss
 
