@@ -7,8 +7,9 @@ pre-norm blocks, causal attention, GELU MLP) over bytes, so its vocabulary is 25
 ``data=4 × model=2`` the attention's q/k/v and the MLP's up projection are column-parallel and
 the attention's output and the MLP's down projection row-parallel over ``"model"`` (each device
 owns whole heads), and ``presets.fsdp("data")`` shards every big weight's other dim over
-``"data"``. AdamW follows a linear-warmup + cosine schedule (optax). Validation and sampling
-run on an eager CPU copy of the weights (``to_torch_state_dict``).
+``"data"``. AdamW follows a linear-warmup + cosine schedule (optax). Validation
+(``trainer.evaluate``) and sampling (``ts.generate``) run on the mesh, compiled, on the trainer's
+own state: no CPU copy of the weights.
 
 Everything a run writes lands in ``--out``: ``config.json`` (the settings that shape the run),
 ``metrics.jsonl`` (one JSON object per step: step, loss, tokens_per_s, lr, grad_norm, and
@@ -26,7 +27,6 @@ Run::
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
 import os
 import pathlib
@@ -34,7 +34,7 @@ import sys
 import sysconfig
 import time
 import zlib
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple
 
 import jax
@@ -395,40 +395,12 @@ class Metrics:
         self._file.close()
 
 
-@contextlib.contextmanager
-def one_torch_thread() -> Iterator[None]:
-    """Eager torch beside JAX: its intra-op threads spin-wait against XLA's idle thread pool.
-
-    On a 2-core machine that made sampling ~100× slower; small eager forwards lose nothing by
-    running on one thread.
-    """
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        yield
-    finally:
-        torch.set_num_threads(threads)
+def evaluate(trainer: ts.Trainer, batches: list[Batch]) -> float:
+    """Mean loss over ``batches``, each one compiled call on the mesh (eval mode; the state is untouched)."""
+    return float(np.mean([float(trainer.evaluate(b)["loss"]) for b in batches]))  # float(): one batch in flight
 
 
-def cpu_copy(trainer: ts.Trainer, twin: GPT) -> GPT:
-    """``twin``, an eager CPU model of the same shape, loaded with the trainer's latest weights."""
-    twin.load_state_dict(ts.to_torch_state_dict(trainer))  # gathered from the mesh into plain tensors
-    return twin.eval()
-
-
-def evaluate(model: nn.Module, batches: list[Batch]) -> float:
-    """Mean loss of an eager CPU ``model`` over ``batches``.
-
-    Not run on the sharded model: eager torchax sends each op of each batch to the mesh without
-    waiting, and XLA:CPU aborts with that many collectives in flight (seen at 16 batches).
-    """
-    with torch.no_grad(), one_torch_thread():
-        return float(np.mean([loss_fn(model, b).item() for b in batches]))
-
-
-def train(
-    trainer: ts.Trainer, twin: GPT, corpus: Corpus, cfg: dict[str, Any], args: argparse.Namespace, metrics: Metrics
-) -> None:
+def train(trainer: ts.Trainer, corpus: Corpus, cfg: dict[str, Any], args: argparse.Namespace, metrics: Metrics) -> None:
     """Steps ``trainer`` to ``args.steps``, logging every step, validating and checkpointing as asked."""
     start, schedule = trainer.step_count, jax.jit(lr_schedule(cfg))  # one compile, not one per jnp op
     held_out = val_batches(corpus, args.val_batches, seed=cfg["seed"], batch=cfg["batch"], seq=cfg["seq"])
@@ -447,7 +419,7 @@ def train(
                 "grad_norm": float(out["grad_norm"]),
             }
             if step % args.val_every == 0 or step == args.steps:
-                row["val_loss"] = evaluate(cpu_copy(trainer, twin), held_out)
+                row["val_loss"] = evaluate(trainer, held_out)
             metrics.write(row)
             if step % args.ckpt_every == 0 or step == args.steps:
                 ts.save(args.out / "checkpoints", trainer, keep_last=args.keep_last)
@@ -474,19 +446,21 @@ def plot(rows: list[dict[str, Any]], path: pathlib.Path) -> None:
     plt.close(fig)
 
 
-def generate(model: nn.Module, prompt: bytes, *, n: int, temperature: float, context: int, seed: int) -> bytes:
-    """Samples ``n`` bytes after ``prompt`` from an eager CPU ``model``, one byte at a time."""
-    tokens = torch.tensor([list(prompt)])
-    rng = torch.Generator().manual_seed(seed)
-    with torch.no_grad(), one_torch_thread():
-        for _ in range(n):
-            logits = model(tokens[:, -context:])[0, -1]
-            if temperature == 0:
-                nxt = logits.argmax().view(1)
-            else:
-                nxt = torch.multinomial(torch.softmax(logits / temperature, dim=-1), 1, generator=rng)
-            tokens = torch.cat([tokens, nxt.view(1, 1)], dim=1)
-    return bytes(tokens[0].tolist())
+def generate(trainer: ts.Trainer, prompt: bytes, *, n: int, temperature: float, context: int, seed: int) -> bytes:
+    """Samples ``n`` bytes after ``prompt`` on the mesh (`ts.generate`), filling a window of ``context`` bytes.
+
+    The model's positions end at ``context``: the first call continues the prompt to a full window,
+    each later one continues the last ``context - chunk`` bytes by ``chunk`` (one compiled program
+    serves all of those). The model constrains its activations' rows over "data", so as many rows
+    are sampled as that axis has devices (independently), and the first is kept.
+    """
+    tokens, chunk = torch.tensor([list(prompt)] * trainer.mesh.shape["data"]), max(1, context // 4)
+    while tokens.shape[1] < len(prompt) + n:
+        room = context - min(tokens.shape[1], context - chunk)  # new bytes this call: the rest of the window
+        window = tokens[:, tokens.shape[1] - (context - room) :]
+        out = ts.generate(trainer, window, max_new_tokens=room, temperature=temperature, seed=seed + tokens.shape[1])
+        tokens = torch.cat([tokens, out[:, window.shape[1] :]], dim=1)
+    return bytes(tokens[0, : len(prompt) + n].tolist())
 
 
 def start_run(args: argparse.Namespace, cfg: dict[str, Any], corpus: Corpus) -> None:
@@ -529,7 +503,6 @@ def main(argv: Sequence[str] | None = None) -> int:
     params = sum(p.numel() for p in model.parameters())
     print(f"model: {params / 1e6:.2f}M parameters; {plan!r}", flush=True)
     trainer = ts.Trainer(model, loss_fn, optimizer(cfg), plan, seed=cfg["seed"])
-    twin = build_model(cfg)  # an eager CPU copy for validation and sampling
     if args.resume:
         ts.load(args.out / "checkpoints", trainer)  # the latest complete step, optimizer state and RNG key too
         print(f"resumed at step {trainer.step_count}", flush=True)
@@ -537,7 +510,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     metrics = Metrics(args.out / "metrics.jsonl", keep_through=trainer.step_count)
     began = time.perf_counter()
     try:
-        train(trainer, twin, corpus, cfg, args, metrics)
+        train(trainer, corpus, cfg, args, metrics)
     finally:
         metrics.close()
     rows = metrics.rows()
@@ -550,9 +523,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             flush=True,
         )
 
-    model = cpu_copy(trainer, twin)
     sample = generate(
-        model,
+        trainer,
         args.prompt.encode(),
         n=args.sample_bytes,
         temperature=args.temperature,
