@@ -10,7 +10,7 @@ import optax
 import pytest
 import torch
 from helpers import assert_close, to_numpy
-from models import BlockStack, tiny_llama
+from models import BlockStack, MoEStack, tiny_llama
 from torch import nn
 from torch.nn import functional as F
 
@@ -140,10 +140,23 @@ def context():
                       batch_spec=("data", "context"))  # fmt: skip
 
 
+def experts():
+    torch.manual_seed(0)
+    model = MoEStack()
+    plan = ts.plan(model, ts.make_mesh({"data": 2, "expert": 4}), presets.expert_parallel([r".*experts\.(up|down)"]))
+    return ts.Trainer(model, mse, optax.adamw(1e-3), plan, batch_spec=(("data", "expert"),))
+
+
+def moe_batch():
+    g = torch.Generator().manual_seed(0)
+    return torch.randn(16, 4, 16, generator=g), torch.randn(16, 4, 16, generator=g)
+
+
 OPTIONS = {
     "pipeline": (pipelined, lambda: ids(vocab=64, seq=12)),
     "scan+mixed precision+accumulation": (scanned_mixed, lambda: ids(rows=16)),
     "context": (context, ids),
+    "expert dispatch": (experts, moe_batch),
 }
 
 
@@ -153,6 +166,7 @@ def test_every_option_evaluates_the_loss_its_next_step_trains_on(name):
     # each option's step is tested against eager torch; its loss is computed on the weights before the update
     make, batch = OPTIONS[name]
     trainer = make()
+    assert name != "expert dispatch" or trainer.expert_dispatch == ts.ExpertDispatch()  # all-to-all, not the plan
     b = batch()
     evaluated = float(trainer.evaluate(b)["loss"])
     assert trainer.step_count == 0
