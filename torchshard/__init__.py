@@ -5,6 +5,7 @@ from torchshard import inspect as inspect
 from torchshard._base.errors import ArgumentError, CheckpointError, ShardingError, UnusedRuleWarning
 from torchshard._ckpt.checkpoint import load, save
 from torchshard._ckpt.export import from_torch_state_dict, to_torch_state_dict
+from torchshard._ckpt.pretrained import load_safetensors
 from torchshard._ckpt.safetensors import save_safetensors
 from torchshard._ckpt.stepdir import checkpoint_steps
 from torchshard._parallel.context import ContextParallel
@@ -50,6 +51,7 @@ __all__ = [
     "from_torch_state_dict",
     "init_sharded",
     "load",
+    "load_safetensors",
     "make_mesh",
     "plan",
     "prefetch",
