@@ -100,9 +100,11 @@ def _model_names(stored: Sequence[str], rename: Rename | None) -> tuple[dict[str
     return found, problems
 
 
-def _near(name: str, names: Sequence[str]) -> str:
+def _near(name: str, names: Sequence[str], sources: Mapping[str, str] | None = None) -> str:
     close = difflib.get_close_matches(name, names, n=1, cutoff=0.6)
-    return f" (did you mean {close[0]}?)" if close else ""
+    if not close:
+        return ""
+    return f" (did you mean {_shown(close[0], sources) if sources is not None else close[0]}?)"
 
 
 def _shown(model_name: str, sources: Mapping[str, str]) -> str:
@@ -137,7 +139,7 @@ def _problems(
     problems = []
     if strict:
         problems += [f"missing {n} {shapes[dest.names[n]]}: in the model, not in the checkpoint"
-                     f"{_near(n, [sources[u] for u in unexpected])}" for n in missing]  # fmt: skip
+                     f"{_near(n, unexpected, sources)}" for n in missing]  # fmt: skip
         problems += [f"unexpected {_shown(n, sources)} {reader.tensors[sources[n]].shape}: in the checkpoint, not in "
                      f"the model{_near(n, missing)}" for n in unexpected]  # fmt: skip
     for canon, name in chosen.items():
@@ -162,9 +164,11 @@ class _Build:
         self.problems: list[str] = []
 
     def host(self, name: str, canon: str, index: tuple[slice, ...]) -> np.ndarray:
-        part = self.reader.read(self.sources[name], index).to(self.dtypes[canon])  # as load_state_dict copies
-        self.problems += range_problems(self.sources[name], part)
-        return host_array(part)
+        part = self.reader.read(self.sources[name], index)
+        cast = part.to(self.dtypes[canon])  # as load_state_dict copies
+        # a placed module holds int64 as int32: the stored values are checked, before the cast wraps them
+        self.problems += range_problems(self.sources[name], cast if cast.is_floating_point() else part)
+        return host_array(cast)
 
     def array(self, like: jax.ShapeDtypeStruct, read: Callable[[tuple[slice, ...]], np.ndarray]) -> jax.Array:
         shape, sharding = tuple(like.shape), like.sharding
