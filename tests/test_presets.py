@@ -331,9 +331,15 @@ def test_from_hf_tp_plan_unsupported_styles_listed_together():
     assert "'layers.*.mlp.experts': tp style 'grouped_gemm'" in message
     assert "pass replicate_unsupported=True" in message
     rules = presets.from_hf_tp_plan(tp_plan, replicate_unsupported=True)
-    # one rule per entry: the module's weight and bias, or the bare parameter the entry names
+    # per entry: the module's weight and bias, or the bare parameter the entry names; then peft's wrapped layer
     heads = [r"(?:.*\.)?layers\.\d+\.self_attn\.q_proj", r"(?:.*\.)?layers\.\d+\.mlp\.experts\.gate_up_proj"]
-    assert [r.pattern for r in rules] == [h + r"(?:\.weight|\.bias)?" for h in heads]
+    assert [r.pattern for r in rules][::4] == [h + r"(?:\.weight|\.bias)?" for h in heads]
+    assert [r.source for r in rules][:4] == [
+        "tp:colwise",
+        "tp:colwise (peft base_layer)",
+        "tp:colwise (LoRA)",
+        "tp:colwise (LoRA, replicated)",
+    ]
 
 
 def test_from_hf_tp_plan_of_a_real_llama(mesh_dm):

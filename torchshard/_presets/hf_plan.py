@@ -8,7 +8,7 @@ from typing import Any
 
 from torchshard._base.errors import raise_if_any
 from torchshard._base.validate import compiled
-from torchshard._presets.tables import AxisName, Layout
+from torchshard._presets.tables import PEFT_BASE, AxisName, Layout, peft_rules
 from torchshard._sharding.rules import Rule, Rules
 
 # transformers 4.x and 5.x style names → the weight layout (GSPMD places activations). Packed
@@ -100,6 +100,7 @@ def from_hf_tp_plan(
         kind = _HF_STYLES.get(style)
         if kind is not None:
             rows.append(Rule(_tensor_pattern(key), Layout(kind, axis, "tensor"), f"tp:{style}"))
+            rows += peft_rules(hf_pattern(key), kind, axis, "tensor")
         elif style not in _HF_NO_LAYOUT and not replicate_unsupported:
             problems.append(
                 f"{key!r}: tp style {style!r} has no torchshard layout (supported: "
@@ -136,12 +137,15 @@ def layout_problems(tp_plan: Mapping[str, str], modules: Mapping[str, Any], tens
         if style not in _HF_STYLES:
             continue
         owners = [n for n in modules if compiled(hf_pattern(key)).fullmatch(n)]
-        laid_out = [t for t in tensors if compiled(_tensor_pattern(key)).fullmatch(t)]
+        patterns = [compiled(_tensor_pattern(key)), compiled(hf_pattern(key) + PEFT_BASE)]
+        laid_out = [t for t in tensors if any(p.fullmatch(t) for p in patterns)]
         if owners and not laid_out:
-            own = sorted({t.rsplit(".", 1)[-1] for t in tensors if t.startswith(owners[0] + ".")})
+            owner = owners[0]
+            own = sorted(t[len(owner) + 1 :] for t in tensors if t.startswith(owner + "."))
+            held = f"holds {own[:6]} under it" if own else "holds no tensors"
             problems.append(
-                f"tp_plan entry {key!r} ({style}) names module {owners[0]!r} ({type(modules[owners[0]]).__name__}), "
-                f"which has no weight or bias to lay out (its tensors: {own[:6]}); add a rule for them, e.g. "
-                f"({owners[0].replace('.', chr(92) + '.')!r} + r'\\.NAME', spec)"
+                f"tp_plan entry {key!r} ({style}) names module {owner!r} ({type(modules[owner]).__name__}), which "
+                f"{held} but no weight or bias of its own (nor a peft base_layer's) to lay out; add a rule for "
+                f"them, e.g. ({owner.replace('.', chr(92) + '.')!r} + r'\\.NAME', spec)"
             )
     return problems
