@@ -91,7 +91,7 @@ def test_entries_for_modules_the_config_leaves_out_warn_once_and_add_no_rule():
     with pytest.warns(UnusedRuleWarning, match=r"Custom's tp_plan entries \{'layers\.\*\.mlp\.gate_proj': 'colwise', "
                                                r"'q_proj': 'rowwise'\} match no module"):  # fmt: skip
         rules = presets.hf_rules(model, fsdp_axis=None)
-    peft = ["tp:colwise (peft base_layer)", "tp:colwise (LoRA)", "tp:colwise (LoRA, replicated)"]
+    peft = ["tp:colwise (LoRA)", "tp:colwise (LoRA, replicated)"]
     assert [r.source for r in rules] == ["tp:colwise", *peft]
     assert ts.plan(model, ts.make_mesh({"data": 4, "model": 2}), rules).spec("proj.weight") == P("model", None)
 

@@ -8,7 +8,7 @@ from typing import Any
 
 from torchshard._base.errors import raise_if_any
 from torchshard._base.validate import compiled
-from torchshard._presets.tables import PEFT_BASE, AxisName, Layout, peft_rules
+from torchshard._presets.tables import PEFT_BASE, AxisName, Layout, lora_rules
 from torchshard._sharding.rules import Rule, Rules
 
 # transformers 4.x and 5.x style names → the weight layout (GSPMD places activations). Packed
@@ -58,7 +58,7 @@ def hf_pattern(key: str) -> str:
 
 def _tensor_pattern(key: str) -> str:
     # a key names a module (its weight and bias are laid out) or a bare parameter (stacked experts, sinks)
-    return hf_pattern(key) + r"(?:\.weight|\.bias)?"
+    return hf_pattern(key) + rf"(?:{PEFT_BASE}(?:\.weight|\.bias))?"  # peft's wrapped layer too
 
 
 def from_hf_tp_plan(
@@ -100,7 +100,7 @@ def from_hf_tp_plan(
         kind = _HF_STYLES.get(style)
         if kind is not None:
             rows.append(Rule(_tensor_pattern(key), Layout(kind, axis, "tensor"), f"tp:{style}"))
-            rows += peft_rules(hf_pattern(key), kind, axis, "tensor")
+            rows += lora_rules(hf_pattern(key), kind, axis)
         elif style not in _HF_NO_LAYOUT and not replicate_unsupported:
             problems.append(
                 f"{key!r}: tp style {style!r} has no torchshard layout (supported: "
@@ -137,8 +137,7 @@ def layout_problems(tp_plan: Mapping[str, str], modules: Mapping[str, Any], tens
         if style not in _HF_STYLES:
             continue
         owners = [n for n in modules if compiled(hf_pattern(key)).fullmatch(n)]
-        patterns = [compiled(_tensor_pattern(key)), compiled(hf_pattern(key) + PEFT_BASE)]
-        laid_out = [t for t in tensors if any(p.fullmatch(t) for p in patterns)]
+        laid_out = [t for t in tensors if compiled(_tensor_pattern(key)).fullmatch(t)]
         if owners and not laid_out:
             owner = owners[0]
             own = sorted(t[len(owner) + 1 :] for t in tensors if t.startswith(owner + "."))
