@@ -3,6 +3,7 @@
 from torchshard import collectives, distributed, presets
 from torchshard import inspect as inspect
 from torchshard._base.errors import ArgumentError, CheckpointError, ShardingError, UnusedRuleWarning
+from torchshard._ckpt.adapters import save_adapters
 from torchshard._ckpt.checkpoint import load, save
 from torchshard._ckpt.export import from_torch_state_dict, to_torch_state_dict
 from torchshard._ckpt.pretrained import load_safetensors
@@ -57,6 +58,7 @@ __all__ = [
     "prefetch",
     "presets",
     "save",
+    "save_adapters",
     "save_safetensors",
     "shard",
     "shard_batch",
