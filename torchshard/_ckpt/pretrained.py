@@ -171,15 +171,19 @@ class _Build:
         return host_array(cast)
 
     def array(self, like: jax.ShapeDtypeStruct, read: Callable[[tuple[slice, ...]], np.ndarray]) -> jax.Array:
-        shape, sharding = tuple(like.shape), like.sharding
+        shape = tuple(like.shape)
         done: dict[Any, np.ndarray] = {}
-        shards = []
-        for device, index in sharding.addressable_devices_indices_map(shape).items():
+
+        def shard(index: Any) -> np.ndarray:  # devices holding the same slice share one read
             key = normalized(index, shape)
             if key not in done:
-                done[key] = read(index).astype(like.dtype, copy=False)
-            shards.append(jax.device_put(done[key], device))
-        return jax.make_array_from_single_device_arrays(shape, sharding, shards)
+                done[key] = np.array(read(index), dtype=like.dtype)  # an own, aligned buffer: XLA takes it fast
+            return done[key]
+
+        # one call places every shard of this process (transfers batched), as `put` does
+        array = jax.make_array_from_callback(shape, like.sharding, shard)
+        self.reader.release()
+        return array
 
     def stacked(self, like: jax.ShapeDtypeStruct, layers: Sequence[str | None], canon: str, own: Any) -> jax.Array:
         """A stack of layers (``None``: a layer the checkpoint lacks keeps ``own``'s values)."""
@@ -280,6 +284,31 @@ def _destination(target: Target, plan: ShardingPlan | None) -> Destination:
     return plan_destination(target, plan) if plan is not None else placed_destination(target)
 
 
+def _read(
+    root: pathlib.Path, target: Target, dest: Destination, *, rename: Rename | None, strict: bool
+) -> dict[str, jax.Array]:
+    """Every destination array, checked and read (this process's slices); nothing is bound yet."""
+    model, dtypes = model_of(target), torch_dtypes(target)
+    expected = state_dict_names(model)
+    reader = Reader(checkpoint_files(root))
+    index = index_of(root)
+    unindexed = reader.restrict(index) if index is not None else []
+    raise_if_any(unindexed, header=f"{root} does not match its index; save or download it", error=CheckpointError)
+    sources, problems = _model_names(list(reader.tensors), rename)
+    chosen, found = _problems(expected, dest, sources, reader, dtypes, strict=strict)
+    header = f"checkpoint {root} does not fit {type(model).__name__}"
+    raise_if_any(problems + found, header=f"{header}; pass rename= for other names, or the model it was saved from")
+    kept = list(dict.fromkeys(dest.names[n] for n in expected if dest.names[n] not in chosen))
+    if kept:  # strict=False: say which tensors were not in the checkpoint
+        _log.info("load_safetensors: %d tensors not in %s keep the model's values: %s", len(kept), root, kept[:8])
+    build = _Build(reader, sources, dtypes)
+    arrays = _arrays(target, dest, chosen, build)
+    raise_if_any(build.problems, header="checkpoint values JAX cannot hold")
+    _log.info("load_safetensors: this process read %d of the checkpoint's %d tensor bytes from %s",
+              reader.requested, reader.total_bytes(), root)  # fmt: skip
+    return arrays
+
+
 def load_safetensors(
     path: PathLike, target: Target, plan: ShardingPlan | None = None, *, rename: Rename | None = None,
     strict: bool = True,
@@ -330,22 +359,6 @@ def load_safetensors(
     _check_args(path, target, plan, rename, strict)
     root = pathlib.Path(os.path.abspath(path))
     dest = _destination(target, plan)
-    model = model_of(target)
-    dtypes = torch_dtypes(target)
-    expected = state_dict_names(model)
-    with contextlib.ExitStack() as files:
-        reader = Reader(checkpoint_files(root), files)
-        index = index_of(root)
-        unindexed = reader.restrict(index) if index is not None else []
-        raise_if_any(unindexed, header=f"{root} does not match its index; save or download it", error=CheckpointError)
-        sources, problems = _model_names(list(reader.tensors), rename)
-        chosen, found = _problems(expected, dest, sources, reader, dtypes, strict=strict)
-        header = f"checkpoint {root} does not fit {type(model).__name__}"
-        raise_if_any(problems + found, header=f"{header}; pass rename= for other names, or the model it was saved from")
-        build = _Build(reader, sources, dtypes)
-        arrays = _arrays(target, dest, chosen, build)
-        raise_if_any(build.problems, header="checkpoint values JAX cannot hold")
-        _log.info("load_safetensors: this process read %d of the checkpoint's %d tensor bytes from %s",
-                  reader.requested, reader.total_bytes(), root)  # fmt: skip
+    arrays = _read(root, target, dest, rename=rename, strict=strict)
     _place(target, dest, arrays, plan)
     return target

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import json
 import math
@@ -104,10 +103,14 @@ def _indexed(index: pathlib.Path) -> dict[str, pathlib.Path]:
 
 
 class Reader:
-    """Open safetensors files: the header of every tensor, and slices read on request (their bytes counted)."""
+    """Safetensors files: the header of every tensor, and slices read on request (their bytes counted).
 
-    def __init__(self, files: list[pathlib.Path], stack: contextlib.ExitStack) -> None:
-        from safetensors import SafetensorError, safe_open
+    A file stays open (memory-mapped) only while its tensors are read: `release` closes it, so the
+    pages read leave this process's memory once their values are on the devices.
+    """
+
+    def __init__(self, files: list[pathlib.Path]) -> None:
+        from safetensors import SafetensorError
 
         self._handles: dict[pathlib.Path, Any] = {}
         self.tensors: dict[str, Stored] = {}
@@ -115,19 +118,30 @@ class Reader:
         problems = []
         for file in files:
             try:
-                handle = stack.enter_context(safe_open(os.fspath(file), framework="pt"))
+                handle = self._open(file)
             except (OSError, SafetensorError) as e:
                 problems.append(f"{file}: {type(e).__name__}: {e}")
                 continue
-            self._handles[file] = handle
             for name in handle.keys():  # noqa: SIM118 (a safe_open handle is not iterable)
                 view = handle.get_slice(name)
                 self.tensors[name] = Stored(file, tuple(view.get_shape()), view.get_dtype())
+            self.release()
         raise_if_any(
             problems,
             header="unreadable safetensors files (truncated, corrupted or not safetensors); download or save them",
             error=CheckpointError,
         )
+
+    def _open(self, file: pathlib.Path) -> Any:
+        from safetensors import safe_open
+
+        if file not in self._handles:
+            self._handles[file] = safe_open(os.fspath(file), framework="pt")
+        return self._handles[file]
+
+    def release(self) -> None:
+        """Closes the open files (unmapping them); a later read opens its file again."""
+        self._handles.clear()
 
     def restrict(self, index: Mapping[str, pathlib.Path]) -> list[str]:
         """Keeps the tensors the index names; every name it puts in a file that lacks it is a problem."""
@@ -139,7 +153,7 @@ class Reader:
     def read(self, name: str, index: tuple[slice, ...]) -> torch.Tensor:
         """``tensor[index]`` as a CPU torch tensor in the stored dtype."""
         stored = self.tensors[name]
-        view = self._handles[stored.file].get_slice(name)
+        view = self._open(stored.file).get_slice(name)
         try:
             part = view[index] if stored.shape else view[()]
         except Exception as e:  # the header said one thing, the data another
