@@ -83,6 +83,11 @@ def _child(path: str, how: str) -> dict[str, float]:
     if read:
         numbers = [int(w) for w in read[-1].split() if w.isdigit()]
         out |= {"requested": float(numbers[0]), "total": float(numbers[1])}
+    if how == "bytes" and out["total"] < 50e6:  # a small model: check the values too (gathered, a collective)
+        from safetensors.torch import load_file
+
+        stored, state = load_file(Path(path, "model.safetensors")), ts.to_torch_state_dict(model)
+        out["equal"] = float(all(torch.equal(state[n], t) for n, t in stored.items()))
     return out
 
 
@@ -151,7 +156,8 @@ def main() -> None:
     print("bytes requested per process (2 processes x 4 devices), of the checkpoint's tensor bytes: "
           + ", ".join(f"{f:.3f}" for f in fractions))  # fmt: skip
     if args.json:
-        result = {"model_bytes": size, "from_pretrained": base, "load_safetensors": new, "fractions": fractions}
+        result = {"model_bytes": size, "from_pretrained": base, "load_safetensors": new, "fractions": fractions,
+                  "values_equal": [r.get("equal") for r in ranks]}  # fmt: skip
         Path(args.json).write_text(json.dumps(result, indent=1))
 
 

@@ -120,4 +120,5 @@ def test_pretrained_benchmark_runs(tmp_path):
     result = json.loads(out.read_text())
     # 2 processes × 4 devices: each asks for the slices its own devices hold, about half of every sharded tensor
     assert len(result["fractions"]) == 2 and all(0.4 <= f <= 0.6 for f in result["fractions"])
+    assert result["values_equal"] == [1.0, 1.0]  # each process gathered the loaded model: the checkpoint's values
     assert result["load_safetensors"]["seconds"] > 0 and result["from_pretrained"]["rss"] > 0

@@ -133,3 +133,22 @@ def test_save_adapters_needs_a_peft_model(tmp_path):
     ts.shard(model, ts.plan(model, ts.make_mesh({"data": 8})))
     with pytest.raises(ts.ArgumentError, match=r"target's model is a LlamaForCausalLM, not a peft model; wrap it"):
         ts.save_adapters(tmp_path, model)
+
+
+def peft_llama() -> torch.nn.Module:
+    """The CLI's factory: a tiny Llama wrapped by peft (built on meta by the CLI)."""
+    return lora(tiny_llama())
+
+
+def test_cli_preset_hf_lays_out_a_peft_model(capsys):
+    import json
+
+    from torchshard.__main__ import EXIT_OK, main
+
+    code = main(["plan", "test_lora:peft_llama", "--mesh", "data=4,model=2", "--preset", "hf", "--format", "json"])
+    out, err = capsys.readouterr()
+    assert code == EXIT_OK, err
+    specs = {r["name"]: r["spec"] for r in json.loads(out)["tensors"]}
+    assert specs[PREFIX + "q_proj.lora_B.default.weight"] == str(P("model", None))
+    assert specs[PREFIX + "o_proj.lora_A.default.weight"] == str(P(None, "model"))
+    assert specs[PREFIX + "o_proj.base_layer.weight"] == str(P("data", "model"))
