@@ -171,3 +171,13 @@ def test_training_from_pretrained_matches_eager(pretrained, axes, rules, options
     ts.load_safetensors(pretrained, trainer)
     assert trainer.step_count == 0
     np.testing.assert_allclose([float(trainer.step(b)["loss"]) for b in data], expected, rtol=1e-4)
+
+
+def test_a_scanned_stack_missing_a_layer_keeps_that_layers_values(pretrained):
+    trainer = TARGETS["trainer_scan"]()
+    name = "model.layers.2.mlp.up_proj.weight"
+    own = ts.to_torch_state_dict(trainer)[name]
+    ts.load_safetensors(pretrained, trainer, rename=lambda n: None if n == name else n, strict=False)
+    state, expected = ts.to_torch_state_dict(trainer), reference(pretrained).state_dict()
+    assert torch.equal(state.pop(name), own)
+    assert_state_equal(state, {k: v for k, v in expected.items() if k != name})
