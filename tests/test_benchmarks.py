@@ -136,3 +136,16 @@ def test_generate_benchmark_runs():
         "transformers generate, eager torch on the CPU",
     ]
     assert all(float(r[1]) > 0 for r in rows[1:])
+
+
+def test_pretrained_benchmark_runs(tmp_path):
+    out = tmp_path / "pretrained.json"
+    args = [str(SCRIPT.parent / "pretrained.py"), "--tiny", "--repeats", "1", "--json", str(out)]
+    done = subprocess.run([sys.executable, *args], capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr
+    assert "| from_pretrained + shard |" in done.stdout and "| load_safetensors (meta + plan) |" in done.stdout
+    result = json.loads(out.read_text())
+    # 2 processes × 4 devices: each asks for the slices its own devices hold, about half of every sharded tensor
+    assert len(result["fractions"]) == 2 and all(0.4 <= f <= 0.6 for f in result["fractions"])
+    assert result["values_equal"] == [1.0, 1.0]  # each process gathered the loaded model: the checkpoint's values
+    assert result["load_safetensors"]["seconds"] > 0 and result["from_pretrained"]["rss"] > 0

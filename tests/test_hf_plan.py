@@ -80,8 +80,8 @@ class Custom(torch.nn.Module):
 
 
 def test_an_entry_on_a_module_without_weight_or_bias_is_an_error():
-    match = (r"tp_plan entry 'scaler' \(colwise\) names module 'scaler' \(Module\), which has no weight or bias "
-             r"to lay out \(its tensors: \['gain'\]\)")  # fmt: skip
+    match = (r"tp_plan entry 'scaler' \(colwise\) names module 'scaler' \(Module\), which holds \['gain'\] under it "
+             r"but no weight or bias of its own \(nor a peft base_layer's\) to lay out")  # fmt: skip
     with pytest.raises(ShardingError, match=match):
         presets.hf_rules(Custom({"proj": "colwise", "scaler": "colwise"}))
 
@@ -91,7 +91,8 @@ def test_entries_for_modules_the_config_leaves_out_warn_once_and_add_no_rule():
     with pytest.warns(UnusedRuleWarning, match=r"Custom's tp_plan entries \{'layers\.\*\.mlp\.gate_proj': 'colwise', "
                                                r"'q_proj': 'rowwise'\} match no module"):  # fmt: skip
         rules = presets.hf_rules(model, fsdp_axis=None)
-    assert [r.source for r in rules] == ["tp:colwise"]
+    peft = ["tp:colwise (LoRA)", "tp:colwise (LoRA, replicated)"]
+    assert [r.source for r in rules] == ["tp:colwise", *peft]
     assert ts.plan(model, ts.make_mesh({"data": 4, "model": 2}), rules).spec("proj.weight") == P("model", None)
 
 

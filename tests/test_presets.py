@@ -196,7 +196,9 @@ def test_tensor_parallel_bad_pattern():
 
 def test_tensor_parallel_unused_pattern_warns_once(mesh_dm):
     # the bias rule never warns: a bias-free Linear is not a typo
-    with pytest.warns(UnusedRuleWarning, match=r"'\(\?:upp\)\\\\.weight' → colwise\('model'\).*closest names") as got:
+    with pytest.warns(
+        UnusedRuleWarning, match=r"'\(\?:upp\)\(\?:\\\\.base_layer\)\?\\\\.weight' → colwise\('model'\).*closest names"
+    ) as got:
         torchshard.plan(Block(), mesh_dm, presets.tensor_parallel(colwise=["upp"]))
     assert len(got) == 1
 
@@ -331,9 +333,10 @@ def test_from_hf_tp_plan_unsupported_styles_listed_together():
     assert "'layers.*.mlp.experts': tp style 'grouped_gemm'" in message
     assert "pass replicate_unsupported=True" in message
     rules = presets.from_hf_tp_plan(tp_plan, replicate_unsupported=True)
-    # one rule per entry: the module's weight and bias, or the bare parameter the entry names
+    # per entry: the module's (or its peft base layer's) weight and bias, or the bare parameter; then LoRA factors
     heads = [r"(?:.*\.)?layers\.\d+\.self_attn\.q_proj", r"(?:.*\.)?layers\.\d+\.mlp\.experts\.gate_up_proj"]
-    assert [r.pattern for r in rules] == [h + r"(?:\.weight|\.bias)?" for h in heads]
+    assert [r.pattern for r in rules][::3] == [h + r"(?:(?:\.base_layer)?(?:\.weight|\.bias))?" for h in heads]
+    assert [r.source for r in rules][:3] == ["tp:colwise", "tp:colwise (LoRA)", "tp:colwise (LoRA, replicated)"]
 
 
 def test_from_hf_tp_plan_of_a_real_llama(mesh_dm):

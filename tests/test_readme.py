@@ -4,6 +4,8 @@ A block that continues an earlier example (it uses a ``model`` or ``trainer`` it
 says so in an HTML comment right above it, ``<!-- readme-test: setup=NAME (what it provides) -->``,
 invisible on the rendered page; ``SETUPS[NAME]`` builds those names (tiny sizes) and, where the
 block only builds something, ``THEN[NAME]`` uses it once. Every other block runs on its own.
+A ```py block shows code that needs what this machine lacks (a Hub snapshot of Llama-3-8B,
+accelerators): it is compiled, not run.
 Shell commands (``python3 dev.py test``, ``python -m torchshard plan ...``, benchmarks) take minutes, so
 they are not run: each command must exist and accept every flag the README gives it.
 """
@@ -31,6 +33,7 @@ README = (ROOT / "README.md").read_text()
 BLOCK = re.compile(r"(?:<!-- readme-test: setup=(?P<setup>\w+)[^>]*-->\n)?```(?P<lang>\w*)\n(?P<body>.*?)```", re.S)
 BLOCKS = [(m["lang"], m["setup"], m["body"], README[: m.start()].count("\n") + 1) for m in BLOCK.finditer(README)]
 PYTHON = [(setup, body, line) for lang, setup, body, line in BLOCKS if lang == "python"]
+SHOWN = [(body, line) for lang, _, body, line in BLOCKS if lang == "py"]
 
 
 def _ids(vocab: int = 128) -> torch.Tensor:
@@ -129,6 +132,11 @@ def test_python_block_runs_as_written(setup, body, line, tmp_path, monkeypatch, 
     exec(compile(body, f"README.md:{line}", "exec"), ns)
     if setup in THEN:
         THEN[setup](ns)
+
+
+@pytest.mark.parametrize(("body", "line"), SHOWN, ids=[f"line{line}" for _, line in SHOWN])
+def test_shown_python_block_compiles(body, line):
+    compile(body, f"README.md:{line}", "exec")
 
 
 # --- commands: they exist and take the flags shown ------------------------------------------------

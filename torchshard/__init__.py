@@ -3,8 +3,10 @@
 from torchshard import collectives, distributed, presets
 from torchshard import inspect as inspect
 from torchshard._base.errors import ArgumentError, CheckpointError, ShardingError, UnusedRuleWarning
+from torchshard._ckpt.adapters import save_adapters
 from torchshard._ckpt.checkpoint import load, save
 from torchshard._ckpt.export import from_torch_state_dict, to_torch_state_dict
+from torchshard._ckpt.pretrained import load_safetensors
 from torchshard._ckpt.safetensors import save_safetensors
 from torchshard._ckpt.stepdir import checkpoint_steps
 from torchshard._parallel.context import ContextParallel
@@ -53,11 +55,13 @@ __all__ = [
     "generate",
     "init_sharded",
     "load",
+    "load_safetensors",
     "make_mesh",
     "plan",
     "prefetch",
     "presets",
     "save",
+    "save_adapters",
     "save_safetensors",
     "shard",
     "shard_batch",

@@ -200,3 +200,15 @@ def save_safetensors(path: PathLike, target: Target, *, max_shard_bytes: int = 5
     out = pathlib.Path(os.path.abspath(path))
     together("torchshard-safetensors-end", lambda: _export_files(out, files, index))
     return pathlib.Path(path) / _INDEX
+
+
+def export_arrays_as(
+    path: PathLike, arrays: Mapping[str, Any], dtypes: Mapping[str, torch.dtype], *, max_shard_bytes: int
+) -> pathlib.Path:
+    """Writes ``name → placed array`` (gathered a file at a time, in ``dtypes``) as `save_safetensors` writes one."""
+    sizes = {n: arrays[n].size * dtypes[n].itemsize for n in arrays}
+    pairs = _files(sizes, max_shard_bytes)
+    files = ((f, {n: torch_tensor(arrays[n], dtypes[n], name=n).contiguous() for n in s}) for f, s in pairs)
+    out = pathlib.Path(os.path.abspath(path))
+    together("torchshard-safetensors-end", lambda: _export_files(out, files, _index(sizes, pairs)))
+    return pathlib.Path(path) / _INDEX

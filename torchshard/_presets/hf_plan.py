@@ -8,7 +8,7 @@ from typing import Any
 
 from torchshard._base.errors import raise_if_any
 from torchshard._base.validate import compiled
-from torchshard._presets.tables import AxisName, Layout
+from torchshard._presets.tables import PEFT_BASE, AxisName, Layout, lora_rules
 from torchshard._sharding.rules import Rule, Rules
 
 # transformers 4.x and 5.x style names → the weight layout (GSPMD places activations). Packed
@@ -58,7 +58,7 @@ def hf_pattern(key: str) -> str:
 
 def _tensor_pattern(key: str) -> str:
     # a key names a module (its weight and bias are laid out) or a bare parameter (stacked experts, sinks)
-    return hf_pattern(key) + r"(?:\.weight|\.bias)?"
+    return hf_pattern(key) + rf"(?:{PEFT_BASE}(?:\.weight|\.bias))?"  # peft's wrapped layer too
 
 
 def from_hf_tp_plan(
@@ -100,6 +100,7 @@ def from_hf_tp_plan(
         kind = _HF_STYLES.get(style)
         if kind is not None:
             rows.append(Rule(_tensor_pattern(key), Layout(kind, axis, "tensor"), f"tp:{style}"))
+            rows += lora_rules(hf_pattern(key), kind, axis)
         elif style not in _HF_NO_LAYOUT and not replicate_unsupported:
             problems.append(
                 f"{key!r}: tp style {style!r} has no torchshard layout (supported: "
@@ -138,10 +139,12 @@ def layout_problems(tp_plan: Mapping[str, str], modules: Mapping[str, Any], tens
         owners = [n for n in modules if compiled(hf_pattern(key)).fullmatch(n)]
         laid_out = [t for t in tensors if compiled(_tensor_pattern(key)).fullmatch(t)]
         if owners and not laid_out:
-            own = sorted({t.rsplit(".", 1)[-1] for t in tensors if t.startswith(owners[0] + ".")})
+            owner = owners[0]
+            own = sorted(t[len(owner) + 1 :] for t in tensors if t.startswith(owner + "."))
+            held = f"holds {own[:6]} under it" if own else "holds no tensors"
             problems.append(
-                f"tp_plan entry {key!r} ({style}) names module {owners[0]!r} ({type(modules[owners[0]]).__name__}), "
-                f"which has no weight or bias to lay out (its tensors: {own[:6]}); add a rule for them, e.g. "
-                f"({owners[0].replace('.', chr(92) + '.')!r} + r'\\.NAME', spec)"
+                f"tp_plan entry {key!r} ({style}) names module {owner!r} ({type(modules[owner]).__name__}), which "
+                f"{held} but no weight or bias of its own (nor a peft base_layer's) to lay out; add a rule for "
+                f"them, e.g. ({owner.replace('.', chr(92) + '.')!r} + r'\\.NAME', spec)"
             )
     return problems

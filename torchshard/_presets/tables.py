@@ -208,12 +208,33 @@ class Layout:
         return PartitionSpec(*entries)
 
 
+# peft's LoRA wraps a Linear as ``base_layer`` + ``lora_A.<adapter>`` ([r, in]) + ``lora_B.<adapter>`` ([out, r])
+PEFT_BASE = r"(?:\.base_layer)?"  # between a module's name and its weight/bias: the wrapped layer's are laid out alike
+_PEFT_FACTORS = {"colwise": (r"\.lora_B\.[^.]+\.weight", r"\.lora_A\.[^.]+\.weight"),
+                 "rowwise": (r"\.lora_A\.[^.]+\.weight", r"\.lora_B\.[^.]+\.weight")}  # fmt: skip
+
+
+def lora_rules(head: str, style: str, axis: AxisName) -> list[Rule]:
+    """Rules for the LoRA factors of a peft-wrapped module matching ``head``.
+
+    The factor on the base weight's split dim is split like it (``lora_B [out, r]`` of a colwise
+    layer, ``lora_A [r, in]`` of a rowwise one); the other factor is replicated.
+    """
+    split, whole = _PEFT_FACTORS[style]
+    return [
+        Rule(head + split, Layout(style, axis, "weight"), f"tp:{style} (LoRA)", warn_unused=False),
+        Rule(head + whole, PartitionSpec(), f"tp:{style} (LoRA, replicated)", warn_unused=False),
+    ]
+
+
 def tensor_parallel(colwise: Sequence[str] = (), rowwise: Sequence[str] = (), *, axis: AxisName = "model") -> Rules:
     """Megatron-style tensor parallelism; patterns name *modules* (``Linear``/``Embedding``).
 
     ``colwise`` Linear: weight ``[out, in]`` → ``(axis, None)``, bias → ``(axis,)``.
     ``rowwise`` Linear: weight → ``(None, axis)``, bias replicated. ``Embedding`` (``[num, dim]``):
-    colwise shards ``dim``, rowwise shards the vocabulary. Subclasses count as their base.
+    colwise shards ``dim``, rowwise shards the vocabulary. Subclasses count as their base. A
+    module peft's LoRA wrapped lays out its ``base_layer`` so, its ``lora_B`` (colwise) or
+    ``lora_A`` (rowwise) split on the same dim, the other factor replicated.
 
     Args:
         colwise: regexes of module names whose outputs are split over ``axis``.
@@ -222,8 +243,8 @@ def tensor_parallel(colwise: Sequence[str] = (), rowwise: Sequence[str] = (), *,
 
     Example:
         >>> rules = tensor_parallel(colwise=[r"layers\\.\\d+\\.up"], rowwise=[r"layers\\.\\d+\\.down"])
-        >>> [rule.pattern for rule in rules][:2]
-        ['(?:layers\\\\.\\\\d+\\\\.up)\\\\.weight', '(?:layers\\\\.\\\\d+\\\\.up)\\\\.bias']
+        >>> [rule.pattern for rule in rules][0]  # its weight, or that of the layer peft wrapped in it
+        '(?:layers\\\\.\\\\d+\\\\.up)(?:\\\\.base_layer)?\\\\.weight'
     """
     rows = []
     for style, patterns in (("colwise", colwise), ("rowwise", rowwise)):
@@ -232,8 +253,11 @@ def tensor_parallel(colwise: Sequence[str] = (), rowwise: Sequence[str] = (), *,
         for pattern in patterns:
             Rules([(pattern, ())])  # validates the regex with a clear error
             head = f"(?:{pattern})"
-            rows.append(Rule(head + r"\.weight", Layout(style, axis, "weight"), f"tp:{style}"))
-            rows.append(Rule(head + r"\.bias", Layout(style, axis, "bias"), f"tp:{style}", warn_unused=False))
+            rows.append(Rule(head + PEFT_BASE + r"\.weight", Layout(style, axis, "weight"), f"tp:{style}"))
+            rows.append(
+                Rule(head + PEFT_BASE + r"\.bias", Layout(style, axis, "bias"), f"tp:{style}", warn_unused=False)
+            )
+            rows += lora_rules(head, style, axis)
     return Rules(rows)
 
 
@@ -246,8 +270,8 @@ def common_tensor_parallel(*, axis: AxisName = "model") -> Rules:
     """Tensor parallelism by the projection names common model code uses (``q_proj``, ``down_proj``, ``c_fc``...).
 
     Example:
-        >>> len(common_tensor_parallel())  # a weight and a bias rule per style
-        4
+        >>> len(common_tensor_parallel())  # per style a weight, a bias and peft's two LoRA factors
+        8
     """
     names = lambda group: [r"(?:.*\.)?(?:" + "|".join(group) + ")"]  # noqa: E731
     return tensor_parallel(colwise=names(COMMON_COLWISE), rowwise=names(COMMON_ROWWISE), axis=axis)

@@ -1,0 +1,154 @@
+"""peft LoRA under torchshard: layouts, training against eager torch, frozen base weights, adapter exports."""
+
+from __future__ import annotations
+
+import jax
+import numpy as np
+import optax
+import pytest
+import torch
+from helpers import torch_losses
+from jax.sharding import PartitionSpec as P
+from models import tiny_llama
+
+import torchshard as ts
+from torchshard import presets
+
+peft = pytest.importorskip("peft")
+transformers = pytest.importorskip("transformers")
+
+LR, WD = 1e-3, 0.01
+TARGETS = ["q_proj", "v_proj", "o_proj"]  # colwise and rowwise layers
+PREFIX = "base_model.model.model.layers.0.self_attn."
+
+
+def lora(model: torch.nn.Module) -> torch.nn.Module:
+    config = peft.LoraConfig(r=8, lora_alpha=16, target_modules=TARGETS, lora_dropout=0.0)
+    return peft.get_peft_model(model, config)
+
+
+def lm_loss(model, ids):
+    return model(input_ids=ids, labels=ids).loss
+
+
+@pytest.mark.parametrize(
+    ("name", "spec"),
+    [
+        ("q_proj.base_layer.weight", P("model", "data")),  # as the tp_plan says for q_proj, + FSDP
+        ("q_proj.lora_B.default.weight", P("model", None)),  # [out, r]: split like the base weight's out dim
+        ("q_proj.lora_A.default.weight", P()),
+        ("o_proj.base_layer.weight", P("data", "model")),
+        ("o_proj.lora_A.default.weight", P(None, "model")),  # [r, in]: split like the base weight's in dim
+        ("o_proj.lora_B.default.weight", P()),
+        ("k_proj.weight", P("model", "data")),  # not wrapped
+    ],
+)
+def test_hf_rules_lay_out_peft_wrapped_modules(mesh_dm, name, spec):
+    model = lora(tiny_llama(meta=True))
+    assert ts.plan(model, mesh_dm, presets.hf_rules(model, fsdp_min_size=1024)).spec(PREFIX + name) == spec
+
+
+def test_tensor_parallel_lays_out_peft_wrapped_modules(mesh_dm):
+    model = lora(tiny_llama(meta=True))
+    rules = presets.tensor_parallel(colwise=[r".*\.(q|k|v)_proj"], rowwise=[r".*\.o_proj"])
+    plan = ts.plan(model, mesh_dm, rules)
+    assert plan.spec(PREFIX + "q_proj.base_layer.weight") == P("model", None)
+    assert plan.spec(PREFIX + "v_proj.lora_B.default.weight") == P("model", None)
+    assert plan.spec(PREFIX + "v_proj.lora_A.default.weight") == P()
+    assert plan.spec(PREFIX + "o_proj.base_layer.weight") == P(None, "model")
+    assert plan.spec(PREFIX + "o_proj.lora_A.default.weight") == P(None, "model")
+    assert plan.spec(PREFIX + "o_proj.lora_B.default.weight") == P()
+
+
+def _nbytes(tree) -> int:
+    return sum(x.nbytes for x in jax.tree.leaves(tree))
+
+
+RULES = {
+    "fsdp": ({"data": 8}, lambda m: presets.fsdp(min_size=256)),
+    "fsdp_tp": ({"data": 4, "model": 2}, lambda m: presets.hf_rules(m, fsdp_min_size=256)),
+}
+
+
+def _trained(kind, data):
+    axes, rules = RULES[kind]
+    model = lora(tiny_llama(seed=1))
+    trainer = ts.Trainer(
+        model, lm_loss, optax.adamw(LR, weight_decay=WD), ts.plan(model, ts.make_mesh(axes), rules(model))
+    )
+    return trainer, [float(trainer.step(b)["loss"]) for b in data]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("kind", list(RULES))
+def test_lora_training_matches_eager_and_leaves_the_base_alone(kind):
+    g = torch.Generator().manual_seed(0)
+    data = [torch.randint(0, 128, (8, 12), generator=g) for _ in range(4)]
+    ref = lora(tiny_llama(seed=1))
+    base = {n: t.clone() for n, t in ref.state_dict().items() if "lora_" not in n}
+    trainable = [p for p in ref.parameters() if p.requires_grad]
+    expected = torch_losses(ref, lm_loss, torch.optim.AdamW(trainable, lr=LR, weight_decay=WD), data)
+    trainer, losses = _trained(kind, data)
+    np.testing.assert_allclose(losses, expected, rtol=1e-4)
+    # frozen: no gradient, no optimizer state; AdamW holds mu and nu for the adapters alone (+ its step count)
+    adapters = {n for n, p in ref.named_parameters() if p.requires_grad}
+    assert set(trainer.state.params) == adapters
+    adapter_bytes = sum(p.numel() * 4 for p in trainable)
+    assert _nbytes(trainer.state.opt_state) == 2 * adapter_bytes + 4
+    state = ts.to_torch_state_dict(trainer)
+    for name, value in base.items():
+        assert torch.equal(state[name], value), name  # bit-identical after training
+
+
+@pytest.fixture(scope="module")
+def trained():
+    g = torch.Generator().manual_seed(0)
+    return _trained("fsdp_tp", [torch.randint(0, 128, (8, 12), generator=g) for _ in range(2)])[0]
+
+
+def test_adapters_export_in_peft_format(trained, tmp_path):
+    path = ts.save_adapters(tmp_path, trained)
+    assert path == tmp_path / "adapter_model.safetensors"
+    assert {"adapter_model.safetensors", "adapter_config.json"} <= {p.name for p in tmp_path.iterdir()}
+    loaded = peft.PeftModel.from_pretrained(tiny_llama(seed=1), tmp_path)
+    state, expected = loaded.state_dict(), ts.to_torch_state_dict(trained)
+    assert set(state) == set(expected)
+    assert all(torch.equal(state[n], expected[n]) for n in expected)
+
+
+def test_merged_export_loads_without_peft(trained, tmp_path):
+    ts.save_adapters(tmp_path, trained, merged=True)
+    merged = transformers.LlamaForCausalLM.from_pretrained(tmp_path)
+    eager = lora(tiny_llama(seed=1))
+    eager.load_state_dict(ts.to_torch_state_dict(trained))
+    expected = eager.merge_and_unload().state_dict()
+    state = merged.state_dict()
+    assert list(state) == list(expected)
+    for name, value in expected.items():
+        torch.testing.assert_close(state[name], value, rtol=0, atol=1e-6, msg=name)
+
+
+def test_save_adapters_needs_a_peft_model(tmp_path):
+    model = tiny_llama()
+    ts.shard(model, ts.plan(model, ts.make_mesh({"data": 8})))
+    with pytest.raises(ts.ArgumentError, match=r"target's model is a LlamaForCausalLM, not a peft model; wrap it"):
+        ts.save_adapters(tmp_path, model)
+
+
+def peft_llama() -> torch.nn.Module:
+    """The CLI's factory: a tiny Llama wrapped by peft (built on meta by the CLI)."""
+    return lora(tiny_llama())
+
+
+def test_cli_preset_hf_lays_out_a_peft_model(capsys):
+    import json
+
+    from torchshard.__main__ import EXIT_OK, main
+
+    code = main(["plan", "test_lora:peft_llama", "--mesh", "data=4,model=2", "--preset", "hf", "--format", "json"])
+    out, err = capsys.readouterr()
+    assert code == EXIT_OK, err
+    specs = {r["name"]: r["spec"] for r in json.loads(out)["tensors"]}
+    assert specs[PREFIX + "q_proj.lora_B.default.weight"] == str(P("model", None))
+    assert specs[PREFIX + "o_proj.lora_A.default.weight"] == str(P(None, "model"))
+    assert specs[PREFIX + "o_proj.base_layer.weight"] == str(P("data", "model"))
