@@ -43,6 +43,16 @@ def _fingerprint(x: jax.Array) -> jax.Array:
 _fingerprints = jax.jit(lambda tree: jax.tree.map(_fingerprint, tree))
 
 
+def fingerprints(tree: Any) -> Any:
+    """`checksums` still on the devices: dispatched at once, read later (a save overlaps them with its writes)."""
+    return _fingerprints(tree)
+
+
+def read_checksums(fingerprints_: Any) -> Any:
+    """The host values of `fingerprints`: a tree of ``[int, int]`` (waits for them)."""
+    return jax.tree.map(lambda s: [int(v) for v in s], jax.device_get(fingerprints_))
+
+
 def checksums(tree: Any) -> Any:
     """The same tree with each array replaced by its two uint32 checksums (a list of two ints).
 
@@ -50,7 +60,7 @@ def checksums(tree: Any) -> Any:
         >>> checksums({"w": jnp.arange(4.0)})
         {'w': [3217031168, 3225419776]}
     """
-    return jax.tree.map(lambda s: [int(v) for v in s], jax.device_get(_fingerprints(tree)))
+    return read_checksums(fingerprints(tree))
 
 
 def is_checksum(x: Any) -> bool:
