@@ -182,7 +182,7 @@ def _snapshot(root: pathlib.Path, target: Target, step: int | None, keep_last: i
     tree = state_tree(target, doing="save()")
     raise_if_any(unwritable(tree), header="save(): nothing was written", error=CheckpointError)
     if copy:  # on the devices: cheaper than a copy to the host, and the write reads host-visible shards anyway
-        tree = jax.device_put(tree, may_alias=False)
+        tree = jax.device_put(tree, jax.tree.map(lambda x: x.sharding, tree), may_alias=False)
     model = model_of(target)
     module, names = type(model).__name__, canonical_names(model)
     stacks = target.layout.stacks() if isinstance(target, Trainer) else {}

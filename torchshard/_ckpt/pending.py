@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import atexit
 import concurrent.futures
 import logging
 import threading
@@ -30,10 +29,10 @@ def submit(work: Callable[[], Any]) -> concurrent.futures.Future[Any]:
     """Runs ``work`` on the save thread; its Future becomes the pending save."""
     with _pending.lock:
         if _pending.executor is None:
-            # concurrent.futures joins its threads before atexit handlers run (JAX's among them), so
-            # a pending save finishes while the runtime is still up; ``_at_exit`` logs its error
             _pending.executor = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix=_THREAD)
-            atexit.register(_at_exit)
+            # at exit, wait before concurrent.futures stops taking work (orbax's writes use executors)
+            # and before atexit handlers stop JAX: threading's exit hooks run first, newest first
+            threading._register_atexit(_at_exit)  # type: ignore[attr-defined]
         future = _pending.executor.submit(work)
         _pending.future, _pending.raised = future, False
     return future
