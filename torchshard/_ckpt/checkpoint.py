@@ -18,7 +18,7 @@ from torchshard._base.validate import instance_problems, int_problems, raise_for
 from torchshard._bridge.module_tensors import canonical_names, named_tensors
 from torchshard._bridge.tensors import rebind
 from torchshard._ckpt import pending
-from torchshard._ckpt.checksum import fingerprints, read_checksums
+from torchshard._ckpt.checksum import Started, finish_checksums, start_checksums
 from torchshard._ckpt.meta import checksum_problems, metadata, read_meta, write_meta
 from torchshard._ckpt.orbax import read_state, unwritable, write_state
 from torchshard._ckpt.restore import (
@@ -116,14 +116,14 @@ def _begin(final: pathlib.Path) -> pathlib.Path:
 class _Save:
     """One save, snapshotted: the arrays and everything else it writes, none of which changes once taken.
 
-    ``fingerprints`` are the arrays' checksums, dispatched to the devices with the snapshot and
-    read only after the arrays are written, so computing them overlaps the writes. Each item a
-    checkpoint holds is one field here, written by `_write`.
+    ``checksums`` are under way (the device's part dispatched with the snapshot); the host sums
+    its shards while orbax writes them. Each item a checkpoint holds is one field here, written
+    by `_write`.
     """
 
     final: pathlib.Path
     tree: dict[str, Any]
-    fingerprints: Any
+    checksums: Started
     describe: Callable[[Any], dict[str, Any]]  # checksums → the metadata
     keep_last: int | None
     step: int
@@ -144,8 +144,10 @@ class _Save:
 def _write(tmp: pathlib.Path, save: _Save) -> None:
     """Arrays (every process its shards), then the metadata (the commit marker, last); a failed write is undone."""
     try:
-        write_state(tmp / STATE, save.tree, key=f"torchshard-save-{save.step}-{tmp.name}")
-        meta = save.describe(read_checksums(save.fingerprints))
+        with concurrent.futures.ThreadPoolExecutor(1) as beside:  # numpy and tensorstore both release the GIL
+            sums = beside.submit(finish_checksums, save.checksums)
+            write_state(tmp / STATE, save.tree, key=f"torchshard-save-{save.step}-{tmp.name}")
+            meta = save.describe(sums.result())
         if primary():
             write_meta(tmp, meta | {"files": file_sizes(tmp / STATE)})
     except (OSError, ValueError) as e:  # orbax reports a full disk as ValueError("RESOURCE_EXHAUSTED: ...")
@@ -190,7 +192,7 @@ def _snapshot(root: pathlib.Path, target: Target, step: int | None, keep_last: i
     def describe(sums: Any) -> dict[str, Any]:
         return metadata(module, names, tree, step, stacks=stacks, sums=sums)
 
-    return _Save(root / step_name(step), tree, fingerprints(tree), describe, keep_last, step)
+    return _Save(root / step_name(step), tree, start_checksums(tree), describe, keep_last, step)
 
 
 @overload

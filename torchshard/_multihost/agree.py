@@ -24,19 +24,22 @@ def _client() -> Any:
     return distributed.global_state.client
 
 
-def flagged_processes(name: str, flag: bool) -> list[int]:
-    """Every process reports ``flag`` at ``name``; each gets the list of processes that raised it.
+def gathered(name: str, value: str) -> list[str]:
+    """Every process's ``value`` at ``name``, by process index; a barrier too.
 
-    Also a barrier: it returns once every process has reported. Every process must call it with
-    the same names in the same order (the n-th use of a name on one process meets the n-th on the
-    others).
+    Every process must call it with the same names in the same order (the n-th use of a name on
+    one process meets the n-th on the others).
     """
     if jax.process_count() == 1:
-        return [0] if flag else []
+        return [value]
     with _lock:
         _uses[name] += 1
         key = f"torchshard/{name}/{_uses[name]}"
     client = _client()
-    client.key_value_set(f"{key}/{jax.process_index()}", "1" if flag else "0")
-    found = [client.blocking_key_value_get(f"{key}/{i}", _TIMEOUT_MS) for i in range(jax.process_count())]
-    return [i for i, value in enumerate(found) if value == "1"]
+    client.key_value_set(f"{key}/{jax.process_index()}", value)
+    return [client.blocking_key_value_get(f"{key}/{i}", _TIMEOUT_MS) for i in range(jax.process_count())]
+
+
+def flagged_processes(name: str, flag: bool) -> list[int]:
+    """Every process reports ``flag`` at ``name``; each gets the list of processes that raised it (a barrier too)."""
+    return [i for i, value in enumerate(gathered(name, "1" if flag else "0")) if value == "1"]
