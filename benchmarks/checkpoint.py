@@ -57,6 +57,25 @@ def disk_read(path: pathlib.Path) -> None:
             pass
 
 
+class Phases:
+    """Wraps functions that ``ts.save`` calls (private, by name) to time its phases inside real saves."""
+
+    def __init__(self, module: Any, names: list[str]) -> None:
+        self.times: dict[str, list[float]] = {name: [] for name in names}
+        for name in names:
+            setattr(module, name, self._timed(name, getattr(module, name)))
+
+    def _timed(self, name: str, fn: Callable[..., Any]) -> Callable[..., Any]:
+        def run(*args: Any, **kwargs: Any) -> Any:
+            start = time.perf_counter()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                self.times[name].append(time.perf_counter() - start)
+
+        return run
+
+
 def main() -> None:
     args = parse_args()
     rounds = 2 if args.tiny else args.rounds
@@ -69,8 +88,11 @@ def main() -> None:
     import orbax.checkpoint as ocp
     import torch
 
-    from torchshard._ckpt.checksum import checksums  # private: the parts of a save, timed alone
+    from torchshard._ckpt import checkpoint as _checkpoint  # private: the parts of a save, timed
+    from torchshard._ckpt.checksum import checksums
     from torchshard._ckpt.state import state_tree
+
+    phases = Phases(_checkpoint, ["_snapshot", "_begin", "write_state", "finish_checksums", "write_meta", "_finish"])
 
     torch.manual_seed(0)
     model = torch.nn.Sequential(*(torch.nn.Linear(width, width) for _ in range(6)))
@@ -110,9 +132,10 @@ def main() -> None:
         for name, part in parts.items():
             times[name].append(timed(part))
     median = {name: statistics.median(t) for name, t in times.items()}
+    inside = {name: statistics.median(t) for name, t in phases.times.items()}
     stall = measure_stall(ts, trainer, step, work, rounds=rounds)
     shutil.rmtree(work)
-    report(nbytes, median, stall, args.json)
+    report(nbytes, median, inside, stall, args.json)
 
 
 def measure_stall(ts: Any, trainer: Any, step: Callable[[], None], work: pathlib.Path, *, rounds: int) -> dict:
@@ -133,7 +156,7 @@ def measure_stall(ts: Any, trainer: Any, step: Callable[[], None], work: pathlib
     return {"step_s": step_s, **{k: {"extra_s": v, "steps": v / step_s} for k, v in extra.items()}}
 
 
-def report(nbytes: int, median: dict[str, float], stall: dict, out: str | None) -> None:
+def report(nbytes: int, median: dict[str, float], inside: dict[str, float], stall: dict, out: str | None) -> None:
     base_w, base_r = median["baseline write+fsync"], median["baseline read"]
     print(f"state: {nbytes / 1e6:.1f} MB; disk: {nbytes / base_w / 1e6:.0f} MB/s write+fsync, "
           f"{nbytes / base_r / 1e6:.0f} MB/s read (baseline, same run)\n")  # fmt: skip
@@ -141,12 +164,15 @@ def report(nbytes: int, median: dict[str, float], stall: dict, out: str | None) 
     for name, seconds in median.items():
         base = base_r if name in ("ts.load", "baseline read") else base_w
         print(f"| {name} | {seconds:.3f} | {nbytes / seconds / 1e6:.0f} | {base / seconds:.2f}× |")
+    print("\n| phase inside ts.save | median (s) |\n|---|---|")
+    for name, seconds in inside.items():
+        print(f"| {name} | {seconds:.3f} |")
     print(f"\nstep: {stall['step_s'] * 1e3:.0f} ms")
     print("| save in the loop | extra time (s) | in step times |\n|---|---|---|")
     for kind in ("sync", "background"):
         print(f"| {kind} | {stall[kind]['extra_s']:.3f} | {stall[kind]['steps']:.2f} |")
     if out:
-        result = {"bytes": nbytes, "median_s": median, "stall": stall,
+        result = {"bytes": nbytes, "median_s": median, "phases_s": inside, "stall": stall,
                   "save_vs_disk": base_w / median["ts.save"], "load_vs_disk": base_r / median["ts.load"]}  # fmt: skip
         pathlib.Path(out).write_text(json.dumps(result, indent=1))
 

@@ -108,3 +108,16 @@ def test_moe_benchmark_runs(tmp_path):
     assert rows["all_to_all (dropless)"]["first_loss"] == pytest.approx(rows["gspmd"]["first_loss"], rel=1e-5)
     assert rows["all_to_all (dropless)"]["bytes"] <= 0.5 * rows["gspmd"]["bytes"]
     assert rows["all_to_all (dropless)"]["all_to_all_bytes"] > 0
+
+
+@pytest.mark.slow
+def test_checkpoint_benchmark_runs(tmp_path):
+    out = tmp_path / "checkpoint.json"
+    args = [str(SCRIPT.parent / "checkpoint.py"), "--tiny", "--dir", str(tmp_path), "--json", str(out)]
+    done = subprocess.run([sys.executable, *args], capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr
+    assert "| ts.save |" in done.stdout and "| background |" in done.stdout
+    result = json.loads(out.read_text())
+    assert result["bytes"] > 0 and result["save_vs_disk"] > 0 and result["load_vs_disk"] > 0
+    assert set(result["stall"]) == {"step_s", "sync", "background"}
+    assert [p.name for p in tmp_path.iterdir()] == [out.name]  # the benchmark removes what it wrote
