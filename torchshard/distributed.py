@@ -45,7 +45,8 @@ __all__ = [
 def preempted(trainer: Any) -> bool:
     """Whether the run is being preempted: True on every process at the same step once any process got SIGTERM.
 
-    The first call installs a SIGTERM handler (before it, SIGTERM ends the process as usual);
+    The first call installs a SIGTERM handler (before it, SIGTERM ends the process as usual; a
+    second SIGTERM after the first goes to the handler that was there before, so it still ends it);
     JAX's preemption notice (``multihost_utils.reached_preemption_sync_point``) counts too where
     the platform gives one. Every process must call it once per step at the same point of its
     loop: it agrees through a tiny collective (the max of one flag per process). Save and exit
