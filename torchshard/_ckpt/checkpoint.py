@@ -5,6 +5,7 @@ from __future__ import annotations
 import concurrent.futures
 import contextlib
 import dataclasses
+import itertools
 import os
 import pathlib
 from collections.abc import Callable
@@ -55,6 +56,7 @@ from torchshard._sharding.plan import ShardingPlan
 from torchshard._train.trainer import Trainer
 
 PathLike = str | os.PathLike[str]
+_SAVES = itertools.count()  # every process saves in the same order: the n-th save's barriers are unique and agree
 T = TypeVar("T")
 
 
@@ -146,7 +148,7 @@ def _write(tmp: pathlib.Path, save: _Save) -> None:
     try:
         with concurrent.futures.ThreadPoolExecutor(1) as beside:  # numpy and tensorstore both release the GIL
             sums = beside.submit(finish_checksums, save.checksums)
-            write_state(tmp / STATE, save.tree, key=f"torchshard-save-{save.step}-{tmp.name}")
+            write_state(tmp / STATE, save.tree, key=f"torchshard-save-{next(_SAVES)}")
             meta = save.describe(sums.result())
         if primary():
             write_meta(tmp, meta | {"files": file_sizes(tmp / STATE)})
