@@ -138,6 +138,7 @@ def test_generate_benchmark_runs():
     assert all(float(r[1]) > 0 for r in rows[1:])
 
 
+@pytest.mark.slow
 def test_pretrained_benchmark_runs(tmp_path):
     out = tmp_path / "pretrained.json"
     args = [str(SCRIPT.parent / "pretrained.py"), "--tiny", "--repeats", "1", "--json", str(out)]
@@ -149,3 +150,16 @@ def test_pretrained_benchmark_runs(tmp_path):
     assert len(result["fractions"]) == 2 and all(0.4 <= f <= 0.6 for f in result["fractions"])
     assert result["values_equal"] == [1.0, 1.0]  # each process gathered the loaded model: the checkpoint's values
     assert result["load_safetensors"]["seconds"] > 0 and result["from_pretrained"]["rss"] > 0
+
+
+@pytest.mark.slow
+def test_checkpoint_benchmark_runs(tmp_path):
+    out = tmp_path / "checkpoint.json"
+    args = [str(SCRIPT.parent / "checkpoint.py"), "--tiny", "--dir", str(tmp_path), "--json", str(out)]
+    done = subprocess.run([sys.executable, *args], capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr
+    assert "| ts.save |" in done.stdout and "| background |" in done.stdout
+    result = json.loads(out.read_text())
+    assert result["bytes"] > 0 and result["save_vs_disk"] > 0 and result["load_vs_disk"] > 0
+    assert set(result["stall"]) == {"step_s", "sync", "background"}
+    assert [p.name for p in tmp_path.iterdir()] == [out.name]  # the benchmark removes what it wrote

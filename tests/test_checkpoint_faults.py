@@ -205,9 +205,23 @@ def _check_listing(root: pathlib.Path, scenario: Scenario, models, probe, where:
     return listed
 
 
+def _killable_save(root: pathlib.Path, model: nn.Module, step: int, keep_last: int | None, background: bool) -> None:
+    if not background:
+        ts.save(root, model, step=step, keep_last=keep_last)
+        return
+    future = ts.save(root, model, step=step, keep_last=keep_last, background=True)
+    try:
+        future.result()  # the kill hits the save thread; its Future carries it
+    except Killed:
+        with pytest.raises(Killed):  # and the next save raises it once more, before it touches anything
+            ts.save(root, model, step=step)
+        raise
+
+
+@pytest.mark.parametrize("background", [False, pytest.param(True, marks=pytest.mark.slow)], ids=["sync", "background"])
 @pytest.mark.parametrize("name", SCENARIOS)
 def test_a_kill_at_any_filesystem_step_leaves_only_complete_listed_steps(
-    tmp_path, monkeypatch, templates, mesh_dm_module, name
+    tmp_path, monkeypatch, templates, mesh_dm_module, name, background
 ):
     """Kills the save at its 1st, 2nd, ... filesystem step until one runs through; checks every outcome."""
     template_root, models = templates
@@ -220,7 +234,7 @@ def test_a_kill_at_any_filesystem_step_leaves_only_complete_listed_steps(
         with monkeypatch.context() as m:
             inject(m, faults)
             with contextlib.suppress(Killed):
-                ts.save(root, models["new"], step=step, keep_last=keep_last)
+                _killable_save(root, models["new"], step, keep_last, background)
         where = faults.steps[-1] if len(faults.steps) >= at else "nowhere (not killed)"
         listed = _check_listing(root, scenario, models, probe, where)
         ts.save(root, models["next"], step=9)  # the next save recovers and works

@@ -13,6 +13,7 @@ import time
 from pathlib import Path
 
 import jax
+import numpy as np
 import pytest
 import torch
 from helpers import assert_close, assert_trees_close
@@ -244,6 +245,8 @@ CHILDREN = {
     "sigterm": SEND_SIGTERM,
     # like a process inside jax.distributed, whose preemption notifier catches SIGTERM
     "sigterm_ignored": "signal.signal(signal.SIGTERM, signal.SIG_IGN)\n" + SEND_SIGTERM,
+    # a preempted process that saves and exits cleanly: the run exits 0
+    "sigterm_handled": "signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))\ntime.sleep(1)\n" + SEND_SIGTERM,
 }
 
 
@@ -255,6 +258,7 @@ CHILDREN = {
         ("sleep", 0.5, launch.TIMEOUT_EXIT, 10),
         ("sigterm", None, 128 + signal.SIGTERM, 10),
         ("sigterm_ignored", None, 128 + signal.SIGTERM, 15),
+        ("sigterm_handled", None, 0, 10),
     ],
 )
 @pytest.mark.slow
@@ -262,7 +266,7 @@ def test_run_processes(child, timeout, code, max_s):
     command, envs = _python(CHILDREN[child])
     out = io.StringIO()
     start = time.monotonic()
-    assert launch.run_processes(command, envs, timeout=timeout, out=out) == code, out.getvalue()
+    assert launch.run_processes(command, envs, timeout=timeout, term_grace=3.0, out=out) == code, out.getvalue()
     assert time.monotonic() - start < max_s
     if child == "ok":
         assert sorted(out.getvalue().splitlines()) == ["[rank 0] hello 0", "[rank 1] hello 1"]
@@ -508,3 +512,21 @@ def test_a_save_that_fails_on_one_process_ends_on_every_process(tmp_path, failin
         # only process 0 writes an export's files
         assert lines["export"].startswith("export: CheckpointError: " if failing == 0 else "export: saved"), said
         assert lines["after"].startswith("after: loss "), said
+
+
+@pytest.mark.slow
+def test_a_preempted_run_saves_at_one_agreed_step_exits_0_and_resumes_with_the_uninterrupted_losses(tmp_path):
+    """Process 1 sends SIGTERM to the launcher mid-run; every process stops at the same step, saves, exits 0."""
+    for mode in ("full", "preempt", "resume"):
+        result, _ = _launch(2, 2, "mp_preempt_script.py", str(tmp_path), mode, timeout=150)
+        assert result.returncode == 0, (mode, result.stdout[-4000:] + result.stderr[-4000:])
+    modes = ("full", "preempt", "resume")
+    runs = {m: [json.loads((tmp_path / f"{m}.rank{r}.json").read_text()) for r in (0, 1)] for m in modes}
+    (agreed,) = {r["preempted_at"] for r in runs["preempt"]}  # one step, the same on both processes
+    assert agreed is not None and 4 <= agreed < 40, agreed
+    assert torchshard.checkpoint_steps(tmp_path / "ckpt") == [agreed]
+    for rank in (0, 1):
+        joined = {**runs["preempt"][rank]["losses"], **runs["resume"][rank]["losses"]}
+        full = runs["full"][rank]["losses"]
+        assert list(joined) == list(full)
+        np.testing.assert_allclose(list(joined.values()), list(full.values()), rtol=1e-5)

@@ -18,6 +18,7 @@ import io
 import re
 import runpy
 import shlex
+import signal
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -27,6 +28,7 @@ import pytest
 import torch
 
 import torchshard as ts
+from torchshard._multihost import preemption as _preemption
 
 ROOT = Path(__file__).resolve().parents[1]
 README = (ROOT / "README.md").read_text()
@@ -101,6 +103,7 @@ SETUPS: dict[str, Callable[[], dict[str, Any]]] = {
     "context": _context,
     "hf_llama": _hf_llama,
     "trainers": _trainers,
+    "trainer_loop": _trainers,
     "hf_config": _hf_config,
     "hf_moe": _hf_moe,
 }
@@ -112,9 +115,17 @@ def _after_checkpoints(ns: dict[str, Any]) -> None:
     assert Path("export/model.safetensors.index.json").exists()
 
 
+def _after_loop(ns: dict[str, Any]) -> None:
+    assert ns["ts"].checkpoint_steps("ckpt/") == [3, 5]  # keep_last=2 of the background saves at 3 and 5
+    assert ns["trainer"].step_count == 6
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)  # preempted() caught SIGTERM from its first call on
+    _preemption._state["installed"] = False
+
+
 THEN: dict[str, Callable[[dict[str, Any]], None]] = {
     "hf_llama": lambda ns: ns["trainer"].step(ns["ids"]),  # bf16, remat and scan, from a default config
     "trainers": _after_checkpoints,
+    "trainer_loop": _after_loop,
     "hf_llama_stack": lambda ns: ns["trainer"].step(_ids().repeat(2, 1)),  # 16 rows: 8 micro-batches × data 2
     "context": lambda ns: ns["trainer"].step(_ids()),  # 16 tokens: 2 per device of the ring, balanced
 }

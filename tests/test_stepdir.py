@@ -15,6 +15,7 @@ import warnings
 import pytest
 
 import torchshard as ts
+from torchshard._ckpt import pending
 from torchshard._ckpt import stepdir as _stepdir
 from torchshard._ckpt.stepdir import META, OLD, STATE, TMP, TRASH, begin, commit, discard, prune, recover, step_name
 
@@ -167,13 +168,18 @@ def save_fake(root: pathlib.Path, step: int, tag: str) -> None:
     prune(root, KEEP, saved=step)
 
 
-def writer(root: pathlib.Path, first: int) -> None:
-    """Saves every step twice (the re-save path) with keep_last=2, until killed."""
+def writer(root: pathlib.Path, first: int, background: bool = False) -> None:
+    """Saves every step twice (the re-save path) with keep_last=2 until killed (on the save thread: ``background``)."""
+    if background:
+        pending._pending = pending._Pending()  # this forked child's own: the parent's save thread did not survive fork
     version = first
     for step in range(first, first + 10**6):
         for _ in range(2):
             version += 1
-            save_fake(root, step, f"{step}.{version}")
+            if background:
+                pending.submit(lambda s=step, tag=f"{step}.{version}": save_fake(root, s, tag)).result()
+            else:
+                save_fake(root, step, f"{step}.{version}")
 
 
 def check_after_kill(root: pathlib.Path, last_newest: int) -> int:
@@ -186,7 +192,8 @@ def check_after_kill(root: pathlib.Path, last_newest: int) -> int:
 
 
 @pytest.mark.slow
-def test_sigkill_at_random_points_of_save_resave_and_prune(tmp_path):
+@pytest.mark.parametrize("background", [False, True], ids=["sync", "background"])
+def test_sigkill_at_random_points_of_save_resave_and_prune(tmp_path, background):
     rng = random.Random(0)
     newest, first, started = 0, 1, time.monotonic()
     for _ in range(30):
@@ -195,7 +202,7 @@ def test_sigkill_at_random_points_of_save_resave_and_prune(tmp_path):
             pid = os.fork()
         if pid == 0:  # the child only runs pure-Python file operations, then dies by SIGKILL
             try:
-                writer(tmp_path, first)
+                writer(tmp_path, first, background)
             finally:
                 os._exit(1)
         time.sleep(rng.uniform(0.002, 0.04))

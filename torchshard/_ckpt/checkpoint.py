@@ -2,21 +2,24 @@
 
 from __future__ import annotations
 
+import concurrent.futures
 import contextlib
+import dataclasses
+import itertools
 import os
 import pathlib
 from collections.abc import Callable
-from typing import Any, TypeVar
+from typing import Any, Literal, TypeVar, overload
 
 import jax
-import numpy as np
 import torch
-from jax.experimental import multihost_utils
 
 from torchshard._base.errors import CheckpointError, ShardingError, raise_if_any
 from torchshard._base.validate import instance_problems, int_problems, raise_for_arguments
 from torchshard._bridge.module_tensors import canonical_names, named_tensors
 from torchshard._bridge.tensors import rebind
+from torchshard._ckpt import pending
+from torchshard._ckpt.checksum import Started, finish_checksums, start_checksums
 from torchshard._ckpt.meta import checksum_problems, metadata, read_meta, write_meta
 from torchshard._ckpt.orbax import read_state, unwritable, write_state
 from torchshard._ckpt.restore import (
@@ -47,11 +50,13 @@ from torchshard._ckpt.stepdir import (
     step_name,
     write_failure,
 )
+from torchshard._multihost.agree import flagged_processes
 from torchshard._sharding.placement import assign
 from torchshard._sharding.plan import ShardingPlan
 from torchshard._train.trainer import Trainer
 
 PathLike = str | os.PathLike[str]
+_SAVES = itertools.count()  # every process saves in the same order: the n-th save's barriers are unique and agree
 T = TypeVar("T")
 
 
@@ -60,18 +65,14 @@ def primary() -> bool:
     return jax.process_index() == 0
 
 
-def sync(name: str) -> None:
-    """Waits for every process (a no-op in a single-process run)."""
-    if jax.process_count() > 1:
-        multihost_utils.sync_global_devices(name)
-
-
 def together(name: str, work: Callable[[], T]) -> T:
     """Runs ``work`` on every process, then every process raises if any process's ``work`` raised.
 
     A process that raised alone would leave the others waiting at the next barrier for ever: so a
     failure (a `CheckpointError`) is held until every process has reported in at ``name``, the
-    failed process raises its own error and every other one a `CheckpointError` naming it.
+    failed process raises its own error and every other one a `CheckpointError` naming it. The
+    processes meet at the coordination service, not at a device collective, so this is safe on a
+    background save's thread too.
     """
     failure: CheckpointError | None = None
     result: Any = None
@@ -79,10 +80,7 @@ def together(name: str, work: Callable[[], T]) -> T:
         result = work()
     except CheckpointError as e:
         failure = e
-    failed = [0] if failure is not None else []
-    if jax.process_count() > 1:
-        flags = multihost_utils.process_allgather(np.int32(failure is not None))
-        failed = [i for i, flag in enumerate(np.ravel(flags)) if flag]
+    failed = flagged_processes(name, failure is not None)
     if failure is not None:
         raise failure
     if failed:
@@ -97,9 +95,11 @@ def _target_problems(target: Any) -> list[str]:
     return instance_problems("target", target, (Trainer, torch.nn.Module), "a Trainer or a sharded torch.nn.Module")
 
 
-def _check_save_args(path: Any, target: Any, step: Any, keep_last: Any) -> pathlib.Path:
+def _check_save_args(path: Any, target: Any, step: Any, keep_last: Any, background: Any) -> pathlib.Path:
     problems = _target_problems(target) + int_problems("step", step, minimum=0, none="the Trainer's step count")
     problems += int_problems("keep_last", keep_last, minimum=1, none="keep every step")
+    if not isinstance(background, bool):
+        problems.append(f"background={background!r} must be True or False")
     raise_for_arguments(path_problems("path", path) + problems, header="invalid save() arguments")
     return pathlib.Path(os.path.abspath(path))  # orbax takes absolute paths only; "ckpt/" is relative to the cwd
 
@@ -114,10 +114,42 @@ def _begin(final: pathlib.Path) -> pathlib.Path:
         raise write_failure(final.parent, e, cleanup="nothing was written; earlier steps are intact") from e
 
 
-def _write(tmp: pathlib.Path, final: pathlib.Path, tree: dict[str, Any], meta: dict[str, Any]) -> None:
+@dataclasses.dataclass(frozen=True)
+class _Save:
+    """One save, snapshotted: the arrays and everything else it writes, none of which changes once taken.
+
+    ``checksums`` are under way (the device's part dispatched with the snapshot); the host sums
+    its shards while orbax writes them. Each item a checkpoint holds is one field here, written
+    by `_write`.
+    """
+
+    final: pathlib.Path
+    tree: dict[str, Any]
+    checksums: Started
+    describe: Callable[[Any], dict[str, Any]]  # checksums → the metadata
+    keep_last: int | None
+    step: int
+
+    def run(self) -> pathlib.Path:
+        """Writes the step directory and commits it (on every process); returns it."""
+        key = f"torchshard-save-{self.step}"
+        tmp = together(f"{key}-begin", lambda: _begin(self.final))
+        together(f"{key}-end", lambda: self._write_and_commit(tmp))
+        return self.final
+
+    def _write_and_commit(self, tmp: pathlib.Path) -> None:
+        _write(tmp, self)
+        if primary():
+            _finish(tmp, self.final, self.keep_last, self.step)
+
+
+def _write(tmp: pathlib.Path, save: _Save) -> None:
     """Arrays (every process its shards), then the metadata (the commit marker, last); a failed write is undone."""
     try:
-        write_state(tmp / STATE, tree)
+        with concurrent.futures.ThreadPoolExecutor(1) as beside:  # numpy and tensorstore both release the GIL
+            sums = beside.submit(finish_checksums, save.checksums)
+            write_state(tmp / STATE, save.tree, key=f"torchshard-save-{next(_SAVES)}")
+            meta = save.describe(sums.result())
         if primary():
             write_meta(tmp, meta | {"files": file_sizes(tmp / STATE)})
     except (OSError, ValueError) as e:  # orbax reports a full disk as ValueError("RESOURCE_EXHAUSTED: ...")
@@ -126,15 +158,7 @@ def _write(tmp: pathlib.Path, final: pathlib.Path, tree: dict[str, Any], meta: d
         if primary():
             with contextlib.suppress(OSError):  # best effort: the next save removes what is left
                 discard(tmp)
-        raise write_failure(final, e, cleanup="the partial save was removed; earlier steps are intact") from e
-
-
-def _write_and_commit(
-    tmp: pathlib.Path, final: pathlib.Path, tree: dict[str, Any], meta: dict[str, Any], keep_last: int | None, step: int
-) -> None:
-    _write(tmp, final, tree, meta)
-    if primary():
-        _finish(tmp, final, keep_last, step)
+        raise write_failure(save.final, e, cleanup="the partial save was removed; earlier steps are intact") from e
 
 
 def _finish(tmp: pathlib.Path, final: pathlib.Path, keep_last: int | None, step: int) -> None:
@@ -151,7 +175,48 @@ def _finish(tmp: pathlib.Path, final: pathlib.Path, keep_last: int | None, step:
         raise write_failure(final.parent, e, cleanup=f"step {step} was saved, but deleting older copies failed") from e
 
 
-def save(path: PathLike, target: Target, *, step: int | None = None, keep_last: int | None = None) -> pathlib.Path:
+def _lock(target: Target) -> contextlib.AbstractContextManager[Any]:
+    """A Trainer's step lock: no step donates its arrays while a snapshot is taken."""
+    return target.lock if isinstance(target, Trainer) else contextlib.nullcontext()
+
+
+def _snapshot(root: pathlib.Path, target: Target, step: int | None, keep_last: int | None, *, copy: bool) -> _Save:
+    """Everything ``target`` saves as it is now; ``copy`` takes device-side copies (the next step donates the state)."""
+    step = (target.step_count if isinstance(target, Trainer) else 0) if step is None else step
+    tree = state_tree(target, doing="save()")
+    raise_if_any(unwritable(tree), header="save(): nothing was written", error=CheckpointError)
+    if copy:  # on the devices: cheaper than a copy to the host, and the write reads host-visible shards anyway
+        tree = jax.device_put(tree, jax.tree.map(lambda x: x.sharding, tree), may_alias=False)
+    model = model_of(target)
+    module, names = type(model).__name__, canonical_names(model)
+    stacks = target.layout.stacks() if isinstance(target, Trainer) else {}
+
+    def describe(sums: Any) -> dict[str, Any]:
+        return metadata(module, names, tree, step, stacks=stacks, sums=sums)
+
+    return _Save(root / step_name(step), tree, start_checksums(tree), describe, keep_last, step)
+
+
+@overload
+def save(
+    path: PathLike,
+    target: Target,
+    *,
+    step: int | None = ...,
+    keep_last: int | None = ...,
+    background: Literal[False] = ...,
+) -> pathlib.Path: ...
+
+
+@overload
+def save(
+    path: PathLike, target: Target, *, step: int | None = ..., keep_last: int | None = ..., background: Literal[True]
+) -> concurrent.futures.Future[pathlib.Path]: ...
+
+
+def save(
+    path: PathLike, target: Target, *, step: int | None = None, keep_last: int | None = None, background: bool = False
+) -> pathlib.Path | concurrent.futures.Future[pathlib.Path]:
     """Saves a sharded checkpoint of a Trainer (or of a sharded module) to ``path/step_<N>``.
 
     A Trainer's checkpoint holds every parameter and buffer keyed by ``state_dict`` name (tied
@@ -163,6 +228,11 @@ def save(path: PathLike, target: Target, *, step: int | None = None, keep_last: 
     it only after the new one is in place; ``keep_last`` deletes a step by renaming it out of
     sight first. A kill at any point leaves only complete steps listed (`checkpoint_steps`), and
     the next save puts the leftovers right (a complete old copy is renamed back, never lost).
+
+    With ``background=True`` the state is copied on its devices (the Trainer's next step may
+    run at once: the copy holds this step's values) and written by a background thread. One
+    save runs at a time: a later save, `load`, `checkpoint_steps` and interpreter exit wait for
+    it. If it fails, its Future raises the error, and so does the next save (once).
 
     Layout::
 
@@ -176,15 +246,18 @@ def save(path: PathLike, target: Target, *, step: int | None = None, keep_last: 
             Saving a step that exists replaces it.
         keep_last: after saving, delete all but the newest ``keep_last`` steps (the one just
             saved is always kept); ``None`` keeps every step.
+        background: return once the state is copied, and write it in the background.
 
     Returns:
-        The step directory written.
+        The step directory written; with ``background=True`` a ``concurrent.futures.Future``
+        of it.
 
     Raises:
         ArgumentError: bad arguments.
         ShardingError: a module whose tensors are not placed.
         CheckpointError: the disk is full, ``path`` is a file or not writable, or another OS
-            error; the partial save is removed and earlier steps are intact.
+            error; the partial save is removed and earlier steps are intact. Also the error of
+            a failed background save, raised by the save after it (before it does anything).
 
     Example:
         >>> import tempfile, optax
@@ -195,18 +268,19 @@ def save(path: PathLike, target: Target, *, step: int | None = None, keep_last: 
         >>> _ = trainer.step(torch.randn(8, 16))
         >>> save(root, trainer, keep_last=3).name
         'step_00000001'
+        >>> pending = save(root, trainer, step=2, background=True)
+        >>> _ = trainer.step(torch.randn(8, 16))  # trains while step 2 is written
+        >>> pending.result().name
+        'step_00000002'
     """
-    root = _check_save_args(path, target, step, keep_last)
-    step = (target.step_count if isinstance(target, Trainer) else 0) if step is None else step
-    tree = state_tree(target, doing="save()")
-    raise_if_any(unwritable(tree), header="save(): nothing was written", error=CheckpointError)
-    model = model_of(target)
-    stacks = target.layout.stacks() if isinstance(target, Trainer) else {}
-    meta = metadata(type(model).__name__, canonical_names(model), tree, step, stacks=stacks)
-    final = root / step_name(step)
-    tmp = together("torchshard-save-begin", lambda: _begin(final))
-    together("torchshard-save-end", lambda: _write_and_commit(tmp, final, tree, meta, keep_last, step))
-    return final
+    root = _check_save_args(path, target, step, keep_last, background)
+    pending.raise_failure()
+    if not background:
+        with _lock(target):
+            return _snapshot(root, target, step, keep_last, copy=False).run()
+    with _lock(target):
+        job = _snapshot(root, target, step, keep_last, copy=True)
+    return pending.submit(job.run)
 
 
 def _check_load_args(path: Any, target: Any, step: Any, plan: Any) -> None:
@@ -226,7 +300,8 @@ def load(path: PathLike, target: Target, *, step: int | None = None, plan: Shard
     one mesh or plan loads onto any other. A Trainer gets its parameters, buffers, optimizer
     state, step counter and RNG base key back, so training resumes exactly. A module gets its
     tensors (a Trainer's checkpoint loads into a bare module too). Names and shapes are checked
-    like torch's strict ``load_state_dict``, and every array's checksum is verified.
+    like torch's strict ``load_state_dict``, and every array's checksum is verified. A
+    background save still writing is waited for first.
 
     Args:
         path: a checkpoint root (the latest complete step is loaded) or one ``step_<N>`` directory.
@@ -258,6 +333,7 @@ def load(path: PathLike, target: Target, *, step: int | None = None, plan: Shard
         1
     """
     _check_load_args(path, target, step, plan)
+    pending.wait()
     step_dir = resolve(pathlib.Path(os.path.abspath(path)), step)
     meta = read_meta(step_dir)
     check_files(step_dir, meta["files"])

@@ -41,13 +41,20 @@ def _mesh_of(arrays: Mapping[str, jax.Array]) -> str | None:
 
 
 def metadata(
-    module: str, names: Mapping[str, str], tree: dict[str, Any], step: int, *, stacks: Mapping[str, Any] | None = None
+    module: str,
+    names: Mapping[str, str],
+    tree: dict[str, Any],
+    step: int,
+    *,
+    stacks: Mapping[str, Any] | None = None,
+    sums: Any = None,
 ) -> dict[str, Any]:
     """The metadata of a checkpoint of ``tree`` (`state_tree`'s), checksums included.
 
-    ``stacks`` maps each stacked key of a scanned Trainer to the torch names of its layers.
+    ``stacks`` maps each stacked key of a scanned Trainer to the torch names of its layers;
+    ``sums`` are the tree's `checksums` if already computed.
     """
-    sums = checksums(tree)
+    sums = checksums(tree) if sums is None else sums
     trainer = None
     if "trainer" in tree:
         trainer = _leaves_meta(flat(tree["trainer"]), flat_sums(sums["trainer"]))

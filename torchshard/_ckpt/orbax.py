@@ -29,11 +29,24 @@ def unwritable(tree: dict[str, Any]) -> list[str]:
     return problems
 
 
-def write_state(directory: pathlib.Path, tree: dict[str, Any]) -> None:
-    """Every process writes its own shards of ``tree``; the primary finalises (orbax PyTree format)."""
+def write_state(directory: pathlib.Path, tree: dict[str, Any], *, key: str = "torchshard") -> None:
+    """Every process writes its own shards of ``tree``; the primary finalises (orbax PyTree format).
+
+    Uncompressed: zstd saves a few percent of a trained model's bytes and, on a loaded host,
+    took 3-4 times as long as the write itself (benchmarks/checkpoint.py). Across processes
+    orbax meets at the coordination service's
+    barriers (named after ``key``, unique per save), not at a device collective: a background
+    save must not run collectives beside the training step's.
+    """
+    import jax
     import orbax.checkpoint as ocp
 
-    with ocp.Checkpointer(ocp.PyTreeCheckpointHandler()) as checkpointer:
+    options = ocp.options.MultiprocessingOptions()
+    if jax.process_count() > 1:
+        every = set(range(jax.process_count()))
+        options = ocp.options.MultiprocessingOptions(active_processes=every, barrier_sync_key_prefix=key)
+    handler = ocp.PyTreeCheckpointHandler(use_compression=False, multiprocessing_options=options)
+    with ocp.Checkpointer(handler, multiprocessing_options=options) as checkpointer:
         checkpointer.save(directory, args=ocp.args.PyTreeSave(tree))
 
 

@@ -27,6 +27,7 @@ from collections.abc import Callable
 from typing import Any
 
 from torchshard._base.errors import ArgumentError, CheckpointError, raise_if_any
+from torchshard._ckpt import pending
 
 META = "torchshard.json"  # written last: a step directory without it is not a checkpoint
 STATE = "state"  # the orbax PyTree checkpoint inside a step directory
@@ -135,7 +136,8 @@ def checkpoint_steps(path: str | os.PathLike[str]) -> list[int]:
     A step is listed only if its ``torchshard.json`` parses and every data file it records is
     there with its size (a stat each, nothing read), so interrupted saves and half-deleted steps
     never are. A step whose re-save was killed between its two renames is listed (its complete
-    previous copy is loaded). Listing changes nothing on disk.
+    previous copy is loaded). Listing changes nothing on disk; it waits for a background save
+    (``save(..., background=True)``) still writing.
 
     Args:
         path: the checkpoint root given to `save`.
@@ -151,7 +153,9 @@ def checkpoint_steps(path: str | os.PathLike[str]) -> list[int]:
         >>> checkpoint_steps("no/such/dir")
         []
     """
-    return sorted(complete_steps(as_path(path, doing="checkpoint_steps()")))
+    root = as_path(path, doing="checkpoint_steps()")
+    pending.wait()
+    return sorted(complete_steps(root))
 
 
 def _incomplete_lines(root: pathlib.Path, newer_than: int = -1) -> list[str]:

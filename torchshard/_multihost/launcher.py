@@ -25,6 +25,7 @@ HANG_EXIT = 125
 HANG_TIMEOUT_S = 600.0
 _POLL_S = 0.05
 _GRACE_S = 3.0
+TERM_GRACE_S = 60.0  # after a forwarded SIGTERM: time to save a checkpoint and exit (see distributed.preempted)
 _QUIET_S = 0.5  # a stack dump is complete once its process has printed nothing for this long
 _DUMP_WAIT_S = 5.0
 
@@ -128,8 +129,11 @@ def _exit_code(returncode: int) -> int:
 class _Supervisor:
     """Watches the children: first failure, timeout, hang or forwarded signal ends the whole run."""
 
-    def __init__(self, children: list[_Child], timeout: float | None, hang_timeout: float | None) -> None:
+    def __init__(
+        self, children: list[_Child], timeout: float | None, hang_timeout: float | None, term_grace: float
+    ) -> None:
         self.children = children
+        self.term_grace = term_grace
         self.deadline = None if timeout is None else time.monotonic() + timeout
         self.hang_timeout = hang_timeout
         self.signals: list[int] = []
@@ -150,9 +154,12 @@ class _Supervisor:
     def _outcome(self) -> int | None:
         codes = [c.popen.poll() for c in self.children]
         if self.signals:
-            # JAX's preemption notifier catches SIGTERM in every process it joined, so a
-            # forwarded signal may not end them: after the grace period they are killed
-            done = all(code is not None for code in codes) or time.monotonic() > self.signalled_at + _GRACE_S
+            # a preempted run saves and exits (distributed.preempted); one that never looks (JAX's
+            # preemption notifier catches SIGTERM) is killed after the grace period
+            grace = self.term_grace if self.signals[0] == signal.SIGTERM else _GRACE_S
+            if all(code == 0 for code in codes):
+                return 0  # every process saved and exited cleanly
+            done = all(code is not None for code in codes) or time.monotonic() > self.signalled_at + grace
             return 128 + self.signals[0] if done else None
         failed = next((c for c in self.children if c.popen.returncode not in (None, 0)), None)
         if failed is not None:
@@ -206,7 +213,8 @@ def launch(
     Each process calls `torchshard.distributed.initialize` before the script runs (a script
     may call it again). Output lines are prefixed ``[rank i]``. The first process to fail, a
     timeout (exit 124), a hang (exit 125) or a SIGINT/SIGTERM (forwarded to every process)
-    ends all of them.
+    ends all of them. After a SIGTERM the processes get ``TERM_GRACE_S`` (60 s) to save and
+    exit (`torchshard.distributed.preempted`): if every one exits 0, so does the launcher.
 
     A hang: no process made progress for ``hang_timeout`` seconds, where progress is a line of
     output, a heartbeat (``torchshard._multihost.worker.heartbeat()``, called from the training loop) or
@@ -225,7 +233,8 @@ def launch(
         out: where the prefixed output goes; defaults to ``sys.stdout``.
 
     Returns:
-        0 if every process succeeded, else the first failing process's exit code (128 + signal).
+        0 if every process succeeded (after a SIGTERM too), else the first failing process's exit
+        code (128 + signal).
 
     Example:
         >>> launch("train.py", ["--steps", "2"], nproc=2, cpu_devices_per_proc=4)  # doctest: +SKIP
@@ -243,6 +252,7 @@ def run_processes(
     *,
     timeout: float | None = None,
     hang_timeout: float | None = HANG_TIMEOUT_S,
+    term_grace: float = TERM_GRACE_S,
     out: TextIO | None = None,
 ) -> int:
     """Runs ``command`` once per environment in ``envs`` (rank = position) and supervises the group.
@@ -253,6 +263,8 @@ def run_processes(
         timeout: seconds before every process is killed (exit 124).
         hang_timeout: seconds without output or heartbeat from any process before it is a hang
             (exit 125, after each process printed its stacks); ``None`` or 0: never.
+        term_grace: seconds the processes get to exit after a forwarded SIGTERM (to save a
+            checkpoint) before they are killed.
         out: where the ``[rank i]``-prefixed output goes; defaults to ``sys.stdout``.
 
     Returns:
@@ -265,7 +277,7 @@ def run_processes(
     out = sys.stdout if out is None else out
     lock = threading.Lock()
     children: list[_Child] = []
-    supervisor = _Supervisor(children, timeout, hang_timeout)
+    supervisor = _Supervisor(children, timeout, hang_timeout, term_grace)
     previous = {sig: signal.signal(sig, supervisor.forward) for sig in (signal.SIGINT, signal.SIGTERM)}
     with tempfile.TemporaryDirectory(prefix="torchshard-launch-") as beats:
         try:

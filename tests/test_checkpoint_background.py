@@ -1,0 +1,114 @@
+"""Background saves: the step's values while training goes on, waiting, errors that surface twice, bad calls."""
+
+from __future__ import annotations
+
+import concurrent.futures
+import errno
+import threading
+import time
+from typing import Any
+
+import jax
+import numpy as np
+import pytest
+from checkpoint_runs import RUNS, host_tree, make_trainer, sharded, values
+from models import MLP
+
+import torchshard as ts
+from torchshard._ckpt import checkpoint as _checkpoint
+
+
+@pytest.mark.slow
+def test_a_background_save_holds_its_steps_values_while_training_continues(tmp_path, mesh_dm):
+    """The Trainer donates its state every step: the save must have copied it, or it would read deleted arrays."""
+    run = RUNS["tiedlm_adamw"]
+    trainer = make_trainer(run, mesh_dm, run.rules, torch_seed=0, seed=0)
+    batches = run.batches(8)
+    for b in batches[:4]:
+        trainer.step(b)
+    future = ts.save(tmp_path, trainer, background=True)
+    assert isinstance(future, concurrent.futures.Future)
+    state = host_tree(trainer.state)
+    later = [float(trainer.step(b)["loss"]) for b in batches[4:]]  # donates the arrays the save was given
+    assert future.result() == tmp_path / "step_00000004"
+    resumed = make_trainer(run, mesh_dm, run.rules, torch_seed=1, seed=1)
+    ts.load(tmp_path, resumed)
+    jax.tree.map(np.testing.assert_array_equal, host_tree(resumed.state), state)
+    np.testing.assert_allclose([float(resumed.step(b)["loss"]) for b in batches[4:]], later, rtol=1e-5)
+
+
+class SlowWrites:
+    """Makes every array write wait until released, so a test sees a background save in flight."""
+
+    def __init__(self, monkeypatch) -> None:
+        self.release, self.started = threading.Event(), threading.Event()
+        real = _checkpoint.write_state
+
+        def slow(*args: Any, **kwargs: Any) -> None:
+            self.started.set()
+            assert self.release.wait(30)
+            real(*args, **kwargs)
+
+        monkeypatch.setattr(_checkpoint, "write_state", slow)
+
+    def release_soon(self) -> None:
+        assert self.started.wait(30)
+        threading.Timer(0.3, self.release.set).start()
+
+
+WAITERS = {
+    "checkpoint_steps": lambda root, probe: ts.checkpoint_steps(root) == [1],
+    "load": lambda root, probe: ts.load(root, probe) is probe,
+    "save": lambda root, probe: ts.save(root, probe, step=2) == root / "step_00000002",
+}
+
+
+@pytest.mark.parametrize("waiter", WAITERS)
+def test_listing_loading_and_saving_wait_for_the_pending_save(tmp_path, mesh_dm, monkeypatch, waiter):
+    model, probe = sharded(MLP, mesh_dm), sharded(MLP, mesh_dm, seed=1)
+    slow = SlowWrites(monkeypatch)
+    future = ts.save(tmp_path, model, step=1, background=True)
+    slow.release_soon()
+    assert not future.done()
+    assert WAITERS[waiter](tmp_path, probe)
+    assert future.done() and future.result() == tmp_path / "step_00000001"
+    assert ts.checkpoint_steps(tmp_path)[0] == 1
+
+
+def test_a_background_save_returns_before_its_arrays_are_written(tmp_path, mesh_dm, monkeypatch):
+    model = sharded(MLP, mesh_dm)
+    slow = SlowWrites(monkeypatch)
+    start = time.monotonic()
+    future = ts.save(tmp_path, model, step=1, background=True)
+    assert time.monotonic() - start < 10 and not future.done()
+    slow.release.set()
+    assert future.result() == tmp_path / "step_00000001"
+
+
+def full_disk(*_: Any, **__: Any) -> None:
+    raise OSError(errno.ENOSPC, "No space left on device")
+
+
+def test_a_failed_background_save_raises_from_its_future_and_again_from_the_next_save(tmp_path, mesh_dm, monkeypatch):
+    model = sharded(MLP, mesh_dm)
+    ts.save(tmp_path, model, step=1)
+    with monkeypatch.context() as m:
+        m.setattr(_checkpoint, "write_state", full_disk)
+        future = ts.save(tmp_path, sharded(MLP, mesh_dm, seed=1), step=2, background=True)
+        with pytest.raises(ts.CheckpointError, match=r"step_00000002: the disk is full") as first:
+            future.result()
+    with pytest.raises(ts.CheckpointError, match=r"step_00000002: the disk is full") as again:
+        ts.save(tmp_path, model, step=3)  # raises before it does anything
+    assert again.value is first.value
+    assert ts.checkpoint_steps(tmp_path) == [1]
+    assert ts.save(tmp_path, model, step=3, background=True).result() == tmp_path / "step_00000003"  # raised once
+    assert ts.checkpoint_steps(tmp_path) == [1, 3]
+    jax.tree.map(np.testing.assert_array_equal, values(ts.load(tmp_path, sharded(MLP, mesh_dm, seed=2))), values(model))
+
+
+@pytest.mark.parametrize("background", ["yes", 1, None])
+def test_background_must_be_a_bool(tmp_path, mesh_dm, background):
+    model = sharded(MLP, mesh_dm)
+    with pytest.raises(ts.ArgumentError, match=rf"background={background!r} must be True or False"):
+        ts.save(tmp_path, model, background=background)
+    assert not tmp_path.joinpath("step_00000000").exists()
