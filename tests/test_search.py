@@ -155,3 +155,15 @@ def test_search_cli_errors_name_the_fix(capsys):
 def test_at_depth_rebuilds_a_transformers_model_on_meta():
     shallow = at_depth(tiny_llama(layers=4, meta=True), 1)
     assert shallow.config.num_hidden_layers == 1 and next(shallow.parameters()).device == torch.device("meta")
+
+
+@pytest.mark.slow
+def test_the_search_benchmark_runs_tiny():
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    script = Path(__file__).resolve().parent.parent / "benchmarks" / "search.py"
+    done = subprocess.run([sys.executable, str(script), "--tiny"], capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr
+    assert "search: " in done.stdout and " compiled, " in done.stdout
