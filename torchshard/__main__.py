@@ -14,8 +14,9 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from torchshard._base.errors import ShardingError
-from torchshard._report.cli import PRESET_HELP, PRESETS, UsageError, run_plan
+from torchshard._report.cli import PRESET_HELP, PRESETS, UsageError, build_on_meta, load_factory, run_plan
 from torchshard._report.fit import EXIT_DOES_NOT_FIT, OPTIMIZERS, PRECISIONS
+from torchshard._report.search_cli import SEARCH_HELP, add_search_arguments, run_search
 from torchshard._train.remat import POLICIES
 
 EXIT_OK, EXIT_INVALID_PLAN, EXIT_USAGE = 0, 1, 2
@@ -43,11 +44,11 @@ def build_parser() -> argparse.ArgumentParser:
         "plan",
         help="dry-run a sharding plan on the meta device (--compile: compile the step; will it fit?)",
         description=__doc__,
-        epilog=f"{_PRESETS_EPILOG}\n\n{_COMPILE_HELP}",
+        epilog=f"{_PRESETS_EPILOG}\n\n{_COMPILE_HELP}\n\n{SEARCH_HELP}",
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     p.add_argument("target", metavar="MODULE:FACTORY", help="e.g. mypkg.models:build or models.py:MLP")
-    p.add_argument("--mesh", required=True, help="axis sizes in mesh order, e.g. data=8,model=8")
+    p.add_argument("--mesh", help="axis sizes in mesh order, e.g. data=8,model=8 (required without --search)")
     p.add_argument("--rules", metavar="FILE.py", help="a Python file defining RULES (tried before --preset's)")
     p.add_argument("--preset", choices=PRESETS, help=f"{' | '.join(PRESETS)} (see presets: below)")
     p.add_argument("--fsdp-axis", default="data", help="mesh axis of the fsdp presets (default: data)")
@@ -68,6 +69,7 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--optimizer", choices=tuple(OPTIMIZERS), help="optax optimizer (default: adamw)")
     c.add_argument("--grad-accum", type=int, metavar="K", help="Trainer(grad_accum_steps=K)")
     c.add_argument("--device-memory", metavar="SIZE", help="e.g. 80GiB: say whether the peak fits (exit 3 if not)")
+    add_search_arguments(p)
     return parser
 
 
@@ -78,8 +80,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     if str(Path.cwd()) not in sys.path:
         sys.path.insert(0, str(Path.cwd()))  # MODULE:FACTORY names modules of the working directory
+    if not args.search and args.mesh is None:
+        build_parser().error("the following arguments are required: --mesh (or use --search)")
     try:
-        text, fits = run_plan(args)
+        text, fits = run_search(args, load_factory, build_on_meta) if args.search else run_plan(args)
     except ShardingError as err:
         print(f"error: invalid sharding plan\n{err}", file=sys.stderr)
         return EXIT_INVALID_PLAN

@@ -1,18 +1,25 @@
 """What a compiled step communicates and holds: its collectives and its memory per device."""
 
 from torchshard._report.compiled import CompiledMemory, memory
+from torchshard._report.hardware import PROFILES, Hardware, hardware
 from torchshard._report.hlo import KINDS, Collective, axes_of, parse_hlo
 from torchshard._report.inspection import CollectiveStats, collectives
+from torchshard._report.search import Candidate, search
 from torchshard._train.abstract import AbstractTrainer
 
 __all__ = [
     "KINDS",
+    "PROFILES",
     "AbstractTrainer",
+    "Candidate",
     "Collective",
     "CollectiveStats",
     "CompiledMemory",
+    "Hardware",
     "axes_of",
     "collectives",
+    "hardware",
     "memory",
     "parse_hlo",
+    "search",
 ]

@@ -1,0 +1,169 @@
+"""The plan search: costs with loops counted, hardware profiles, the space and its errors, the ranked result."""
+
+from __future__ import annotations
+
+import json
+
+import jax
+import numpy as np
+import pytest
+import torch
+from models import tiny_llama
+
+import torchshard as ts
+from torchshard.__main__ import main
+from torchshard._base.errors import ArgumentError, ShardingError
+from torchshard._report.costs import StepCosts, step_costs
+from torchshard._report.estimate import crosses_hosts, estimate, moved_bytes
+from torchshard._report.hardware import hardware, load_profiles
+from torchshard._report.hlo import Collective
+from torchshard._report.search import Problem, at_depth, compile_layout, measure
+from torchshard._report.space import Layout, ModelDims, layouts
+
+F32 = np.float32
+
+
+def _scan(layers):
+    f = lambda x, w: jax.lax.scan(lambda c, wi: (jax.numpy.tanh(c @ wi), None), x, w)[0].sum()  # noqa: E731
+    x, w = jax.ShapeDtypeStruct((8, 32), F32), jax.ShapeDtypeStruct((layers, 32, 32), F32)
+    return jax.jit(jax.grad(f, argnums=1)).lower(x, w).compile()
+
+
+def test_a_scanned_loop_costs_each_layer_where_xla_counts_one():
+    one, eight = step_costs(_scan(2).as_text()), step_costs(_scan(8).as_text())
+    per_layer = 3 * 2 * 8 * 32 * 32  # forward, input grad, weight grad
+    assert eight.flops - one.flops == 6 * per_layer
+    assert _scan(8).cost_analysis()["flops"] == _scan(2).cost_analysis()["flops"]  # what XLA reports instead
+    assert eight.bytes_accessed > 3 * one.bytes_accessed
+
+
+def test_an_unrolled_program_counts_the_matmul_flops_xla_counts():
+    f = lambda x, w1, w2: ((x @ w1) @ w2).sum()  # noqa: E731
+    shapes = [jax.ShapeDtypeStruct(s, F32) for s in ((16, 64), (64, 128), (128, 32))]
+    compiled = jax.jit(f).lower(*shapes).compile()
+    assert step_costs(compiled.as_text()).flops == 2 * 16 * 64 * 128 + 2 * 16 * 128 * 32
+    assert step_costs(compiled.as_text()).flops == pytest.approx(compiled.cost_analysis()["flops"], rel=0.05)
+
+
+def test_collectives_are_counted_per_execution_with_their_axes():
+    mesh = ts.make_mesh({"data": 8})
+    x = jax.ShapeDtypeStruct((3, 8, 16), F32, sharding=jax.sharding.NamedSharding(mesh, jax.P(None, "data")))
+    f = jax.jit(lambda x: jax.lax.scan(lambda c, xi: (c + xi.sum(0), None), jax.numpy.zeros(16), x)[0])
+    stats = step_costs(f.lower(x).compile().as_text())
+    assert sum(n for op, n in stats.collectives if op.kind == "all-reduce") in (1, 3)  # hoisted or in the loop
+
+
+def test_moved_bytes_and_host_crossings_follow_ring_algorithms():
+    op = Collective("all-reduce", "ar", ("f32[256]",), 1024, ((0, 1, 2, 3), (4, 5, 6, 7)))
+    assert moved_bytes(op) == 1024 * 2 * 3 / 4
+    assert not crosses_hosts(op, 4) and crosses_hosts(op, 2)
+    gather = Collective("all-gather", "ag", ("f32[256]",), 1024, ((0, 4),), axes=("data",))
+    parts = estimate(StepCosts(0.0, 0.0, ((gather, 10),)), hardware("h100"), precision="bf16", devices_per_host=4,
+                     bubble=0.0).parts  # fmt: skip
+    assert parts["comm data"] == pytest.approx(10 * 512 / hardware("h100").inter_host_bandwidth)
+
+
+def test_hardware_profiles_are_documented_and_extendable(tmp_path):
+    for name in ("h100", "a100", "tpu-v5p", "tpu-v5e"):
+        hw = hardware(name)
+        assert hw.bf16_flops > hw.hbm_bandwidth > 0 and hw.intra_host_bandwidth > hw.inter_host_bandwidth
+        assert "TFLOP/s" in hw.source
+    path = tmp_path / "hw.json"
+    row = {"name": "mygpu", "bf16_flops": 1e15, "fp32_flops": 5e14, "hbm_bandwidth": 4e12, "intra_host_bandwidth": 4e11,
+           "inter_host_bandwidth": 5e10, "devices_per_host": 8, "memory_bytes": 2**37}  # fmt: skip
+    path.write_text(json.dumps([row]))
+    assert hardware("mygpu", extra=load_profiles(path)).memory_bytes == 2**37
+    path.write_text(json.dumps([{"name": "broken"}]))
+    with pytest.raises(ArgumentError, match=r"entry 0.*each entry needs"):
+        load_profiles(path)
+
+
+def test_an_unknown_hardware_name_lists_the_profiles():
+    with pytest.raises(ArgumentError, match=r"unknown hardware 'h10'.*'a100', 'h100'.*did you mean h100"):
+        hardware("h10")
+
+
+DIMS = ModelDims(layers=4, heads=4, kv_heads=2, experts=None, hidden=64)
+OPTIONS = {"microbatches": (1,), "remat": (None,), "scan": (True,), "precision": ("bf16",)}
+
+
+def test_the_space_has_only_degrees_that_divide_the_model():
+    found = layouts(8, DIMS, (8, 32), **OPTIONS)
+    meshes = {lay.mesh for lay in found}
+    assert all(dict(m)["model"] in (1, 2) and dict(m)["stage"] in (1, 2, 4) for m in meshes)
+    assert (("stage", 1), ("data", 8), ("context", 1), ("expert", 1), ("model", 1)) in meshes
+    assert all(lay.microbatches == dict(lay.mesh)["stage"] for lay in found if dict(lay.mesh)["stage"] > 1)
+
+
+def test_a_batch_no_configuration_splits_names_batch_sizes_and_device_counts():
+    want = r"batch 7 splits over no configuration.*nearest batch sizes that work: \[6, 9, 12\]"
+    want += r".*nearest device counts that split batch 7: \[1, 2, 7, 14\]"
+    with pytest.raises(ShardingError, match=want):
+        layouts(6, ModelDims(4, 4, 2, None, 64), (7, 31), **OPTIONS)
+
+
+@pytest.fixture(scope="module")
+def tiny_problem():
+    model = tiny_llama(layers=4, meta=True)
+    hw = hardware("h100")
+    from torchshard._report.fit import lm_loss
+
+    return Problem(model, (8, 16), 4, hw, hw.memory_bytes, 4, lm_loss)
+
+
+@pytest.mark.slow
+def test_unscanned_costs_from_two_shallow_compiles_match_the_full_compile(tiny_problem):
+    layout = Layout((("stage", 1), ("data", 2), ("context", 1), ("expert", 1), ("model", 2)), scan=False)
+    devices = jax.devices()[:4]
+    peak, costs = measure(tiny_problem, layout, devices)
+    full_peak, full = compile_layout(tiny_problem, layout, at_depth(tiny_problem.model, 4), devices)
+    assert costs.flops == pytest.approx(full.flops, rel=1e-6)
+    assert costs.bytes_accessed == pytest.approx(full.bytes_accessed, rel=0.05)
+    assert peak == pytest.approx(full_peak, rel=0.15)
+    moved = lambda ops: sum(n * op.bytes for op, n in ops)  # noqa: E731  (XLA combines small ones differently)
+    assert moved(costs.collectives) == pytest.approx(moved(full.collectives), rel=0.05)
+
+
+@pytest.mark.slow
+def test_the_search_ranks_fitting_configurations_and_its_best_fits_by_plan_compile(capsys):
+    model = tiny_llama(layers=3, meta=True)
+    found = ts.inspect.search(model, devices=4, batch=(8, 18), max_compiles=4, **OPTIONS)
+    compiled = [c for c in found if c.peak_bytes is not None]
+    assert compiled and compiled[0].fits and compiled[0].step_seconds > 0 and 0 < compiled[0].mfu < 1
+    assert [c.step_seconds for c in compiled if c.fits] == sorted(c.step_seconds for c in compiled if c.fits)
+    best = compiled[0]
+    mesh = {"data": best.mesh["data"], "model": best.layout.degree("model")}
+    argv = ["plan", "tests.models:tiny_llama", "--mesh", ",".join(f"{a}={n}" for a, n in mesh.items()), "--preset",
+            "hf", "--compile", "--batch", "8x18", "--scan", "--precision", "bf16", "--device-memory",
+            str(best.peak_bytes * 2), "--format", "json"]  # fmt: skip
+    assert main(argv) == 0
+    assert json.loads(capsys.readouterr().out)["device_memory"]["fits"]
+    assert set(best.to_json()) >= {"mesh", "options", "peak_bytes", "fits", "step_seconds", "tokens_per_second", "mfu"}
+
+
+def test_search_cli_errors_name_the_fix(capsys):
+    assert main(["plan", "tests.models:tiny_llama", "--search", "--batch", "8x16"]) == 2
+    assert "--search needs --devices N" in capsys.readouterr().err
+    assert main(["plan", "tests.models:tiny_llama", "--search", "--devices", "4", "--batch", "8x16", "--hardware",
+                 "b200"]) == 2  # fmt: skip
+    assert "unknown hardware 'b200'" in capsys.readouterr().err
+    with pytest.raises(SystemExit, match="2"):
+        main(["plan", "tests.models:tiny_llama"])
+    assert "--mesh (or use --search)" in capsys.readouterr().err
+
+
+def test_at_depth_rebuilds_a_transformers_model_on_meta():
+    shallow = at_depth(tiny_llama(layers=4, meta=True), 1)
+    assert shallow.config.num_hidden_layers == 1 and next(shallow.parameters()).device == torch.device("meta")
+
+
+@pytest.mark.slow
+def test_the_search_benchmark_runs_tiny():
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    script = Path(__file__).resolve().parent.parent / "benchmarks" / "search.py"
+    done = subprocess.run([sys.executable, str(script), "--tiny"], capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr
+    assert "search: " in done.stdout and " compiled, " in done.stdout

@@ -1,0 +1,384 @@
+"""Which plan? Enumerate meshes and options for a model, prune, compile the survivors, rank by estimated time."""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import logging
+import math
+import re
+import warnings
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import jax
+import optax
+import torch
+
+from torchshard._base.errors import ShardingError
+from torchshard._base.format import fmt_bytes
+from torchshard._parallel.context import ContextParallel
+from torchshard._parallel.pipeline import Pipeline
+from torchshard._presets.hf import hf_rules
+from torchshard._presets.tables import common_tensor_parallel, fsdp
+from torchshard._report.compiled import CompiledMemory
+from torchshard._report.costs import StepCosts, step_costs
+from torchshard._report.estimate import estimate
+from torchshard._report.fit import lm_loss, simulated_devices
+from torchshard._report.hardware import Hardware, hardware
+from torchshard._report.hlo import axes_of
+from torchshard._report.memory import training_memory
+from torchshard._report.space import Layout, ModelDims, analytic_seconds, layouts
+from torchshard._sharding.mesh import make_mesh
+from torchshard._sharding.plan import ShardingPlan, plan
+from torchshard._train.abstract import AbstractTrainer
+from torchshard._train.precision import MixedPrecision
+from torchshard._train.remat import Remat
+
+log = logging.getLogger(__name__)
+REMATS = (None, "nothing_saveable", "dots_saveable")
+Compiled = tuple[int, StepCosts]  # peak bytes per device, costs
+Progress = Callable[[int, int, str], None]
+_CACHE: dict[tuple[Any, ...], Compiled] = {}  # one compile per program, reused across searches in a process
+
+
+@dataclasses.dataclass(frozen=True)
+class Candidate:
+    """One configuration the search considered, with its compiled memory and estimated speed.
+
+    Attributes:
+        layout: mesh degrees and Trainer options (see ``options``).
+        peak_bytes: the compiled step's peak per device (None: not compiled).
+        fits: ``peak_bytes <= device_memory`` (None: not compiled).
+        step_seconds, tokens_per_second, mfu: the estimate on the hardware profile (None: not compiled).
+        dominant: the largest part of the estimate (``compute``, ``memory``, ``comm model``, ...).
+        parts: seconds per part.
+        note: why it was not compiled or failed, if so.
+    """
+
+    layout: Layout
+    peak_bytes: int | None = None
+    fits: bool | None = None
+    step_seconds: float | None = None
+    tokens_per_second: float | None = None
+    mfu: float | None = None
+    dominant: str = ""
+    parts: dict[str, float] = dataclasses.field(default_factory=dict)
+    note: str = ""
+
+    @property
+    def mesh(self) -> dict[str, int]:
+        """The mesh axes of size > 1 (``data`` always), in mesh order."""
+        return {a: n for a, n in self.layout.mesh if n > 1 or a == "data"}
+
+    @property
+    def options(self) -> dict[str, Any]:
+        """The Trainer options: pipeline micro-batches or grad accumulation, remat policy, scan, precision."""
+        lay = self.layout
+        micro = {"pipeline_microbatches": lay.microbatches} if lay.degree("stage") > 1 else {
+            "grad_accum_steps": lay.microbatches}  # fmt: skip
+        return {**micro, "remat": lay.remat, "scan_layers": lay.scan, "precision": lay.precision,
+                "context_parallel": lay.degree("context") > 1}  # fmt: skip
+
+    def to_json(self) -> dict[str, Any]:
+        """The candidate as JSON-ready data."""
+        return {"mesh": self.mesh, "options": self.options, "peak_bytes": self.peak_bytes, "fits": self.fits,
+                "step_seconds": self.step_seconds, "tokens_per_second": self.tokens_per_second, "mfu": self.mfu,
+                "dominant": self.dominant, "parts": self.parts, "note": self.note}  # fmt: skip
+
+
+@dataclasses.dataclass(frozen=True)
+class Problem:
+    """What the search is for: the model (built on meta), the batch, the devices and the hardware."""
+
+    model: torch.nn.Module
+    batch: tuple[int, int]
+    devices: int
+    hw: Hardware
+    device_memory: int
+    devices_per_host: int
+    loss_fn: Callable[..., Any]
+
+    @property
+    def tokens(self) -> int:
+        return self.batch[0] * self.batch[1]
+
+
+def _stack_name(model: torch.nn.Module) -> str:
+    lists = [(len(m), n) for n, m in model.named_modules() if isinstance(m, torch.nn.ModuleList) and n]
+    if not lists:
+        raise ShardingError(f"{type(model).__name__} has no ModuleList of layers to remat, scan or pipeline")
+    return max(lists)[1]
+
+
+def at_depth(model: torch.nn.Module, layers: int) -> torch.nn.Module:
+    """The same transformers model with ``layers`` decoder layers, built on ``meta``."""
+    config: Any = copy.deepcopy(model.config)
+    config.num_hidden_layers = layers
+    if isinstance(getattr(config, "layer_types", None), list):
+        config.layer_types = (config.layer_types * layers)[:layers]
+    with torch.device("meta"):
+        return type(model)(config)
+
+
+def _rules(model: torch.nn.Module, layout: Layout) -> Any:
+    tp = "model" if layout.degree("model") > 1 else None
+    if getattr(model, "config", None) is not None:
+        experts = "expert" if layout.degree("expert") > 1 else None
+        return hf_rules(model, axis=tp, expert_axis=experts, fsdp_axis="data")
+    return (common_tensor_parallel(axis="model") + fsdp("data")) if tp else fsdp("data")
+
+
+def _options(model: torch.nn.Module, layout: Layout) -> dict[str, Any]:
+    stages, context = layout.degree("stage"), layout.degree("context")
+    rows: Any = ("data", "expert") if layout.degree("expert") > 1 else "data"
+    return {
+        "batch_spec": (rows, "context") if context > 1 else (rows,),
+        "grad_accum_steps": 1 if stages > 1 else layout.microbatches,
+        "pipeline": Pipeline(microbatches=layout.microbatches) if stages > 1 else None,
+        "context": ContextParallel() if context > 1 else None,
+        "remat": Remat(rf"{re.escape(_stack_name(model))}\.\d+", policy=layout.remat) if layout.remat else None,
+        "scan_layers": layout.scan,
+        "precision": MixedPrecision(torch.bfloat16) if layout.precision != "fp32" else None,
+    }
+
+
+def _mesh(layout: Layout, devices: list[Any]) -> Any:
+    axes = {a: n for a, n in layout.mesh if n > 1 or a == "data"}
+    return make_mesh(axes, devices=devices[: math.prod(axes.values())])
+
+
+def _plan(model: torch.nn.Module, layout: Layout, devices: list[Any]) -> ShardingPlan:
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # unused tp_plan entries: the plan is still the model's
+        return plan(model, _mesh(layout, devices), _rules(model, layout))
+
+
+def compile_layout(problem: Problem, layout: Layout, model: torch.nn.Module, devices: list[Any]) -> Compiled:
+    """Compiles ``model``'s step under ``layout``; its peak bytes per device and its costs (cached)."""
+    key = (id(problem.model), layout, sum(1 for _ in model.parameters()), problem.batch, problem.loss_fn)
+    if key in _CACHE:
+        return _CACHE[key]
+    planned = _plan(model, layout, devices)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        trainer = AbstractTrainer(model, problem.loss_fn, optax.adamw(1e-4), planned, **_options(model, layout))
+        batch = torch.empty(problem.batch, dtype=torch.int64, device="meta")
+        compiled = trainer.lower(batch).compile()
+    costs = step_costs(str(compiled.as_text()))
+    mesh = planned.mesh
+    ops = tuple((dataclasses.replace(op, axes=axes_of(op, mesh)), n) for op, n in costs.collectives)  # type: ignore[arg-type]
+    _CACHE[key] = (CompiledMemory.of(compiled).peak_bytes, dataclasses.replace(costs, collectives=ops))
+    return _CACHE[key]
+
+
+def measure(problem: Problem, layout: Layout, devices: list[Any]) -> Compiled:
+    """Peak and costs at full depth: compiled at full depth when scanned or pipelined (compile time does not
+    grow with depth), else at 1 and 2 layers and extrapolated linearly (every layer costs the same)."""
+    model, layers = problem.model, ModelDims.of(problem.model).layers
+    if layout.scan or layers is None or layers <= 2 or getattr(model, "config", None) is None:
+        return compile_layout(problem, layout, model, devices)
+    (p1, c1), (p2, c2) = (compile_layout(problem, layout, at_depth(model, n), devices) for n in (1, 2))
+    return round(p1 + (layers - 1) * (p2 - p1)), c1.scaled(c2, layers - 1)
+
+
+def model_flops(model: torch.nn.Module, tokens: int, seq: int) -> float:
+    """Training FLOPs of a step as torchtitan counts them: 6 × non-embedding params + 12 × L × hidden × seq."""
+    params = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    embed = getattr(model, "get_input_embeddings", lambda: None)()
+    params -= embed.weight.numel() if embed is not None else 0
+    dims = ModelDims.of(model)
+    attention = 12 * (dims.layers or 0) * (dims.hidden or 0) * seq
+    return float((6 * params + attention) * tokens)
+
+
+def rate(problem: Problem, layout: Layout, peak: int, costs: StepCosts) -> Candidate:
+    """The candidate's verdict and speed on the problem's hardware."""
+    stages = layout.degree("stage")
+    bubble = (stages - 1) / (layout.microbatches + stages - 1) if stages > 1 else 0.0
+    est = estimate(costs, problem.hw, precision=layout.precision, devices_per_host=problem.devices_per_host,
+                   bubble=bubble)  # fmt: skip
+    flops = model_flops(problem.model, problem.tokens, problem.batch[1])
+    mfu = flops / (est.seconds * problem.devices * problem.hw.bf16_flops)
+    return Candidate(layout, peak, peak <= problem.device_memory, est.seconds, problem.tokens / est.seconds, mfu,
+                     est.dominant, {k: round(v, 6) for k, v in est.parts.items()})  # fmt: skip
+
+
+def _rough(problem: Problem, layout: Layout) -> float:
+    params = sum(p.numel() for p in problem.model.parameters())
+    hw = problem.hw
+    return analytic_seconds(layout, ModelDims.of(problem.model), params, problem.batch, hw.bf16_flops,
+                            hw.intra_host_bandwidth)  # fmt: skip
+
+
+def _state_note(problem: Problem, layout: Layout, devices: list[Any]) -> str:
+    try:
+        planned = _plan(problem.model, layout, devices)
+    except ShardingError as err:
+        return f"no plan: {str(err).splitlines()[-1].strip()}"
+    stored = torch.float32 if layout.precision != "fp32" else None
+    state = training_memory(planned, problem.model, param_dtype=stored).total
+    return f"params + grads + AdamW alone need {fmt_bytes(state)}" if state > problem.device_memory else ""
+
+
+def _base(group: list[Layout], options: dict[str, Any]) -> Layout:
+    """A mesh's first layout to compile: full remat, scanned, bf16, the fewest micro-batches (what fits most)."""
+    remat, precision = _first(options["remat"], "nothing_saveable"), _first(options["precision"], "bf16")
+
+    def prefer(lay: Layout) -> tuple[bool, bool, bool, int]:
+        return lay.remat != remat, not lay.scan, lay.precision != precision, lay.microbatches
+
+    return min(group, key=prefer)
+
+
+def _first(values: Sequence[Any], wanted: Any) -> Any:
+    return wanted if wanted in values else values[0]
+
+
+class _Runner:
+    """Compiles layouts within a budget, remembering each verdict."""
+
+    def __init__(self, problem: Problem, budget: int, progress: Progress | None) -> None:
+        self.problem, self.budget, self.progress = problem, budget, progress
+        self.devices = simulated_devices(problem.devices)
+        self.done: dict[Layout, Candidate] = {}
+
+    def __call__(self, layout: Layout) -> Candidate:
+        if layout not in self.done:
+            if self.progress is not None:
+                self.progress(len(self.done), self.budget, layout.label())
+            try:
+                self.done[layout] = rate(self.problem, layout, *measure(self.problem, layout, self.devices))
+            except ShardingError as err:
+                self.done[layout] = Candidate(layout, note=f"cannot compile: {str(err).splitlines()[0]}")
+        return self.done[layout]
+
+    @property
+    def left(self) -> int:
+        return self.budget - len(self.done)
+
+
+def _better(a: Candidate, b: Candidate | None) -> bool:
+    return b is None or _rank(a) < _rank(b)
+
+
+def refine(run: _Runner, group: list[Layout], start: Candidate) -> None:
+    """Coordinate search from ``start``: each option in turn (remat, micro-batches, precision, scan) tried at
+    every value with the others at the best so far."""
+    best = start
+    for field in ("remat", "microbatches", "precision", "scan"):
+        for layout in group:
+            others = all(getattr(layout, f) == getattr(best.layout, f) for f in ("remat", "microbatches", "precision",
+                                                                               "scan") if f != field)  # fmt: skip
+            if others and layout != best.layout and run.left > 0:
+                tried = run(layout)
+                best = tried if _better(tried, best) and tried.fits else best
+
+
+def run_search(
+    problem: Problem, options: dict[str, Any], *, max_compiles: int, refine_meshes: int, progress: Progress | None
+) -> list[Candidate]:
+    """Every layout, ranked: meshes first compiled once each (in order of a rough estimate, half the budget),
+    then the best ``refine_meshes`` that fit refined option by option; fitting ones by estimated time first."""
+    found = layouts(problem.devices, ModelDims.of(problem.model), problem.batch, **options)
+    run = _Runner(problem, max_compiles, progress)
+    groups: dict[tuple[tuple[str, int], ...], list[Layout]] = {}
+    for layout in found:
+        groups.setdefault(layout.mesh, []).append(layout)
+    bases = sorted((_base(g, options) for g in groups.values()), key=lambda lay: _rough(problem, lay))
+    notes: dict[Layout, str] = {}
+    for layout in bases:
+        notes[layout] = _state_note(problem, layout, run.devices)
+        if not notes[layout] and len(run.done) < max(max_compiles // 2, 1):
+            run(layout)
+    fitting = sorted((c for c in run.done.values() if c.fits), key=_rank)[:refine_meshes]
+    for start in fitting:
+        refine(run, groups[start.layout.mesh], start)
+    if progress is not None:
+        progress(run.budget, run.budget, "done")
+    rest = [Candidate(lay, note=notes.get(lay) or "not compiled: its mesh ranked below the ones explored")
+            for lay in found if lay not in run.done]  # fmt: skip
+    return sorted([*run.done.values(), *rest], key=_rank)
+
+
+def _rank(c: Candidate) -> tuple[int, float]:
+    if c.fits:
+        return (0, c.step_seconds or 0.0)
+    return (1, c.step_seconds or math.inf) if c.step_seconds is not None else (2, 0.0)
+
+
+def search(
+    model: torch.nn.Module | Callable[[], torch.nn.Module],
+    *,
+    devices: int,
+    batch: tuple[int, int],
+    hardware_name: str | Hardware = "h100",
+    device_memory: int | None = None,
+    hosts: int | None = None,
+    loss_fn: Callable[..., Any] | None = None,
+    microbatches: Sequence[int] = (1, 2, 4),
+    remat: Sequence[str | None] = REMATS,
+    scan: Sequence[bool] = (True, False),
+    precision: Sequence[str] = ("bf16", "fp32"),
+    max_compiles: int = 40,
+    refine_meshes: int = 3,
+    progress: Progress | None = None,
+) -> list[Candidate]:
+    """Searches meshes and Trainer options for ``model`` on ``devices`` devices; the best first.
+
+    Enumerates (stage, data, context, expert, model) degrees that divide the model's head counts,
+    layers, experts and the sequence, with micro-batches (pipeline micro-batches, or gradient
+    accumulation), remat policies, scan and precision; drops those whose plan's state alone
+    cannot fit; compiles the rest (in order of a rough estimate, at most ``max_compiles``) with an
+    `AbstractTrainer` on simulated devices; and ranks the ones that fit by the step time estimated
+    from the compiled FLOPs, memory traffic and collectives over ``hardware_name``'s profile.
+
+    Args:
+        model: a model built on ``meta`` (or a factory of one); transformers models are rebuilt at
+            1 and 2 layers for unscanned candidates, whose costs are extrapolated to the full depth.
+        devices: the device count; JAX must not have started with fewer (``use_cpu_devices``).
+        batch: ``(rows, sequence)`` of int64 token ids.
+        hardware_name: a profile name (``h100``, ``a100``, ``tpu-v5p``, ``tpu-v5e``) or a `Hardware`.
+        device_memory: bytes per device (default: the profile's).
+        hosts: hosts the devices span (default: the profile's devices per host decides).
+        loss_fn: ``loss_fn(model, ids)`` (default: a causal LM's own loss).
+        microbatches, remat, scan, precision: the option values to enumerate.
+        max_compiles: layouts compiled at most: half of them the meshes' first layouts (in order of a
+            rough analytic estimate), the rest refining the best ``refine_meshes`` meshes that fit.
+        refine_meshes: how many of the best fitting meshes get their options searched one at a time.
+        progress: called with (done, total, what) before each candidate.
+
+    Returns:
+        Every `Candidate`: fitting ones by estimated step time, then those that do not fit, then the rest.
+
+    Raises:
+        ArgumentError: an unknown hardware name (the known ones listed).
+        ShardingError: no mesh of ``devices`` fits the model, or no layout splits the batch (the
+            nearest device counts or batch sizes named).
+
+    Example:
+        >>> import transformers
+        >>> config = transformers.LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+        ...     num_attention_heads=4, num_key_value_heads=2, vocab_size=128, use_cache=False)
+        >>> with torch.device("meta"):
+        ...     model = transformers.LlamaForCausalLM(config)
+        >>> best = search(model, devices=2, batch=(4, 16), remat=(None,), scan=(True,), precision=("bf16",),
+        ...               microbatches=(1,), max_compiles=1)[0]
+        >>> best.fits, best.step_seconds > 0
+        (True, True)
+    """
+    hw = hardware(hardware_name)
+    if not isinstance(model, torch.nn.Module):
+        with torch.device("meta"):
+            model = model()
+    per_host = devices // hosts if hosts else min(hw.devices_per_host, devices)
+    problem = Problem(model, tuple(batch), devices, hw, device_memory or hw.memory_bytes, max(per_host, 1),  # type: ignore[arg-type]
+                      loss_fn or lm_loss)  # fmt: skip
+    options = {"microbatches": microbatches, "remat": remat, "scan": scan, "precision": precision}
+    return run_search(problem, options, max_compiles=max_compiles, refine_meshes=refine_meshes, progress=progress)
+
+
+def cache_clear() -> None:
+    """Forgets every compiled program (tests)."""
+    _CACHE.clear()
+    jax.clear_caches()
