@@ -98,6 +98,18 @@ def test_pipeline_benchmark_runs(tmp_path):
 
 
 @pytest.mark.slow
+def test_pipeline_memory_benchmark_runs(tmp_path):
+    out = tmp_path / "pipeline_memory.json"
+    done = subprocess.run([sys.executable, str(SCRIPT.parent / "pipeline_memory.py"), "--tiny", "--json", str(out)],
+                          capture_output=True, text=True, timeout=600)  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    rows = json.loads(out.read_text())["rows"]
+    assert [r["config"] for r in rows] == ["replicated data=8", "pipelined stage=4×data=2"]
+    assert all(r["peak_rss_kib"] >= r["constructed_rss_kib"] >= r["model_built_rss_kib"] > 0 for r in rows)
+    assert rows[1]["step_argument_bytes"] < rows[0]["step_argument_bytes"]  # a quarter of the layers per device
+
+
+@pytest.mark.slow
 def test_moe_benchmark_runs(tmp_path):
     out = tmp_path / "moe.json"
     done = subprocess.run([sys.executable, str(SCRIPT.parent / "moe.py"), "--tiny", "--json", str(out)],
