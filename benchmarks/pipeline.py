@@ -1,12 +1,13 @@
-"""Pipeline parallelism: per-device memory, step time and the measured bubble of gpipe and circular schedules.
+"""Pipeline parallelism: per-device memory, step time and the measured bubble of gpipe, circular and 1f1b schedules.
 
 The model is a residual stack in plain torch (pre-norm MLP blocks, MSE loss, AdamW); every tensor
 is replicated over the data axis (``presets.data_parallel``), so only the pipeline splits weights.
 
 Table 1, memory and time on 8 devices: unpipelined data=8 against 1, 2 and 4 stages (the rest of
 the devices over data), gpipe and circular. For each: the parameter bytes each device holds, the
-compiled step's per-device argument and temp bytes (``memory_analysis``), and the median wall and
-CPU time of a step (configurations interleaved in rounds).
+compiled step's per-device argument and temp bytes (``memory_analysis``; a 1f1b row's temp also over
+gpipe's on the same stages, without remat), and the median wall and CPU time of a step
+(configurations interleaved in rounds).
 
 Table 2, the bubble: pipelines over S = 1, 2, 4 devices (a mesh of the stage axis alone), every
 block checkpointed so that the schedules recompute alike, against the formula
@@ -53,8 +54,10 @@ MEMORY = [
     Config("gpipe S=4", 4),
     Config("circular S=2 r=2", 2, "circular", 2),
     Config("circular S=4 r=2", 4, "circular", 2),
+    Config("1f1b S=2", 2, "1f1b"),
+    Config("1f1b S=4", 4, "1f1b"),
 ]
-TINY_MEMORY = ("unpipelined", "gpipe S=4", "circular S=2 r=2")
+TINY_MEMORY = ("unpipelined", "gpipe S=4", "circular S=2 r=2", "1f1b S=4")
 BUBBLE = [
     Config(f"{name}{' ×2' if scale == 2 else ''}", stages, schedule, repeats, stages, True, scale)
     for name, stages, schedule, repeats in [
@@ -63,6 +66,8 @@ BUBBLE = [
         ("gpipe S=4", 4, "gpipe", 1),
         ("circular S=2 r=2", 2, "circular", 2),
         ("circular S=4 r=2", 4, "circular", 2),
+        ("1f1b S=2", 2, "1f1b", 1),
+        ("1f1b S=4", 4, "1f1b", 1),
     ]
     for scale in (1, 2)
 ]
@@ -195,6 +200,8 @@ def main() -> None:
     for row in memory:
         row["param_ratio"] = row["param_bytes"] / memory[0]["param_bytes"]
         row["argument_ratio"] = row["argument_bytes"] / memory[0]["argument_bytes"]
+        gpipe = next((r for r in memory if r["config"] == f"gpipe S={row['stages']}"), None)
+        row["temp_vs_gpipe"] = row["temp_bytes"] / gpipe["temp_bytes"] if gpipe and row["stages"] else None
     bubble = measured_bubbles(bubble)
     head = f"{args.depth} blocks {args.dim}→{args.hidden}→{args.dim}, batch {args.batch}×{args.seq}, AdamW"
     print_memory(memory, head)
@@ -222,13 +229,14 @@ def print_memory(rows: list[dict[str, Any]], head: str) -> None:
     mib = 2**20
     print(f"\n{head}, 8 CPU devices\n")
     print("| config | mesh | params/device (MiB) | ÷ unpipelined | argument bytes/device (MiB) | ÷ unpipelined | "
-          "temp (MiB) | step wall (ms) | step CPU (ms) | bubble (formula) |")  # fmt: skip
-    print("|---|---|---|---|---|---|---|---|---|---|")
+          "temp (MiB) | temp ÷ gpipe | step wall (ms) | step CPU (ms) | bubble (formula) |")  # fmt: skip
+    print("|---|---|---|---|---|---|---|---|---|---|---|")
     for r in rows:
         formula = "–" if r["microbatches"] is None else f"{r['bubble']:.3f}"
+        versus = "–" if r["temp_vs_gpipe"] is None else f"{r['temp_vs_gpipe']:.2f}"
         print(
             f"| {r['config']} | {r['mesh']} | {r['param_bytes'] / mib:.2f} | {r['param_ratio']:.2f} | "
-            f"{r['argument_bytes'] / mib:.2f} | {r['argument_ratio']:.2f} | {r['temp_bytes'] / mib:.2f} | "
+            f"{r['argument_bytes'] / mib:.2f} | {r['argument_ratio']:.2f} | {r['temp_bytes'] / mib:.2f} | {versus} | "
             f"{r['step_ms']:.0f} | {r['cpu_ms']:.0f} | {formula} |"
         )
 

@@ -89,11 +89,24 @@ def test_pipeline_benchmark_runs(tmp_path):
     assert "| gpipe S=4 | stage=4×data=2 |" in done.stdout and "| circular S=4 r=2 | stage=4 |" in done.stdout
     result = json.loads(out.read_text())
     memory = {r["config"]: r for r in result["memory"]}
-    assert list(memory) == ["unpipelined", "gpipe S=4", "circular S=2 r=2"]  # --tiny's subset
+    assert list(memory) == ["unpipelined", "gpipe S=4", "circular S=2 r=2", "1f1b S=4"]  # --tiny's subset
     assert memory["gpipe S=4"]["param_ratio"] <= 0.45  # a quarter of the blocks per device
+    assert memory["1f1b S=4"]["temp_vs_gpipe"] <= 0.6  # one micro-batch's activations per stage, not M
     assert memory["circular S=2 r=2"]["bubble"] == pytest.approx(1 / (2 * 4 + 1))
-    assert [r["config"] for r in result["bubble"]] == ["gpipe S=4", "circular S=4 r=2"]  # --tiny's subset
+    assert [r["config"] for r in result["bubble"]] == ["gpipe S=4", "circular S=4 r=2", "1f1b S=4"]  # --tiny's
     assert all("measured_bubble" in r for r in result["bubble"])  # one tiny round: its sign is noise
+
+
+@pytest.mark.slow
+def test_pipeline_memory_benchmark_runs(tmp_path):
+    out = tmp_path / "pipeline_memory.json"
+    done = subprocess.run([sys.executable, str(SCRIPT.parent / "pipeline_memory.py"), "--tiny", "--json", str(out)],
+                          capture_output=True, text=True, timeout=600)  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    rows = json.loads(out.read_text())["rows"]
+    assert [r["config"] for r in rows] == ["replicated data=8", "pipelined stage=4×data=2"]
+    assert all(r["peak_rss_kib"] >= r["constructed_rss_kib"] >= r["model_built_rss_kib"] > 0 for r in rows)
+    assert rows[1]["step_argument_bytes"] < rows[0]["step_argument_bytes"]  # a quarter of the layers per device
 
 
 @pytest.mark.slow

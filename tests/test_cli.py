@@ -181,6 +181,17 @@ USAGE = {
                                   r"needs 16 CPU devices, but JAX already started with 8 in this process"),
     "free axis with compile": (["models:MLP", "--mesh", "data=-1", "--compile", "--batch", "16x32"],
                                r"--compile: give every mesh axis a positive size"),
+    "pipeline without compile": (["models:MLP", "--mesh", "stage=2,data=4", "--pipeline", "stage=2"],
+                                 r"--pipeline given without --compile"),
+    "pipeline axis not in mesh": (["models:MLP", "--mesh", "data=8", "--compile", "--batch", "8x32",
+                                   "--pipeline", "stage=2,microbatches=2"],
+                                  r"--pipeline stage=2: --mesh data=8 gives no axis stage of size 2; add stage=2"),
+    "pipeline without axis": (["models:MLP", "--mesh", "stage=2,data=4", "--compile", "--batch", "8x32",
+                               "--pipeline", "microbatches=2"], r"name the stage axis and its size once"),
+    "pipeline bad value": (["models:MLP", "--mesh", "stage=2,data=4", "--compile", "--batch", "8x32",
+                            "--pipeline", "stage=2,microbatches=two"], r"microbatches=.two. must be a positive"),
+    "pipeline bad schedule": (["models:MLP", "--mesh", "stage=2,data=4", "--compile", "--batch", "8x32",
+                               "--pipeline", "stage=2,schedule=zb"], r"schedule='zb' must be one of"),
 }  # fmt: skip
 
 
@@ -324,6 +335,31 @@ def test_compiled_figures_are_the_real_trainers(capsys, tmp_path):
     mem = data["per_device_bytes"]
     assert mem["params"] == plan.bytes_per_device("param")  # fp32 already: MixedPrecision stores fp32
     assert data["simulated_devices"] == 8 and "device_memory" not in data
+
+
+@pytest.mark.slow
+def test_pipelined_figures_are_the_real_trainers(capsys, tmp_path):
+    lm = _file(tmp_path, "tiny_lm.py", TINY_LM)
+    argv = ["--mesh", "stage=2,data=4", "--preset", "fsdp", "--compile", "--batch", "8x16",
+            "--pipeline", "stage=2,microbatches=2,schedule=1f1b"]  # fmt: skip
+    code, out, err = _run(capsys, f"{lm}:build", *argv, "--format", "json")
+    assert code == EXIT_OK, err
+    data = json.loads(out)
+    model = tiny_llama()
+    plan = ts.plan(model, ts.make_mesh({"stage": 2, "data": 4}), presets.fsdp("data"))
+    trainer = ts.Trainer(model, lm_loss, optax.adamw(1e-4), plan,
+                         pipeline=ts.Pipeline(microbatches=2, schedule="1f1b"))  # fmt: skip
+    batch = torch.randint(0, 128, (8, 16))
+    assert data["compiled"] == dataclasses.asdict(ts.inspect.memory(trainer, batch))
+    assert math.isfinite(float(trainer.step(batch)["loss"]))
+    assert data["compile"]["pipeline"] == {"axis": "stage", "microbatches": 2, "schedule": "1f1b", "repeats": 1,
+                                           "layers": None, "stages": 2, "bubble": 1 / 3}  # fmt: skip
+    assert data["compile"]["plan_argument_bytes"] == pytest.approx(data["compiled"]["argument_bytes"], rel=0.01)
+    assert data["per_device_bytes"]["params"] == trainer.plan.bytes_per_device("param")  # one stage's layers
+    assert data["per_device_bytes"]["params"] < plan.bytes_per_device("param")
+    assert data["tensors"] == trainer.plan.rows()  # with the stage column
+    code, out, err = _run(capsys, f"{lm}:build", *argv)
+    assert "pipeline 1f1b over stage=2 × 2 micro-batches (bubble 0.333)" in out
 
 
 def test_device_memory_too_small_exits_3(capsys, tmp_path, monkeypatch):

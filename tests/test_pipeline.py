@@ -419,7 +419,7 @@ def test_a_block_updating_buffers_is_refused():
 @pytest.mark.parametrize(
     ("kwargs", "match"),
     [
-        ({"schedule": "1f1b"}, r"schedule='1f1b' must be one of \['gpipe', 'circular'\]"),
+        ({"schedule": "zero-bubble"}, r"schedule='zero-bubble' must be one of \['gpipe', 'circular', '1f1b'\]"),
         ({"repeats": 2}, r"repeats=2 needs schedule='circular'"),
         ({"microbatches": 0}, r"microbatches=0 must be an int ≥ 1"),
         ({"axis": 3}, r"axis=3 must be a mesh axis name"),

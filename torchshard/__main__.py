@@ -68,6 +68,8 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--precision", choices=tuple(PRECISIONS), help="bf16/fp16: MixedPrecision (fp32 master weights)")
     c.add_argument("--optimizer", choices=tuple(OPTIMIZERS), help="optax optimizer (default: adamw)")
     c.add_argument("--grad-accum", type=int, metavar="K", help="Trainer(grad_accum_steps=K)")
+    c.add_argument("--pipeline", metavar="AXIS=S,...", help="Trainer(pipeline=Pipeline(...)), e.g. "
+                   "stage=4,microbatches=8,schedule=1f1b (repeats=R, layers=REGEX; the axis as in --mesh)")  # fmt: skip
     c.add_argument("--device-memory", metavar="SIZE", help="e.g. 80GiB: say whether the peak fits (exit 3 if not)")
     add_search_arguments(p)
     return parser

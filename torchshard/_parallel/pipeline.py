@@ -4,7 +4,9 @@ The layers' weights are stacked ``[L, ...]`` with the stage axis on the layer di
 a contiguous split gives each stage its chunks. One loop of ``repeats·M + S - 1`` iterations runs
 every stage on its current micro-batch at once (``vmap`` over the stage dim: under GSPMD each
 device computes only its own stage), then passes every stage's output to the next stage with a
-``ppermute`` (a collective-permute). Autodiff of the loop is the backward pass.
+``ppermute`` (a collective-permute). Autodiff of the loop is the backward pass; under ``"1f1b"`` each
+iteration's stage work is checkpointed whole, so the backward recomputes and differentiates one
+micro-batch per stage at a time.
 """
 
 from __future__ import annotations
@@ -22,7 +24,7 @@ from torchshard._base.errors import ShardingError
 from torchshard._base.validate import describe_mesh, int_problems, raise_for_arguments, regex_problem
 from torchshard._parallel.vmapped import vmapped_over
 
-SCHEDULES = ("gpipe", "circular")
+SCHEDULES = ("gpipe", "circular", "1f1b")
 LAYER_INPUT = "torchshard_pipeline_layer_input"  # the activations a circular schedule keeps for the backward
 # layer_fn(one layer's arrays, hidden state, other call arrays, key) -> (hidden state, key after)
 LayerFn = Callable[[Mapping[str, jax.Array], jax.Array, Sequence[jax.Array], jax.Array], tuple[jax.Array, jax.Array]]
@@ -44,8 +46,11 @@ class Pipeline:
         microbatches: micro-batches per batch (at least the number of stages; default: one per stage).
         schedule: ``"gpipe"``: all forwards, then the backward by autodiff; ``"circular"``: chunk ``j``
             on stage ``j mod S``, and micro-batches go ``repeats`` times round the stages, which shrinks
-            the idle fraction to ``(S-1)/(repeats*M + S-1)``.
-        repeats: rounds of a circular schedule (1 for gpipe).
+            the idle fraction to ``(S-1)/(repeats*M + S-1)``; ``"1f1b"``: gpipe's order, but the forward
+            keeps only each stage's input per micro-batch and the backward runs one micro-batch's
+            stage forward and its backward together, so a stage holds one micro-batch's activations
+            (at most S in the pipe) instead of M, for one more stage forward per micro-batch.
+        repeats: rounds of a circular schedule (1 for gpipe and 1f1b).
         layers: regex (``re.fullmatch``) naming the ModuleList to pipeline, if the model has several.
 
     Raises:
@@ -71,8 +76,8 @@ class Pipeline:
         problems += int_problems("repeats", self.repeats, minimum=1)
         if self.schedule not in SCHEDULES:
             problems.append(f"schedule={self.schedule!r} must be one of {list(SCHEDULES)}")
-        elif self.schedule == "gpipe" and self.repeats != 1:
-            problems.append(f"repeats={self.repeats!r} needs schedule='circular' (gpipe makes one pass)")
+        elif self.schedule != "circular" and self.repeats != 1:
+            problems.append(f"repeats={self.repeats!r} needs schedule='circular' ({self.schedule} makes one pass)")
         if self.layers is not None and (problem := regex_problem(self.layers)) is not None:
             problems.append(f"layers={self.layers!r} {problem}; name the ModuleList to pipeline, or pass None")
         raise_for_arguments(problems, header="invalid Pipeline arguments")
@@ -94,6 +99,7 @@ class Stages:
     repeats: int
     layers: int
     batch: Any = None  # the mesh axes a micro-batch's rows are sharded over (a PartitionSpec entry)
+    schedule: str = "gpipe"
 
     @property
     def chunk(self) -> int:
@@ -154,7 +160,7 @@ def resolve(pipeline: Pipeline, mesh: Mesh, *, prefix: str, layers: int, batch: 
         )
     if problems:
         raise ShardingError(problems, header=f"{where} cannot split this model ({len(problems)} problem(s))")
-    return Stages(mesh, pipeline.axis, stages, microbatches, repeats, layers, batch)
+    return Stages(mesh, pipeline.axis, stages, microbatches, repeats, layers, batch, pipeline.schedule)
 
 
 def _split(x: jax.Array, m: int) -> jax.Array:
@@ -201,20 +207,25 @@ class _Loop:
         )
         return move(x)
 
-    def stages_out(self, repeat: jax.Array, inputs: jax.Array, split: tuple[jax.Array, ...], keys: jax.Array):
+    def stages_out(self, repeat: jax.Array, inputs: jax.Array, micro: jax.Array, keys: jax.Array) -> jax.Array:
         """Every stage's output for this iteration, each stage on its own devices."""
         run = jax.vmap(self.stage_fn, in_axes=(0, 0, 0, None, 0), spmd_axis_name=self.spec.axis)
-        if self.spec.repeats == 1:  # one chunk per stage: the weights are loop constants
-            return run(self.weights, inputs, split, self.whole, keys)[0]
+        repeats = self.spec.repeats
 
-        def chunk_of_repeat(weights, repeat, inputs, split, keys):
-            chunk = {k: _per_stage(w, repeat) for k, w in weights.items()}
+        def compute(weights, repeat, inputs, micro, keys):
+            split = tuple(_per_stage(x, micro, shared=True) for x in self.split)
+            chunk = weights if repeats == 1 else {k: _per_stage(w, repeat) for k, w in weights.items()}
             return run(chunk, inputs, split, self.whole, keys)[0]
 
-        # each stage's chunk changes with its repeat: autodiff would keep every iteration's slice of the weights
-        # for the backward; instead keep only each layer's input and recompute the rest (as remat would)
-        policy = jax.checkpoint_policies.save_only_these_names(LAYER_INPUT)
-        return jax.checkpoint(chunk_of_repeat, policy=policy)(self.weights, repeat, inputs, split, keys)
+        if self.spec.schedule == "1f1b":
+            # keep only each stage's input per micro-batch: the backward recomputes one micro-batch's stage forward
+            # at a time and takes its vjp at once, so a stage holds one micro-batch's activations, never M of them
+            compute = jax.checkpoint(compute, policy=jax.checkpoint_policies.nothing_saveable)
+        elif repeats > 1:
+            # each stage's chunk changes with its repeat: autodiff would keep every iteration's slice of the weights
+            # for the backward; instead keep only each layer's input and recompute the rest (as remat would)
+            compute = jax.checkpoint(compute, policy=jax.checkpoint_policies.save_only_these_names(LAYER_INPUT))
+        return compute(self.weights, repeat, inputs, micro, keys)
 
     def iteration(self, carry: tuple[jax.Array, jax.Array], t: jax.Array):
         buffer, shift = carry
@@ -227,9 +238,8 @@ class _Loop:
         ahead = t - stage
         repeat = jnp.clip(ahead // m, 0, spec.repeats - 1)
         micro = ahead % m
-        split = tuple(_per_stage(x, micro, shared=True) for x in self.split)
         keys = jax.vmap(lambda i: jax.random.fold_in(jax.random.fold_in(self.key, t), i))(stage)
-        out = self.stages_out(repeat, inputs, split, keys)
+        out = self.stages_out(repeat, inputs, micro, keys)
         rotated = self.constrain(self.rotate(out), spec.batch)
         # stage 0's slot now holds the last stage's output: micro-batch t-S+1 is done with this round
         done = (t - s + 1) % m

@@ -26,6 +26,7 @@ from torchshard._report.fit import (
     compile_report,
     compiled_lines,
     devices_for,
+    parse_pipeline,
     parse_size,
     verdict,
 )
@@ -287,6 +288,8 @@ def run_plan(args: argparse.Namespace) -> tuple[str, bool]:
     """
     device_memory = check_compile_args(args)
     axes = parse_mesh(args.mesh)
+    if args.compile and getattr(args, "pipeline", None) is not None:
+        parse_pipeline(args.pipeline, axes)  # its mistakes before the model is built
     devices = devices_for(axes) if args.compile else None  # before anything starts JAX's backend
     model = build_on_meta(load_factory(args.target))
     mesh, abstract = (make_mesh(axes, devices=devices), False) if devices else build_mesh(axes)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import inspect
 import math
 import re
@@ -18,6 +19,7 @@ import jax
 import optax
 import torch
 
+from torchshard._base.errors import ArgumentError
 from torchshard._base.format import columns, fmt_bytes
 from torchshard._bridge.env import backend_started
 from torchshard._report.compiled import CompiledMemory, memory
@@ -28,6 +30,7 @@ from torchshard._sharding.plan import ShardingPlan
 from torchshard._train.abstract import AbstractTrainer
 from torchshard._train.precision import MixedPrecision
 from torchshard._train.remat import Remat
+from torchshard._train.strategies import Pipeline
 
 EXIT_DOES_NOT_FIT = 3
 PRECISIONS = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}
@@ -43,7 +46,8 @@ _DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32,
            "float": torch.float32, "long": torch.int64, "int": torch.int32}  # fmt: skip
 # options that only mean something with --compile (their argparse defaults are None)
 COMPILE_ONLY = ("batch", "scan", "remat", "remat_policy", "precision", "optimizer", "grad_accum", "batch_spec", "loss",
-                "device_memory")  # fmt: skip
+                "pipeline", "device_memory")  # fmt: skip
+_PIPELINE_KEYS = {"microbatches": int, "schedule": str, "repeats": int, "layers": str}
 
 
 def parse_size(text: str) -> int:
@@ -94,6 +98,41 @@ def parse_batch_spec(text: str | None, mesh: Any, default_axis: str) -> Any:
     if text.strip().lower() == "none":
         return ()
     return tuple(None if a.strip().lower() == "none" else a.strip() for a in text.split(","))
+
+
+def parse_pipeline(text: str, axes: dict[str, int]) -> Pipeline:
+    """``--pipeline stage=4,microbatches=8,schedule=1f1b`` → a `Pipeline` over the mesh axis ``stage`` of size 4.
+
+    The one pair whose key is not a `Pipeline` field names the stage axis and its size, which
+    ``--mesh`` must give it too.
+
+    Example:
+        >>> parse_pipeline("stage=2,microbatches=4,schedule=1f1b", {"stage": 2, "data": 4})
+        Pipeline(axis='stage', microbatches=4, schedule='1f1b', repeats=1, layers=None)
+    """
+    fields: dict[str, Any] = {}
+    axis: list[tuple[str, str]] = []
+    for part in filter(None, (p.strip() for p in text.split(","))):
+        key, sep, value = (x.strip() for x in part.partition("="))
+        if not sep or not key or not value:
+            raise UsageError(f"--pipeline {text!r}: write key=value pairs, e.g. stage=4,microbatches=8,schedule=1f1b")
+        kind = _PIPELINE_KEYS.get(key)
+        if kind is int and not value.isdigit():
+            raise UsageError(f"--pipeline {text!r}: {key}={value!r} must be a positive integer")
+        if kind is not None:
+            fields[key] = kind(value)
+        else:
+            axis.append((key, value))
+    if len(axis) != 1:
+        raise UsageError(f"--pipeline {text!r}: name the stage axis and its size once, e.g. stage=4 (a --mesh axis)")
+    (name, size), mesh = axis[0], ", ".join(f"{k}={v}" for k, v in axes.items())
+    if axes.get(name) != (int(size) if size.isdigit() else size):
+        raise UsageError(f"--pipeline {name}={size}: --mesh {mesh} gives no axis {name} of size {size}; add "
+                         f"{name}={size} to --mesh")  # fmt: skip
+    try:
+        return Pipeline(axis=name, **fields)
+    except ArgumentError as err:
+        raise UsageError(f"--pipeline {text!r}: {err}") from err
 
 
 def devices_for(axes: dict[str, int]) -> list[Any]:
@@ -147,7 +186,9 @@ def loss_for(model: torch.nn.Module, target: str | None, load: Callable[[str], A
 def trainer_options(args: argparse.Namespace, mesh: Any) -> dict[str, Any]:
     """The Trainer keyword arguments the command line asks for."""
     compute = PRECISIONS[args.precision or "fp32"]
+    pipeline = getattr(args, "pipeline", None)
     return {
+        "pipeline": None if pipeline is None else parse_pipeline(pipeline, dict(mesh.shape)),
         "batch_spec": parse_batch_spec(args.batch_spec, mesh, args.fsdp_axis),
         "grad_accum_steps": args.grad_accum or 1,
         "precision": None if compute is None else MixedPrecision(compute),
@@ -193,10 +234,14 @@ def _notes(caught: list[warnings.WarningMessage]) -> None:
         print(f"note: {w.message}", file=sys.stderr)
 
 
+def _stored_dtype(args: argparse.Namespace) -> torch.dtype | None:
+    """The dtype MixedPrecision stores parameters in (fp32 master weights), or None for the model's own."""
+    return None if PRECISIONS[args.precision or "fp32"] is None else torch.float32
+
+
 def expected_arguments(plan: ShardingPlan, model: torch.nn.Module, args: argparse.Namespace, batch: Any) -> int:
     """What the plan says the step's arguments take per device: params, optimizer state, buffers, batch."""
-    compute = PRECISIONS[args.precision or "fp32"]
-    mem = training_memory(plan, model, param_dtype=None if compute is None else torch.float32)
+    mem = training_memory(plan, model, param_dtype=_stored_dtype(args))
     state = _MOMENTS[args.optimizer or "adamw"] * mem.grads
     batch_bytes = sum(math.prod(s.sharding.shard_shape(s.shape)) * s.dtype.itemsize for s in jax.tree.leaves(batch))
     return mem.params + state + mem.buffers + batch_bytes
@@ -227,7 +272,16 @@ def compile_report(
         compile_seconds = time.perf_counter() - begun
     _notes(caught)
     figures = memory(compiled)
-    return {
+    pipeline = options["pipeline"]
+    staged = (
+        {}
+        if pipeline is None
+        else {  # the plan table and memory as the pipelined Trainer lays them out
+            "tensors": trainer.plan.rows(),
+            "per_device_bytes": dict(training_memory(trainer.plan, model, param_dtype=_stored_dtype(args)).rows()),
+        }
+    )
+    return staged | {
         "compiled": {f: getattr(figures, f) for f in CompiledMemory.__dataclass_fields__},
         "compile": {
             "devices": plan.mesh.size,
@@ -240,11 +294,18 @@ def compile_report(
             "precision": args.precision or "fp32",
             "optimizer": args.optimizer or "adamw",
             "grad_accum_steps": options["grad_accum_steps"],
-            "plan_argument_bytes": expected_arguments(plan, model, args, shapes),
+            "pipeline": None if pipeline is None else _pipeline_figures(pipeline, trainer),
+            "plan_argument_bytes": expected_arguments(trainer.plan, model, args, shapes),
             "seconds": round(time.perf_counter() - progress.start, 1),
             "compile_seconds": round(compile_seconds, 1),
         },
     }
+
+
+def _pipeline_figures(pipeline: Pipeline, trainer: AbstractTrainer) -> dict[str, Any]:
+    stages = trainer.mesh.shape[pipeline.axis]
+    return dataclasses.asdict(pipeline) | {"stages": stages, "microbatches": pipeline.microbatches or stages,
+                                           "bubble": trainer.pipeline_bubble}  # fmt: skip
 
 
 def verdict(data: dict[str, Any], device_memory: int) -> dict[str, Any]:
@@ -257,7 +318,10 @@ def _options_line(c: dict[str, Any]) -> str:
     batch = " + ".join(f"{leaf[-1]}[{', '.join(map(str, leaf[:-1]))}]" for leaf in c["batch"])
     remat = f", remat {' | '.join(c['remat']['modules'])} ({c['remat']['policy']})" if c["remat"] else ""
     accum = f", grad_accum_steps={c['grad_accum_steps']}" if c["grad_accum_steps"] > 1 else ""
-    return (f"  {c['optimizer']}, {c['precision']}, scan_layers={c['scan_layers']}{remat}{accum}; "
+    pipe = c.get("pipeline")
+    staged = (f", pipeline {pipe['schedule']} over {pipe['axis']}={pipe['stages']} × {pipe['microbatches']} "
+              f"micro-batches (bubble {pipe['bubble']:.3f})") if pipe else ""  # fmt: skip
+    return (f"  {c['optimizer']}, {c['precision']}, scan_layers={c['scan_layers']}{remat}{accum}{staged}; "
             f"batch {batch} over {c['batch_spec']}")  # fmt: skip
 
 

@@ -3,10 +3,11 @@
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping
+from collections.abc import Collection, Mapping, Sequence
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import torch
 from jax.sharding import AbstractMesh, Mesh, NamedSharding, PartitionSpec
@@ -43,6 +44,30 @@ def put(value: Any, sharding: NamedSharding, *, process_local: bool = False, wha
         return jax.device_put(value, sharding)
     host = _host(value, what)
     return jax.make_array_from_callback(host.shape, sharding, lambda index: host[index])
+
+
+def put_stacked(
+    values: Sequence[Any], sharding: NamedSharding, *, dtype: Any = None, what: str = "a stack"
+) -> jax.Array:
+    """``values`` stacked on a new dim 0 and placed with ``sharding``, each device built from its own rows alone.
+
+    Host values (CPU torch tensors, numpy) are never placed one by one: a device whose shard holds
+    rows ``i..j`` of the stack (a pipeline stage's layers) receives those values and no others, so
+    no device ever holds another stage's layers. Placed values are stacked by a jitted call.
+    ``dtype`` casts host values (a `MixedPrecision` master copy).
+    """
+    arrays = [unwrap(v) for v in values]
+    if all(isinstance(a, jax.Array) for a in arrays):
+        stack = jax.jit(lambda *xs: jnp.stack(xs), out_shardings=sharding)(*arrays)
+        return stack if dtype is None or stack.dtype == dtype else stack.astype(dtype)
+    hosts = [_host(a, f"{what}[{i}]") for i, a in enumerate(arrays)]
+
+    def rows(index: tuple[slice, ...] | None) -> np.ndarray:
+        assert index is not None  # a NamedSharding gives every device its slices
+        part = np.stack([hosts[i][index[1:]] for i in range(len(hosts))[index[0]]])
+        return part if dtype is None else part.astype(dtype, copy=False)
+
+    return jax.make_array_from_callback((len(hosts), *hosts[0].shape), sharding, rows)
 
 
 def _host(value: Any, what: str) -> np.ndarray:
@@ -85,6 +110,8 @@ def assign(model: torch.nn.Module, arrays: Mapping[str, jax.Array], plan: Shardi
     made: dict[str, torch.Tensor] = {}
     for name, entry in plan.entries.items():
         canon = plan.canonical(name)
+        if canon not in arrays:
+            continue
         if canon not in made:
             like = tensors[canon].tensor
             array = arrays[canon]
@@ -116,12 +143,13 @@ def _same_dtype(tensor: torch.Tensor, planned: torch.dtype) -> bool:
     return tensor.dtype == planned
 
 
-def shard(model: torch.nn.Module, plan: ShardingPlan) -> torch.nn.Module:
+def shard(model: torch.nn.Module, plan: ShardingPlan, *, skip: Collection[str] = ()) -> torch.nn.Module:
     """Places every parameter and buffer of ``model`` as the plan says, in place; ties stay tied.
 
     Args:
         model: module with CPU (or already placed torchax) tensors.
         plan: from `plan` on this model.
+        skip: names left where they are (a Trainer places a pipeline's layers stage by stage itself).
 
     Returns:
         ``model``, whose tensors are now torchax tensors backed by sharded ``jax.Array`` s.
@@ -143,7 +171,7 @@ def shard(model: torch.nn.Module, plan: ShardingPlan) -> torch.nn.Module:
     entries = plan.unique_entries()
     problems = [p for e in entries for p in range_problems(e.name, tensors[e.name])]
     raise_if_any(problems, header=f"shard(): {type(model).__name__} holds values JAX cannot; nothing was moved")
-    arrays = {e.name: put(tensors[e.name], e.sharding, what=e.name) for e in entries}
+    arrays = {e.name: put(tensors[e.name], e.sharding, what=e.name) for e in entries if e.name not in skip}
     return assign(model, arrays, plan)
 
 

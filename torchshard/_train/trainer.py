@@ -21,7 +21,7 @@ from torchshard._bridge.layer_view import LayerView, StackedArray
 from torchshard._bridge.module_tensors import named_tensors, set_tensor
 from torchshard._bridge.tensors import rebind, set_array, unwrap
 from torchshard._multihost.worker import heartbeat
-from torchshard._sharding.placement import put, shard
+from torchshard._sharding.placement import put, put_stacked, shard
 from torchshard._sharding.plan import ShardingPlan
 from torchshard._train.batching import BatchLayout
 from torchshard._train.checks import batch_type_problems, check_trainer_args
@@ -42,10 +42,6 @@ from torchshard._train.state import (
 from torchshard._train.step import LossFn, Runtime, Step
 from torchshard._train.strategies import ContextParallel, ExpertDispatch, Pipeline, bind_all
 from torchshard._train.strategy import Setting, leaf_problems, tracing_all
-
-
-def _stack(arrays: list[jax.Array], sharding: NamedSharding) -> jax.Array:
-    return jax.jit(lambda *xs: jnp.stack(xs), out_shardings=sharding)(*arrays)
 
 
 class Trainer:
@@ -164,8 +160,10 @@ class Trainer:
         return self._strategies["expert_dispatch"].option
 
     def _own(self, model: torch.nn.Module) -> torch.nn.Module:
-        """Places ``model``'s tensors as the plan says and makes this Trainer their owner."""
-        return self._take(shard(model, self.plan))
+        """Places ``model``'s tensors as the plan says and makes this Trainer their owner; scanned layers are
+        placed when they are stacked, so a pipeline stage's devices receive only its layers."""
+        stacked = {name for names in self.layout.stacks().values() for name in names}
+        return self._take(shard(model, self.plan, skip=stacked))
 
     def _take(self, model: torch.nn.Module) -> torch.nn.Module:
         """Makes this Trainer the module's owner; arrays another Trainer may donate are copied first."""
@@ -223,7 +221,8 @@ class Trainer:
         arrays = {}
         for key, struct in self._structs(names).items():
             if key in stacks:
-                arrays[key] = _stack([unwrap(self._tensors[n]) for n in stacks[key]], struct.sharding)
+                layers = [self._tensors[n] for n in stacks[key]]
+                arrays[key] = put_stacked(layers, struct.sharding, dtype=struct.dtype, what=key)
             else:
                 arrays[key] = unwrap(self._tensors[key])
         return arrays
