@@ -138,3 +138,22 @@ def read_safetensors(directory: pathlib.Path) -> tuple[dict[str, Any], dict[str,
     for file in sorted(set(index["weight_map"].values())):
         tensors |= safetensors.torch.load_file(directory / file)
     return index, tensors
+
+
+class Cursor:
+    """A tiny stateful sampler: a position and a torch.Generator, its state a dict holding a tensor and a tuple."""
+
+    def __init__(self, seed: int = 0, seen: int = 0) -> None:
+        self.generator, self.seen = torch.Generator().manual_seed(seed), seen
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"seen": self.seen, "generator": self.generator.get_state(), "version": (1, 0)}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        assert state["version"] == (1, 0)
+        self.seen = state["seen"]
+        self.generator.set_state(state["generator"])
+
+    def next(self) -> list[int]:
+        self.seen += 1
+        return torch.randint(0, 1000, (4,), generator=self.generator).tolist()

@@ -17,12 +17,13 @@ import numpy as np
 import orbax.checkpoint as ocp
 import pytest
 import safetensors.torch
-from checkpoint_runs import TP_LM, data_files, read_safetensors, sharded, values
+from checkpoint_runs import TP_LM, Cursor, data_files, read_safetensors, sharded, values
 from models import MLP, TiedLM
 from torch import nn
 
 import torchshard as ts
 from torchshard._ckpt import checkpoint as _checkpoint
+from torchshard._ckpt import datastate as _datastate
 from torchshard._ckpt import meta as _ckpt_meta
 from torchshard._ckpt import stepdir as _stepdir
 
@@ -111,6 +112,14 @@ class Faults:
         self.step("write torchshard.json (torn)")
         _ckpt_meta.write_meta(directory, meta)
 
+    def write_data(self, tmp: pathlib.Path, blob: bytes | None) -> str:
+        """Killable before this process's data state is written and after half of it."""
+        self.step("write data/process_0.json")
+        (tmp / "data").mkdir(exist_ok=True)
+        (tmp / _datastate.data_file(0)).write_bytes((blob or b"")[: len(blob or b"") // 2])
+        self.step("write data/process_0.json (torn)")
+        return _datastate.write_data(tmp, blob)
+
 
 class _Namespace:
     """A module whose named functions are replaced; everything else is the real module's."""
@@ -130,6 +139,7 @@ def inject(monkeypatch, faults: Faults) -> None:
     monkeypatch.setattr(_stepdir, "shutil", _Namespace(shutil, rmtree=faults.rmtree))
     monkeypatch.setattr(_checkpoint, "write_state", faults.counting("write_state", _checkpoint.write_state))
     monkeypatch.setattr(_checkpoint, "write_meta", faults.write_meta)
+    monkeypatch.setattr(_checkpoint, "write_data", faults.write_data)
 
 
 TINY = lambda: nn.Linear(4, 2)  # noqa: E731  # few files: every step of the protocol stays cheap to kill at
@@ -161,16 +171,24 @@ SCENARIOS = {
 }
 
 
+SEEDS = {"1": 1, "2": 2, "3": 3, "new": 7, "next": 8}
+
+
+def cursor(name: str) -> Cursor:
+    """The data state saved with model ``name``: a sampler whose generator and position are its own."""
+    return Cursor(seed=SEEDS[name], seen=10 * SEEDS[name])
+
+
 @pytest.fixture(scope="module")
 def templates(tmp_path_factory, mesh_dm_module):
-    """Complete step directories of tiny models "1", "2", "3" (copied, never saved again) and the models."""
+    """Complete step directories of tiny models "1", "2", "3" (copied, never saved again) and the models.
+
+    Every step holds its model's data state too: a listed step must hold both of one save.
+    """
     root = tmp_path_factory.mktemp("templates")
-    models = {str(i): sharded(TINY, mesh_dm_module, seed=i) for i in (1, 2, 3)} | {
-        "new": sharded(TINY, mesh_dm_module, seed=7),
-        "next": sharded(TINY, mesh_dm_module, seed=8),
-    }
+    models = {name: sharded(TINY, mesh_dm_module, seed=seed) for name, seed in SEEDS.items()}
     for i in (1, 2, 3):
-        ts.save(root, models[str(i)], step=i)
+        ts.save(root, models[str(i)], step=i, data=cursor(str(i)))
     return root, models
 
 
@@ -187,10 +205,12 @@ def _copy_before(root: pathlib.Path, templates: pathlib.Path, before: dict[str, 
 
 
 def _held_model(root: pathlib.Path, step: int, models: dict[str, nn.Module], probe: nn.Module) -> str:
-    """Which model a listed step holds (it must load, and hold one of them exactly)."""
-    got = values(ts.load(root, probe, step=step))
+    """Which model a listed step holds (it must load, and hold one of them and its data state exactly)."""
+    loaded = Cursor(seed=0)
+    got = values(ts.load(root, probe, step=step, data=loaded))
     same = [k for k, m in models.items() if all(np.array_equal(got[n], v) for n, v in values(m).items())]
     assert len(same) == 1, (step, same)
+    assert (loaded.seen, loaded.next()) == (cursor(same[0]).seen, cursor(same[0]).next()), (step, same)
     return same[0]
 
 
@@ -207,9 +227,9 @@ def _check_listing(root: pathlib.Path, scenario: Scenario, models, probe, where:
 
 def _killable_save(root: pathlib.Path, model: nn.Module, step: int, keep_last: int | None, background: bool) -> None:
     if not background:
-        ts.save(root, model, step=step, keep_last=keep_last)
+        ts.save(root, model, step=step, keep_last=keep_last, data=cursor("new"))
         return
-    future = ts.save(root, model, step=step, keep_last=keep_last, background=True)
+    future = ts.save(root, model, step=step, keep_last=keep_last, background=True, data=cursor("new"))
     try:
         future.result()  # the kill hits the save thread; its Future carries it
     except Killed:
@@ -237,7 +257,7 @@ def test_a_kill_at_any_filesystem_step_leaves_only_complete_listed_steps(
                 _killable_save(root, models["new"], step, keep_last, background)
         where = faults.steps[-1] if len(faults.steps) >= at else "nowhere (not killed)"
         listed = _check_listing(root, scenario, models, probe, where)
-        ts.save(root, models["next"], step=9)  # the next save recovers and works
+        ts.save(root, models["next"], step=9, data=cursor("next"))  # the next save recovers and works
         assert ts.checkpoint_steps(root) == sorted({*listed, 9}), where
         assert all(p.name.startswith("step_") for p in root.iterdir()), (where, sorted(root.iterdir()))
         assert _held_model(root, 9, models, probe) == "next"

@@ -530,3 +530,24 @@ def test_a_preempted_run_saves_at_one_agreed_step_exits_0_and_resumes_with_the_u
         full = runs["full"][rank]["losses"]
         assert list(joined) == list(full)
         np.testing.assert_allclose(list(joined.values()), list(full.values()), rtol=1e-5)
+
+
+@pytest.mark.slow
+def test_each_processs_data_loader_resumes_with_the_batches_and_losses_of_an_uninterrupted_run(tmp_path):
+    """2 processes × 4 devices, each a StatefulDataLoader over its own rows; stopped mid-epoch, resumed anew."""
+    modes = ("full", "first", "resume")
+    for mode in modes:
+        result, _ = _launch(2, 4, "mp_data_script.py", str(tmp_path), mode, timeout=150)
+        assert result.returncode == 0, (mode, result.stdout[-4000:] + result.stderr[-4000:])
+    runs = {m: [json.loads((tmp_path / f"{m}.rank{r}.json").read_text()) for r in (0, 1)] for m in modes}
+    assert sorted(p.name for p in (tmp_path / "ckpt" / "step_00000004" / "data").iterdir()) == [
+        "process_0.json",
+        "process_1.json",
+    ]
+    for rank in (0, 1):
+        full, first, resume = (runs[m][rank] for m in modes)
+        assert list(first["seen"]) == ["0", "1", "2", "3"] and list(resume["seen"]) == ["4", "5", "6", "7"]
+        assert {**first["seen"], **resume["seen"]} == full["seen"]  # the same rows, in the same order
+        assert {**first["losses"], **resume["losses"]} == full["losses"]  # the same program on the same inputs
+    rows = [{i for ids in runs["full"][rank]["seen"].values() for i in ids} for rank in (0, 1)]
+    assert rows == [set(range(12)), set(range(12, 24))]  # each process its own rows

@@ -104,6 +104,7 @@ SETUPS: dict[str, Callable[[], dict[str, Any]]] = {
     "hf_llama": _hf_llama,
     "trainers": _trainers,
     "trainer_loop": _trainers,
+    "trainer_data": _trainers,
     "hf_config": _hf_config,
     "hf_moe": _hf_moe,
 }
@@ -122,10 +123,16 @@ def _after_loop(ns: dict[str, Any]) -> None:
     _preemption._state["installed"] = False
 
 
+def _after_data(ns: dict[str, Any]) -> None:
+    assert ns["other_trainer"].step_count == 4
+    assert torch.equal(ns["fourth"], list(ns["make_loader"](seed=0))[3])  # the uninterrupted run's 4th batch
+
+
 THEN: dict[str, Callable[[dict[str, Any]], None]] = {
     "hf_llama": lambda ns: ns["trainer"].step(ns["ids"]),  # bf16, remat and scan, from a default config
     "trainers": _after_checkpoints,
     "trainer_loop": _after_loop,
+    "trainer_data": _after_data,
     "hf_llama_stack": lambda ns: ns["trainer"].step(_ids().repeat(2, 1)),  # 16 rows: 8 micro-batches × data 2
     "context": lambda ns: ns["trainer"].step(_ids()),  # 16 tokens: 2 per device of the ring, balanced
 }

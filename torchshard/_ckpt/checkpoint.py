@@ -20,6 +20,7 @@ from torchshard._bridge.module_tensors import canonical_names, named_tensors
 from torchshard._bridge.tensors import rebind
 from torchshard._ckpt import pending
 from torchshard._ckpt.checksum import Started, finish_checksums, start_checksums
+from torchshard._ckpt.datastate import data_entry, data_problems, read_data, restore_data, snapshot_data, write_data
 from torchshard._ckpt.meta import checksum_problems, metadata, read_meta, write_meta
 from torchshard._ckpt.orbax import read_state, unwritable, write_state
 from torchshard._ckpt.restore import (
@@ -46,11 +47,12 @@ from torchshard._ckpt.stepdir import (
     file_sizes,
     path_problems,
     prune,
+    recorded_sizes,
     resolve,
     step_name,
     write_failure,
 )
-from torchshard._multihost.agree import flagged_processes
+from torchshard._multihost.agree import flagged_processes, gathered
 from torchshard._sharding.placement import assign
 from torchshard._sharding.plan import ShardingPlan
 from torchshard._train.trainer import Trainer
@@ -95,8 +97,9 @@ def _target_problems(target: Any) -> list[str]:
     return instance_problems("target", target, (Trainer, torch.nn.Module), "a Trainer or a sharded torch.nn.Module")
 
 
-def _check_save_args(path: Any, target: Any, step: Any, keep_last: Any, background: Any) -> pathlib.Path:
+def _check_save_args(path: Any, target: Any, step: Any, keep_last: Any, background: Any, data: Any) -> pathlib.Path:
     problems = _target_problems(target) + int_problems("step", step, minimum=0, none="the Trainer's step count")
+    problems += data_problems(data)
     problems += int_problems("keep_last", keep_last, minimum=1, none="keep every step")
     if not isinstance(background, bool):
         problems.append(f"background={background!r} must be True or False")
@@ -129,29 +132,36 @@ class _Save:
     describe: Callable[[Any], dict[str, Any]]  # checksums → the metadata
     keep_last: int | None
     step: int
+    data: bytes | None  # this process's data-loader state, encoded when the save was called
 
     def run(self) -> pathlib.Path:
         """Writes the step directory and commits it (on every process); returns it."""
         key = f"torchshard-save-{self.step}"
         tmp = together(f"{key}-begin", lambda: _begin(self.final))
-        together(f"{key}-end", lambda: self._write_and_commit(tmp))
+        record = together(f"{key}-data", lambda: write_data(tmp, self.data))
+        # the same records on every process, so all raise or none; the next save removes tmp
+        entry = data_entry(gathered(f"{key}-data-records", record))
+        together(f"{key}-end", lambda: self._write_and_commit(tmp, entry))
         return self.final
 
-    def _write_and_commit(self, tmp: pathlib.Path) -> None:
-        _write(tmp, self)
+    def _write_and_commit(self, tmp: pathlib.Path, data: dict[str, Any] | None) -> None:
+        _write(tmp, self, data)
         if primary():
             _finish(tmp, self.final, self.keep_last, self.step)
 
 
-def _write(tmp: pathlib.Path, save: _Save) -> None:
-    """Arrays (every process its shards), then the metadata (the commit marker, last); a failed write is undone."""
+def _write(tmp: pathlib.Path, save: _Save, data: dict[str, Any] | None) -> None:
+    """Arrays (every process its shards), then the metadata (the commit marker, last); a failed write is undone.
+
+    ``data`` is the metadata's entry for the data states every process wrote before (`write_data`).
+    """
     try:
         with concurrent.futures.ThreadPoolExecutor(1) as beside:  # numpy and tensorstore both release the GIL
             sums = beside.submit(finish_checksums, save.checksums)
             write_state(tmp / STATE, save.tree, key=f"torchshard-save-{next(_SAVES)}")
             meta = save.describe(sums.result())
         if primary():
-            write_meta(tmp, meta | {"files": file_sizes(tmp / STATE)})
+            write_meta(tmp, meta | {"files": file_sizes(tmp / STATE), "data": data})
     except (OSError, ValueError) as e:  # orbax reports a full disk as ValueError("RESOURCE_EXHAUSTED: ...")
         if isinstance(e, ShardingError):
             raise
@@ -180,9 +190,13 @@ def _lock(target: Target) -> contextlib.AbstractContextManager[Any]:
     return target.lock if isinstance(target, Trainer) else contextlib.nullcontext()
 
 
-def _snapshot(root: pathlib.Path, target: Target, step: int | None, keep_last: int | None, *, copy: bool) -> _Save:
-    """Everything ``target`` saves as it is now; ``copy`` takes device-side copies (the next step donates the state)."""
+def _snapshot(
+    root: pathlib.Path, target: Target, step: int | None, keep_last: int | None, data: Any, *, copy: bool
+) -> _Save:
+    """Everything ``target`` and ``data`` save as they are now; ``copy`` takes device-side copies (the next step
+    donates the state)."""
     step = (target.step_count if isinstance(target, Trainer) else 0) if step is None else step
+    blob = snapshot_data(data)  # first: a state it cannot store is an error before anything else is done
     tree = state_tree(target, doing="save()")
     raise_if_any(unwritable(tree), header="save(): nothing was written", error=CheckpointError)
     if copy:  # on the devices: cheaper than a copy to the host, and the write reads host-visible shards anyway
@@ -194,7 +208,7 @@ def _snapshot(root: pathlib.Path, target: Target, step: int | None, keep_last: i
     def describe(sums: Any) -> dict[str, Any]:
         return metadata(module, names, tree, step, stacks=stacks, sums=sums)
 
-    return _Save(root / step_name(step), tree, start_checksums(tree), describe, keep_last, step)
+    return _Save(root / step_name(step), tree, start_checksums(tree), describe, keep_last, step, blob)
 
 
 @overload
@@ -205,17 +219,30 @@ def save(
     step: int | None = ...,
     keep_last: int | None = ...,
     background: Literal[False] = ...,
+    data: Any = ...,
 ) -> pathlib.Path: ...
 
 
 @overload
 def save(
-    path: PathLike, target: Target, *, step: int | None = ..., keep_last: int | None = ..., background: Literal[True]
+    path: PathLike,
+    target: Target,
+    *,
+    step: int | None = ...,
+    keep_last: int | None = ...,
+    background: Literal[True],
+    data: Any = ...,
 ) -> concurrent.futures.Future[pathlib.Path]: ...
 
 
 def save(
-    path: PathLike, target: Target, *, step: int | None = None, keep_last: int | None = None, background: bool = False
+    path: PathLike,
+    target: Target,
+    *,
+    step: int | None = None,
+    keep_last: int | None = None,
+    background: bool = False,
+    data: Any = None,
 ) -> pathlib.Path | concurrent.futures.Future[pathlib.Path]:
     """Saves a sharded checkpoint of a Trainer (or of a sharded module) to ``path/step_<N>``.
 
@@ -234,10 +261,17 @@ def save(
     save runs at a time: a later save, `load`, `checkpoint_steps` and interpreter exit wait for
     it. If it fails, its Future raises the error, and so does the next save (once).
 
+    With ``data=loader`` each process also saves ``loader.state_dict()`` (taken when `save` is
+    called, a background save included) into the same step: `load` with ``data=`` gives each
+    process its own state back, so a resumed run sees the batches an uninterrupted one would.
+    Pass it on every process. The state is stored as pickle-free JSON (tensors, tuples, bytes
+    and numpy arrays tagged and rebuilt exactly), so loading runs no code from the file.
+
     Layout::
 
         path/step_00000100/torchshard.json   metadata, the commit marker
         path/step_00000100/state/            orbax PyTree: {"model": {...}, "trainer": {...}}
+        path/step_00000100/data/process_0.json  with data=: each process's loader state
 
     Args:
         path: the checkpoint root directory (created if needed).
@@ -247,13 +281,16 @@ def save(
         keep_last: after saving, delete all but the newest ``keep_last`` steps (the one just
             saved is always kept); ``None`` keeps every step.
         background: return once the state is copied, and write it in the background.
+        data: an object with ``state_dict()`` and ``load_state_dict()`` whose state is saved
+            too: torchdata's ``StatefulDataLoader``, a sampler.
 
     Returns:
         The step directory written; with ``background=True`` a ``concurrent.futures.Future``
         of it.
 
     Raises:
-        ArgumentError: bad arguments.
+        ArgumentError: bad arguments, ``data`` without ``state_dict``/``load_state_dict``, or a
+            data state holding a value JSON cannot store (named, with its path in the state).
         ShardingError: a module whose tensors are not placed.
         CheckpointError: the disk is full, ``path`` is a file or not writable, or another OS
             error; the partial save is removed and earlier steps are intact. Also the error of
@@ -273,18 +310,18 @@ def save(
         >>> pending.result().name
         'step_00000002'
     """
-    root = _check_save_args(path, target, step, keep_last, background)
+    root = _check_save_args(path, target, step, keep_last, background, data)
     pending.raise_failure()
     if not background:
         with _lock(target):
-            return _snapshot(root, target, step, keep_last, copy=False).run()
+            return _snapshot(root, target, step, keep_last, data, copy=False).run()
     with _lock(target):
-        job = _snapshot(root, target, step, keep_last, copy=True)
+        job = _snapshot(root, target, step, keep_last, data, copy=True)
     return pending.submit(job.run)
 
 
-def _check_load_args(path: Any, target: Any, step: Any, plan: Any) -> None:
-    problems = path_problems("path", path) + _target_problems(target)
+def _check_load_args(path: Any, target: Any, step: Any, plan: Any, data: Any) -> None:
+    problems = path_problems("path", path) + _target_problems(target) + data_problems(data)
     problems += int_problems("step", step, minimum=0, none="the latest")
     if plan is not None:
         problems += instance_problems("plan", plan, ShardingPlan, "a ShardingPlan from torchshard.plan()")
@@ -293,7 +330,9 @@ def _check_load_args(path: Any, target: Any, step: Any, plan: Any) -> None:
     raise_for_arguments(problems, header="invalid load() arguments")
 
 
-def load(path: PathLike, target: Target, *, step: int | None = None, plan: ShardingPlan | None = None) -> Target:
+def load(
+    path: PathLike, target: Target, *, step: int | None = None, plan: ShardingPlan | None = None, data: Any = None
+) -> Target:
     """Restores a checkpoint written by `save` into ``target``, resharding onto its plan.
 
     Each array is read directly into the target's sharding (orbax), so a checkpoint saved on
@@ -301,7 +340,9 @@ def load(path: PathLike, target: Target, *, step: int | None = None, plan: Shard
     state, step counter and RNG base key back, so training resumes exactly. A module gets its
     tensors (a Trainer's checkpoint loads into a bare module too). Names and shapes are checked
     like torch's strict ``load_state_dict``, and every array's checksum is verified. A
-    background save still writing is waited for first.
+    background save still writing is waited for first. With ``data=loader`` (on every process)
+    each process's loader gets the state it saved, checked against its checksum, before the
+    target changes.
 
     Args:
         path: a checkpoint root (the latest complete step is loaded) or one ``step_<N>`` directory.
@@ -309,6 +350,8 @@ def load(path: PathLike, target: Target, *, step: int | None = None, plan: Shard
             shardings) or, with ``plan=``, on any device (``meta`` included).
         step: load this step of the root instead of the latest.
         plan: for a module, the `ShardingPlan` to load onto.
+        data: the object (``StatefulDataLoader``, sampler) whose ``load_state_dict`` gets this
+            process's data state saved by ``save(..., data=...)``.
 
     Returns:
         ``target``, now holding the checkpoint's values.
@@ -317,7 +360,9 @@ def load(path: PathLike, target: Target, *, step: int | None = None, plan: Shard
         ArgumentError: bad arguments.
         ShardingError: names or shapes do not match (every missing, unexpected and mis-shaped
             tensor listed), or the optimizer state does not.
-        CheckpointError: no complete checkpoint at ``path``, or it is truncated or corrupted.
+        CheckpointError: no complete checkpoint at ``path``, or it is truncated or corrupted;
+            with ``data=``: the step holds no data state, was saved by another number of
+            processes, or ``data.load_state_dict`` rejects it.
 
     Example:
         >>> import tempfile, optax
@@ -331,12 +376,21 @@ def load(path: PathLike, target: Target, *, step: int | None = None, plan: Shard
         ...                      [("weight", ("model", None))]))
         >>> load(root, resumed).step_count
         1
+        >>> class Position:  # any object with state_dict() and load_state_dict(), e.g. a StatefulDataLoader
+        ...     def __init__(self, seen=0): self.seen = seen
+        ...     def state_dict(self): return {"seen": self.seen}
+        ...     def load_state_dict(self, state): self.seen = state["seen"]
+        >>> _ = save(root, trainer, step=5, data=Position(seen=40))
+        >>> load(root, resumed, data=(position := Position())).step_count, position.seen
+        (1, 40)
     """
-    _check_load_args(path, target, step, plan)
+    _check_load_args(path, target, step, plan, data)
     pending.wait()
     step_dir = resolve(pathlib.Path(os.path.abspath(path)), step)
     meta = read_meta(step_dir)
-    check_files(step_dir, meta["files"])
+    check_files(step_dir, recorded_sizes(meta))
+    # every process reads its own file; all stop if any fails, before orbax's reads meet across processes
+    data_state = together("torchshard-load-data", lambda: read_data(step_dir, meta) if data is not None else None)
     model = model_of(target)
     trainer = target if isinstance(target, Trainer) else None
     dest = _destination(model, trainer, plan)
@@ -355,6 +409,8 @@ def load(path: PathLike, target: Target, *, step: int | None = None, plan: Shard
     raise_if_any(checksum_problems(meta, restored), header=f"{step_dir} is corrupted; load an earlier step",
                  error=CheckpointError)  # fmt: skip
     arrays = destination_arrays(recipes_, restored["model"], dest)
+    if data is not None:  # before the target changes: a loader that rejects its state leaves the target as it was
+        restore_data(data, data_state, step_dir)
     if trainer is not None and trainer_plan is not None:
         load_trainer(trainer, arrays, trainer_plan.convert(restored["trainer"], trainer))
     elif plan is not None:

@@ -14,6 +14,7 @@ import numpy as np
 from torchshard._base.errors import CheckpointError, raise_if_any
 from torchshard._base.validate import describe_mesh
 from torchshard._ckpt.checksum import checksums, is_checksum
+from torchshard._ckpt.datastate import data_entry_problems
 from torchshard._ckpt.stepdir import META
 
 FORMAT = "torchshard-checkpoint"
@@ -125,7 +126,7 @@ def _structure_problems(meta: dict[str, Any]) -> list[str]:
     files = meta.get("files")
     if not isinstance(files, dict) or not all(type(size) is int for size in files.values()):
         problems.append("files is not a map of file name → size")
-    return problems
+    return problems + data_entry_problems(meta.get("data"))
 
 
 def _stack_problems(stacks: Any, tensors: Any) -> list[str]:

@@ -85,23 +85,35 @@ def _children(root: pathlib.Path) -> list[pathlib.Path]:
 
 
 def size_problems(step_dir: pathlib.Path, sizes: dict[str, int]) -> list[str]:
-    """Every recorded data file that is missing or has another size (a stat each; nothing is read)."""
+    """Every recorded file (step-directory-relative) that is missing or has another size (a stat each; nothing read)."""
     problems = []
     for name, size in sizes.items():
         try:
-            found: int | None = (step_dir / STATE / name).stat().st_size
+            found: int | None = (step_dir / name).stat().st_size
         except OSError:
             found = None
         if found != size:
-            problems.append(f"{STATE}/{name}: " + ("missing" if found is None else f"{found} bytes, saved {size}"))
+            problems.append(f"{name}: " + ("missing" if found is None else f"{found} bytes, saved {size}"))
     return problems
 
 
-def _recorded_sizes(step_dir: pathlib.Path) -> dict[str, int]:
-    sizes = json.loads((step_dir / META).read_text())["files"]
+def recorded_sizes(meta: Any) -> dict[str, int]:
+    """Step-directory-relative file → size of every file a parsed ``torchshard.json`` records.
+
+    Those are the arrays' files (``files``, relative to ``state/``) and each process's data state
+    (``data.files``, absent from checkpoints saved without ``data=``).
+
+    Example:
+        >>> recorded_sizes({"files": {"manifest.ocdbt": 120}, "data": {"files": {"data/process_0.json": {"size": 9}}}})
+        {'state/manifest.ocdbt': 120, 'data/process_0.json': 9}
+    """
+    sizes = meta["files"]
     if not isinstance(sizes, dict) or not all(isinstance(n, str) and type(s) is int for n, s in sizes.items()):
         raise TypeError("its 'files' entry is not a map of file name → size")
-    return sizes
+    data = (meta.get("data") or {}).get("files", {})
+    if not isinstance(data, dict) or not all(isinstance(f, dict) and type(f.get("size")) is int for f in data.values()):
+        raise TypeError("its 'data' entry is not a map of file name → size and checksum")
+    return {f"{STATE}/{n}": s for n, s in sizes.items()} | {n: f["size"] for n, f in data.items()}
 
 
 def incomplete(step_dir: pathlib.Path) -> list[str]:
@@ -110,7 +122,7 @@ def incomplete(step_dir: pathlib.Path) -> list[str]:
     Complete: ``torchshard.json`` parses and every data file it records exists with its size.
     """
     try:
-        sizes = _recorded_sizes(step_dir)
+        sizes = recorded_sizes(json.loads((step_dir / META).read_text()))
     except FileNotFoundError:
         return [f"no {META} (an interrupted save, or not a checkpoint)"]
     except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
