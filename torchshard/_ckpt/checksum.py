@@ -111,6 +111,8 @@ class Started:
 def start_checksums(tree: Any) -> Started:
     """Dispatches the device checksums of arrays the host cannot sum (a collective: call it where steps run)."""
     leaves = jax.tree.leaves(tree)
+    for x in leaves:  # jax builds an array's per-device list on first use, not thread-safely: two threads at once
+        getattr(x, "addressable_shards", None)  # (the write and these sums) could list each device twice
     return Started(tree, {i: _fingerprint_one(x) for i, x in enumerate(leaves) if not _on_host(x)})
 
 
