@@ -5,9 +5,12 @@ about 300 MB of state. The baseline, in the same run and on the same directory, 
 the same size and fsyncs it (and reads it back, for `load`). Rounds are interleaved so that load
 drifts on a shared machine hit every side alike; each number is a median.
 
-* save / load: ``ts.save`` (synchronous) and ``ts.load`` against the baseline file.
-* breakdown: the parts of a save timed alone: the checksums, the orbax write (with and without
-  zstd compression), the device copy a background save takes.
+* save / load: ``ts.save`` (synchronous) and ``ts.load`` against the baseline file. Loads and
+  baseline reads run twice: "cold", after ``posix_fadvise(DONTNEED)`` dropped the files from the
+  page cache (the disk's read speed), and "warm" (from the page cache, as right after a save).
+* breakdown: the phases inside real saves and loads (the private functions they call, timed in
+  place), and parts timed alone: the checksums, orbax's write of the same state (the format
+  before torchshard wrote its own shard files), the device copy a background save takes.
 * stall: a loop that reads each step's loss; the extra time of the iteration that calls
   ``ts.save`` (synchronous or ``background=True``), in step times.
 
@@ -57,6 +60,17 @@ def disk_read(path: pathlib.Path) -> None:
             pass
 
 
+def uncached(*paths: pathlib.Path) -> None:
+    """Drops the files under ``paths`` from the page cache (they were fsynced, so no page is dirty)."""
+    for path in paths:
+        for file in [path] if path.is_file() else [f for f in path.rglob("*") if f.is_file()]:
+            fd = os.open(file, os.O_RDONLY)
+            try:
+                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+            finally:
+                os.close(fd)
+
+
 class Phases:
     """Wraps functions that ``ts.save`` calls (private, by name) to time its phases inside real saves."""
 
@@ -88,11 +102,16 @@ def main() -> None:
     import orbax.checkpoint as ocp
     import torch
 
-    from torchshard._ckpt import checkpoint as _checkpoint  # private: the parts of a save, timed
+    from torchshard._ckpt import checkpoint as _checkpoint  # private: the parts of a save and a load, timed
+    from torchshard._ckpt import shards as _shards
     from torchshard._ckpt.checksum import checksums
     from torchshard._ckpt.state import state_tree
 
-    phases = Phases(_checkpoint, ["_snapshot", "_begin", "write_state", "finish_checksums", "write_meta", "_finish"])
+    saving = ["_snapshot", "_begin", "write_state", "finish_checksums", "write_meta", "_finish"]
+    loading = ["read_meta", "check_files", "read_state", "checksum_problems", "destination_arrays", "load_trainer"]
+    phases = Phases(_checkpoint, saving + loading)
+    writes = Phases(_shards, ["_write_file", "_write_all"])  # a file per save; _write_all per shard (summed)
+    fsyncs = Phases(_shards.os, ["fsync"])  # every fsync of the process; counted only inside ts.save below
 
     torch.manual_seed(0)
     model = torch.nn.Sequential(*(torch.nn.Linear(width, width) for _ in range(6)))
@@ -117,14 +136,21 @@ def main() -> None:
             checkpointer.save(target, args=ocp.args.PyTreeSave(tree))
         shutil.rmtree(target.parent)
 
+    def save() -> None:
+        before = len(fsyncs.times["fsync"])
+        ts.save(work / "ckpt", trainer, keep_last=1)
+        fsync_s.append(sum(fsyncs.times["fsync"][before:]))
+
+    fsync_s: list[float] = []
     parts: dict[str, Callable[[], Any]] = {
         "baseline write+fsync": lambda: disk_write(work / "baseline", data),
-        "baseline read": lambda: disk_read(work / "baseline"),
-        "ts.save": lambda: ts.save(work / "ckpt", trainer, keep_last=1),
-        "ts.load": lambda: ts.load(work / "ckpt", trainer),
+        "ts.save": save,
+        "baseline read, cold": lambda: (uncached(work / "baseline"), disk_read(work / "baseline")),
+        "ts.load, cold": lambda: (uncached(work / "ckpt"), ts.load(work / "ckpt", trainer)),
+        "baseline read, warm": lambda: disk_read(work / "baseline"),
+        "ts.load, warm": lambda: ts.load(work / "ckpt", trainer),
         "checksums alone": lambda: checksums(tree),
-        "orbax write, uncompressed": lambda: orbax_write(False),
-        "orbax write, zstd (orbax's default)": lambda: orbax_write(True),
+        "orbax write, uncompressed (previous format)": lambda: orbax_write(False),
         "device copy (background snapshot)": lambda: jax.block_until_ready(jax.device_put(tree, may_alias=False)),
     }
     times: dict[str, list[float]] = {name: [] for name in parts}
@@ -133,9 +159,13 @@ def main() -> None:
             times[name].append(timed(part))
     median = {name: statistics.median(t) for name, t in times.items()}
     inside = {name: statistics.median(t) for name, t in phases.times.items()}
+    inside["data write (os.write, per save)"] = sum(writes.times["_write_all"]) / rounds
+    inside["fsync (per save)"] = statistics.median(fsync_s)
+    inside["_write_file (write + fsync)"] = statistics.median(writes.times["_write_file"])
+    load_avg = os.getloadavg()
     stall = measure_stall(ts, trainer, step, work, rounds=rounds)
     shutil.rmtree(work)
-    report(nbytes, median, inside, stall, args.json)
+    report(nbytes, median, inside, stall, args.json, load_avg)
 
 
 def measure_stall(ts: Any, trainer: Any, step: Callable[[], None], work: pathlib.Path, *, rounds: int) -> dict:
@@ -156,15 +186,19 @@ def measure_stall(ts: Any, trainer: Any, step: Callable[[], None], work: pathlib
     return {"step_s": step_s, **{k: {"extra_s": v, "steps": v / step_s} for k, v in extra.items()}}
 
 
-def report(nbytes: int, median: dict[str, float], inside: dict[str, float], stall: dict, out: str | None) -> None:
-    base_w, base_r = median["baseline write+fsync"], median["baseline read"]
+def report(
+    nbytes: int, median: dict[str, float], inside: dict[str, float], stall: dict, out: str | None, load: Any
+) -> None:
+    base_w, base_r = median["baseline write+fsync"], median["baseline read, cold"]
     print(f"state: {nbytes / 1e6:.1f} MB; disk: {nbytes / base_w / 1e6:.0f} MB/s write+fsync, "
-          f"{nbytes / base_r / 1e6:.0f} MB/s read (baseline, same run)\n")  # fmt: skip
+          f"{nbytes / base_r / 1e6:.0f} MB/s read uncached (baseline, same run); load average {load}\n")  # fmt: skip
     print("| what | median (s) | MB/s | vs baseline |\n|---|---|---|---|")
     for name, seconds in median.items():
-        base = base_r if name in ("ts.load", "baseline read") else base_w
+        base = base_w
+        if "read" in name or "load" in name:
+            base = median["baseline read, warm" if name.endswith("warm") else "baseline read, cold"]
         print(f"| {name} | {seconds:.3f} | {nbytes / seconds / 1e6:.0f} | {base / seconds:.2f}× |")
-    print("\n| phase inside ts.save | median (s) |\n|---|---|")
+    print("\n| phase inside ts.save / ts.load | median (s) |\n|---|---|")
     for name, seconds in inside.items():
         print(f"| {name} | {seconds:.3f} |")
     print(f"\nstep: {stall['step_s'] * 1e3:.0f} ms")
@@ -172,8 +206,9 @@ def report(nbytes: int, median: dict[str, float], inside: dict[str, float], stal
     for kind in ("sync", "background"):
         print(f"| {kind} | {stall[kind]['extra_s']:.3f} | {stall[kind]['steps']:.2f} |")
     if out:
-        result = {"bytes": nbytes, "median_s": median, "phases_s": inside, "stall": stall,
-                  "save_vs_disk": base_w / median["ts.save"], "load_vs_disk": base_r / median["ts.load"]}  # fmt: skip
+        result = {"bytes": nbytes, "median_s": median, "phases_s": inside, "stall": stall, "load_average": load,
+                  "save_vs_disk": base_w / median["ts.save"], "load_vs_disk": base_r / median["ts.load, cold"],
+                  "warm_load_vs_read": median["baseline read, warm"] / median["ts.load, warm"]}  # fmt: skip
         pathlib.Path(out).write_text(json.dumps(result, indent=1))
 
 

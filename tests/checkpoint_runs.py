@@ -127,8 +127,8 @@ def values(model: nn.Module) -> dict[str, np.ndarray]:
 
 
 def data_files(step_dir: pathlib.Path) -> list[pathlib.Path]:
-    """The tensorstore chunk files orbax wrote, largest first."""
-    files = [f for f in (step_dir / "state").rglob("*") if f.is_file() and f.parent.name == "d"]
+    """The shard files the processes wrote (``state/process_<i>.bin``), largest first."""
+    files = list((step_dir / "state").glob("process_*.bin"))
     return sorted(files, key=lambda f: f.stat().st_size, reverse=True)
 
 

@@ -36,6 +36,7 @@ from torch import nn
 import torchshard as ts
 from torchshard import presets
 from torchshard._bridge.tensors import wrap
+from torchshard._ckpt.shards import unwritable
 
 
 @pytest.fixture(scope="module")
@@ -71,7 +72,7 @@ def test_a_module_saves_and_loads_onto_its_current_shardings(tmp_path, mesh_dm, 
 
 
 def test_a_relative_path_saves_and_loads(tmp_path, mesh_fsdp, monkeypatch):
-    """The README saves to "ckpt/": orbax takes absolute paths only, so save and load resolve it first."""
+    """The README saves to "ckpt/": save and load resolve it against the cwd of the call."""
     monkeypatch.chdir(tmp_path)
     source = sharded(TiedLM, mesh_fsdp, presets.fsdp(min_size=64))
     target = sharded(TiedLM, mesh_fsdp, presets.fsdp(min_size=64), seed=1)
@@ -110,13 +111,25 @@ def test_a_trainer_with_a_complex_rope_buffer_saves_loads_and_resumes_like_torch
     np.testing.assert_allclose(got, expected, rtol=1e-5)
 
 
-def test_a_tensor_the_checkpoint_format_cannot_hold_is_a_checkpoint_error_naming_it(tmp_path, mesh_fsdp):
-    model = nn.Linear(4, 4)
+def test_a_sub_byte_buffer_round_trips(tmp_path, mesh_fsdp):
+    """uint4 (which orbax's tensorstore could not hold) is stored as numpy holds it, one byte per value."""
+    model, values_ = nn.Linear(4, 4), np.arange(16).reshape(8, 2) % 16
     ts.shard(model, ts.plan(model, mesh_fsdp))
-    model.register_buffer("packed", wrap(jax.numpy.ones((8, 2), jax.numpy.uint4)))  # tensorstore has no uint4
-    with pytest.raises(ts.CheckpointError, match=r"packed \(8, 2\) uint4: the checkpoint format .* cannot hold"):
-        ts.save(tmp_path, model)
-    assert ts.checkpoint_steps(tmp_path) == []
+    model.register_buffer("packed", wrap(jax.numpy.asarray(values_, jax.numpy.uint4)))
+    ts.save(tmp_path, model)
+    target = nn.Linear(4, 4)
+    ts.shard(target, ts.plan(target, mesh_fsdp))
+    target.register_buffer("packed", wrap(jax.numpy.zeros((8, 2), jax.numpy.uint4)))
+    ts.load(tmp_path, target)
+    np.testing.assert_array_equal(np.asarray(target.packed.jax()).astype(np.int32), values_)
+
+
+def test_an_array_the_checkpoint_format_cannot_hold_is_named_with_the_fix():
+    tree = {"model": {"w": jax.numpy.ones(2)}, "trainer": {"key": jax.random.key(0)}}
+    (problem,) = unwritable(tree)
+    assert re.fullmatch(
+        r"\['trainer'\]\['key'\] \(\) key<fry>: .* cannot hold key<fry>; store jax.random.key_data.*", problem
+    )
 
 
 @pytest.mark.parametrize(
@@ -224,11 +237,16 @@ DAMAGE = {
     ),
     "truncated_data": (
         lambda d: data_files(d)[0].write_bytes(data_files(d)[0].read_bytes()[:100]),
-        r"(?s)is incomplete or truncated; load an earlier step \(1 problem\).*state/.*/d/\w+: 100 bytes, saved \d+",
+        r"(?s)is incomplete or truncated; load an earlier step \(1 problem\).*process_0+\.bin: 100 bytes, saved \d+",
     ),
-    "deleted_data": (lambda d: data_files(d)[0].unlink(), r"(?s)incomplete or truncated.*state/.*/d/\w+: missing"),
-    "garbled_orbax_metadata": (
-        lambda d: (d / "state" / "_METADATA").write_bytes(b"x" * (d / "state" / "_METADATA").stat().st_size),
+    "deleted_data": (
+        lambda d: data_files(d)[0].unlink(),
+        r"(?s)incomplete or truncated.*state/process_0+\.bin: missing",
+    ),
+    "garbled_shard_index": (
+        lambda d: (d / "state" / "process_00000.json").write_bytes(
+            b"x" * (d / "state" / "process_00000.json").stat().st_size
+        ),
         r"array data could not be read \(.*\); the checkpoint is truncated or corrupted; load an earlier step",
     ),
     "garbled_metadata": (

@@ -14,7 +14,6 @@ from typing import Any
 
 import jax
 import numpy as np
-import orbax.checkpoint as ocp
 import pytest
 import safetensors.torch
 from checkpoint_runs import TP_LM, Cursor, data_files, read_safetensors, sharded, values
@@ -25,6 +24,7 @@ import torchshard as ts
 from torchshard._ckpt import checkpoint as _checkpoint
 from torchshard._ckpt import datastate as _datastate
 from torchshard._ckpt import meta as _ckpt_meta
+from torchshard._ckpt import shards as _shards
 from torchshard._ckpt import stepdir as _stepdir
 
 
@@ -45,7 +45,7 @@ def after(fn: Callable[..., Any]) -> Callable[..., Any]:
 
 
 INTERRUPTIONS = {  # where a save dies: (object, attribute, replacement)
-    "inside_orbax": (ocp.PyTreeCheckpointHandler, "save", _raise),
+    "inside_the_shard_write": (_shards, "_write_all", _raise),
     "after_arrays": (_checkpoint, "write_state", after(_checkpoint.write_state)),
     "after_metadata": (_checkpoint, "write_meta", after(_checkpoint.write_meta)),
     "at_rename": (_checkpoint, "commit", _raise),
@@ -276,10 +276,9 @@ def enospc(*_: Any, **__: Any) -> None:
     raise OSError(errno.ENOSPC, "No space left on device")
 
 
-def orbax_full(*_: Any, **__: Any) -> None:
-    raise ValueError(
-        "RESOURCE_EXHAUSTED: Error writing \"w/0.0\": Failed to write: No space left on device [os_error_code='28']"
-    )
+def full_mid_file(fd: int, _: Any) -> None:
+    os.write(fd, b"partial")
+    raise OSError(errno.ENOSPC, "No space left on device")
 
 
 def read_only(*_: Any, **__: Any) -> None:
@@ -288,7 +287,7 @@ def read_only(*_: Any, **__: Any) -> None:
 
 OS_FAULTS = {  # (object, attribute, replacement, message)
     "disk_full": (_checkpoint, "write_state", enospc, r"the disk is full \(No space left on device\)"),
-    "disk_full_in_orbax": (ocp.PyTreeCheckpointHandler, "save", orbax_full, r"the disk is full \(RESOURCE_EXHAUSTED"),
+    "disk_full_mid_file": (_shards, "_write_all", full_mid_file, r"the disk is full \(No space left on device\)"),
     "disk_full_writing_metadata": (_checkpoint, "write_meta", enospc, r"the disk is full"),
     "read_only_mount": (_stepdir.os, "mkdir", read_only, r": not writable \(Read-only file system\)"),
 }

@@ -22,7 +22,6 @@ from torchshard._ckpt import pending
 from torchshard._ckpt.checksum import Started, finish_checksums, start_checksums
 from torchshard._ckpt.datastate import data_entry, data_problems, read_data, restore_data, snapshot_data, write_data
 from torchshard._ckpt.meta import checksum_problems, metadata, read_meta, write_meta
-from torchshard._ckpt.orbax import read_state, unwritable, write_state
 from torchshard._ckpt.restore import (
     Destination,
     destination_arrays,
@@ -36,6 +35,7 @@ from torchshard._ckpt.restore import (
     trainer_problems,
     trainer_read,
 )
+from torchshard._ckpt.shards import read_state, unwritable, write_state
 from torchshard._ckpt.state import Target, model_of, state_tree
 from torchshard._ckpt.stepdir import (
     STATE,
@@ -104,7 +104,7 @@ def _check_save_args(path: Any, target: Any, step: Any, keep_last: Any, backgrou
     if not isinstance(background, bool):
         problems.append(f"background={background!r} must be True or False")
     raise_for_arguments(path_problems("path", path) + problems, header="invalid save() arguments")
-    return pathlib.Path(os.path.abspath(path))  # orbax takes absolute paths only; "ckpt/" is relative to the cwd
+    return pathlib.Path(os.path.abspath(path))  # "ckpt/" is relative to the cwd, which may change before a load
 
 
 def _begin(final: pathlib.Path) -> pathlib.Path:
@@ -122,7 +122,7 @@ class _Save:
     """One save, snapshotted: the arrays and everything else it writes, none of which changes once taken.
 
     ``checksums`` are under way (the device's part dispatched with the snapshot); the host sums
-    its shards while orbax writes them. Each item a checkpoint holds is one field here, written
+    its shards while they are written. Each item a checkpoint holds is one field here, written
     by `_write`.
     """
 
@@ -156,13 +156,13 @@ def _write(tmp: pathlib.Path, save: _Save, data: dict[str, Any] | None) -> None:
     ``data`` is the metadata's entry for the data states every process wrote before (`write_data`).
     """
     try:
-        with concurrent.futures.ThreadPoolExecutor(1) as beside:  # numpy and tensorstore both release the GIL
+        with concurrent.futures.ThreadPoolExecutor(1) as beside:  # numpy and os.write both release the GIL
             sums = beside.submit(finish_checksums, save.checksums)
             write_state(tmp / STATE, save.tree, key=f"torchshard-save-{next(_SAVES)}")
             meta = save.describe(sums.result())
         if primary():
             write_meta(tmp, meta | {"files": file_sizes(tmp / STATE), "data": data})
-    except (OSError, ValueError) as e:  # orbax reports a full disk as ValueError("RESOURCE_EXHAUSTED: ...")
+    except (OSError, ValueError) as e:
         if isinstance(e, ShardingError):
             raise
         if primary():
@@ -248,7 +248,7 @@ def save(
 
     A Trainer's checkpoint holds every parameter and buffer keyed by ``state_dict`` name (tied
     tensors once), the optimizer state, the step counter and the RNG base key; a module's holds
-    its tensors. Each process writes its own shards (orbax). The save is crash-safe: everything
+    its tensors. Each process writes its own shards into one file. The save is crash-safe: everything
     goes to a hidden temporary directory, ``torchshard.json`` (names, shapes, dtypes and a
     checksum of every array, the size of every file) is written last, and only then is the
     directory renamed to ``step_<N>``. Saving a step again renames the old copy aside and deletes
@@ -270,7 +270,7 @@ def save(
     Layout::
 
         path/step_00000100/torchshard.json   metadata, the commit marker
-        path/step_00000100/state/            orbax PyTree: {"model": {...}, "trainer": {...}}
+        path/step_00000100/state/            process_<i>.bin (shards) + process_<i>.json (their index)
         path/step_00000100/data/process_0.json  with data=: each process's loader state
 
     Args:
@@ -335,7 +335,7 @@ def load(
 ) -> Target:
     """Restores a checkpoint written by `save` into ``target``, resharding onto its plan.
 
-    Each array is read directly into the target's sharding (orbax), so a checkpoint saved on
+    Each array is read directly into the target's sharding, so a checkpoint saved on
     one mesh or plan loads onto any other. A Trainer gets its parameters, buffers, optimizer
     state, step counter and RNG base key back, so training resumes exactly. A module gets its
     tensors (a Trainer's checkpoint loads into a bare module too). Names and shapes are checked

@@ -9,6 +9,7 @@ complex, PRNG keys) and defines the values.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 from typing import Any
@@ -111,6 +112,9 @@ class Started:
 def start_checksums(tree: Any) -> Started:
     """Dispatches the device checksums of arrays the host cannot sum (a collective: call it where steps run)."""
     leaves = jax.tree.leaves(tree)
+    for x in leaves:  # jax builds an array's per-device list on first use, not thread-safely: two threads at once
+        with contextlib.suppress(ValueError):  # (the write and these sums) could list each device twice
+            getattr(x, "addressable_shards", None)  # (an array it cannot list raises again where it is read)
     return Started(tree, {i: _fingerprint_one(x) for i, x in enumerate(leaves) if not _on_host(x)})
 
 

@@ -1,0 +1,208 @@
+"""Array data of checkpoints: each process writes its shards into one file (one fsync) and reads any slice back.
+
+A step's ``state/`` holds, per process ``i`` of the save, ``process_<i>.bin`` (the bytes of that
+process's replica-0 shards, back to back, row-major) and ``process_<i>.json`` (for each array,
+by its tree path: global shape, dtype, and each shard's index and byte offset). Replica 0 of
+every shard is on exactly one process, so each element is written once. A load reads, for each
+of its devices' slices, the overlapping byte ranges of whichever files hold them (memory-mapped),
+so a checkpoint loads onto any mesh and plan. Checkpoints written through orbax before this
+format (``state/_METADATA``) are read by orbax.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import pathlib
+from collections.abc import Iterator
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from torchshard._base.errors import CheckpointError
+from torchshard._multihost.agree import flagged_processes
+
+FORMAT = "torchshard-shards"
+VERSION = 1
+Bounds = tuple[tuple[int, int], ...]  # [start, stop) per dimension
+
+
+def data_name(process: int) -> str:
+    """The data file of one process.
+
+    Example:
+        >>> data_name(3)
+        'process_00003.bin'
+    """
+    return f"process_{process:05d}.bin"
+
+
+def index_name(process: int) -> str:
+    return f"process_{process:05d}.json"
+
+
+def unwritable(tree: dict[str, Any]) -> list[str]:
+    """Every array of ``tree`` whose dtype has no numpy equivalent (PRNG key arrays), named, with the fix."""
+    problems = []
+    for path, leaf in jax.tree_util.tree_leaves_with_path(tree):
+        dtype = getattr(leaf, "dtype", None)
+        if dtype is not None and jax.dtypes.issubdtype(dtype, jax.dtypes.extended):
+            name = path[1].key if len(path) == 2 and path[0].key == "model" else jax.tree_util.keystr(path)
+            problems.append(
+                f"{name} {tuple(leaf.shape)} {dtype}: the checkpoint format (raw bytes of numpy dtypes) cannot hold "
+                f"{dtype}; store jax.random.key_data(key) instead"
+            )
+    return problems
+
+
+def _bounds(index: tuple[slice, ...], shape: tuple[int, ...]) -> Bounds:
+    return tuple((s.indices(n)[0], s.indices(n)[1]) for s, n in zip(index, shape, strict=True))
+
+
+def _local_shards(x: Any) -> Iterator[tuple[Bounds, np.ndarray]]:
+    """This process's part of ``x`` to write: its replica-0 shards (a host value: the primary, whole)."""
+    if not isinstance(x, jax.Array):
+        if jax.process_index() == 0:
+            value = np.asarray(x)
+            yield tuple((0, n) for n in value.shape), value
+        return
+    for shard in x.addressable_shards:
+        if shard.replica_id == 0:
+            yield _bounds(tuple(shard.index), tuple(x.shape)), np.asarray(shard.data)
+
+
+def _write_all(fd: int, data: np.ndarray) -> None:
+    view = np.ascontiguousarray(data).reshape(-1).view(np.uint8).data
+    while view:
+        view = view[os.write(fd, view) :]
+
+
+def _write_file(file: pathlib.Path, tree: Any) -> dict[str, Any]:
+    """Writes this process's shards of ``tree`` to ``file``, fsynced; returns the index of what it wrote."""
+    arrays: dict[str, Any] = {}
+    offset = 0
+    fd = os.open(file, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+    try:
+        for path, x in jax.tree_util.tree_leaves_with_path(tree):
+            shards = []
+            for bounds, data in _local_shards(x):
+                _write_all(fd, data)
+                shards.append({"index": [list(b) for b in bounds], "offset": offset, "nbytes": data.nbytes})
+                offset += data.nbytes
+            arrays[jax.tree_util.keystr(path)] = {"shape": list(x.shape), "dtype": str(x.dtype), "shards": shards}
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+    return arrays
+
+
+def write_state(directory: pathlib.Path, tree: dict[str, Any], *, key: str = "torchshard") -> None:
+    """Every process writes its shards of ``tree`` into its own file in ``directory``; returns once all have.
+
+    The processes then meet at the coordination service (at ``key``, unique per save), not at a
+    device collective: a background save must not run collectives beside the training step's.
+    A process whose write failed raises its own error, the others a `CheckpointError` naming it.
+    """
+    process = jax.process_index()
+    failure: OSError | None = None
+    try:
+        os.makedirs(directory, exist_ok=True)
+        arrays = _write_file(directory / data_name(process), tree)
+        index = {"format": FORMAT, "version": VERSION, "process": process, "arrays": arrays}
+        with open(directory / index_name(process), "w") as f:
+            json.dump(index, f, separators=(",", ":"))
+            f.flush()
+            os.fsync(f.fileno())
+    except OSError as e:
+        failure = e
+    failed = flagged_processes(f"{key}-written", failure is not None)
+    if failure is not None:
+        raise failure
+    if failed:
+        raise CheckpointError(f"process(es) {failed} could not write their shards (their own errors say why)")
+
+
+class _Damaged(Exception):
+    """The shard files do not hold what the index says (reported as a `CheckpointError` naming the step)."""
+
+
+class _Stored:
+    """Every process's index of one saved step, and its data files, each mapped once when first read."""
+
+    def __init__(self, directory: pathlib.Path) -> None:
+        self.directory = directory
+        self.arrays: dict[str, dict[str, Any]] = {}
+        self._maps: dict[str, np.ndarray] = {}
+        for file in sorted(directory.glob("process_*.json")):
+            index = json.loads(file.read_text())
+            if not isinstance(index, dict) or index.get("format") != FORMAT or index.get("version") != VERSION:
+                raise _Damaged(f"{file.name} is not a {FORMAT} version {VERSION} index")
+            data = file.with_suffix(".bin").name
+            for key, entry in index["arrays"].items():
+                stored = self.arrays.setdefault(key, {"shape": entry["shape"], "dtype": entry["dtype"], "shards": []})
+                stored["shards"] += [dict(s, file=data) for s in entry["shards"]]
+        if not self.arrays:
+            raise _Damaged("no shard index (process_*.json)")
+
+    def piece(self, shard: dict[str, Any], dtype: np.dtype) -> np.ndarray:
+        """One stored shard as an array over its mapped bytes (nothing is read until it is indexed)."""
+        name = shard["file"]
+        if name not in self._maps:
+            self._maps[name] = np.memmap(self.directory / name, dtype=np.uint8, mode="r")
+        shape = tuple(b - a for a, b in shard["index"])
+        offset, nbytes = int(shard["offset"]), int(shard["nbytes"])
+        if nbytes != math.prod(shape) * dtype.itemsize or offset + nbytes > self._maps[name].size:
+            raise _Damaged(f"{name}: a shard of {shape} {dtype} at byte {offset} does not fit the file")
+        return self._maps[name][offset : offset + nbytes].view(dtype).reshape(shape)
+
+    def read(self, key: str, abstract: jax.ShapeDtypeStruct) -> jax.Array:
+        """The array at ``key`` in ``abstract``'s sharding: each device's slice built from the shards it overlaps."""
+        entry = self.arrays.get(key)
+        if entry is None:
+            raise _Damaged(f"{key}: not in the shard index")
+        shape, dtype = tuple(abstract.shape), jnp.dtype(entry["dtype"])
+        if tuple(entry["shape"]) != shape:
+            raise _Damaged(f"{key}: stored as {tuple(entry['shape'])}, the metadata says {shape}")
+        host: dict[Bounds, np.ndarray] = {}
+        singles = []
+        for device, index in abstract.sharding.addressable_devices_indices_map(shape).items():
+            bounds = _bounds(tuple(index), shape)
+            if bounds not in host:
+                host[bounds] = self._assemble(key, entry, bounds, dtype).astype(abstract.dtype, copy=False)
+            singles.append(jax.device_put(host[bounds], device))
+        return jax.make_array_from_single_device_arrays(shape, abstract.sharding, singles)
+
+    def _assemble(self, key: str, entry: dict[str, Any], bounds: Bounds, dtype: np.dtype) -> np.ndarray:
+        out = np.empty(tuple(b - a for a, b in bounds), dtype)
+        filled = 0
+        for shard in entry["shards"]:
+            have = [(max(a, c), min(b, d)) for (a, b), (c, d) in zip(bounds, shard["index"], strict=True)]
+            if any(a >= b for a, b in have):
+                continue
+            source = self.piece(shard, dtype)
+            start = [c for c, _ in shard["index"]]
+            src = tuple(slice(a - s, b - s) for (a, b), s in zip(have, start, strict=True))
+            out[tuple(slice(a - o, b - o) for (a, b), (o, _) in zip(have, bounds, strict=True))] = source[src]
+            filled += math.prod(b - a for a, b in have)
+        if filled != out.size:
+            raise _Damaged(f"{key}: the stored shards cover {filled} of the {out.size} elements of {list(bounds)}")
+        return out
+
+
+def read_state(directory: pathlib.Path, item: dict[str, Any], *, step_dir: pathlib.Path) -> dict[str, Any]:
+    """Reads the arrays ``item`` describes (``ShapeDtypeStruct`` s with shardings), each straight into place."""
+    if (directory / "_METADATA").exists() and not (directory / index_name(0)).exists():
+        from torchshard._ckpt.orbax import read_state as read_orbax  # a checkpoint from before this format
+
+        return read_orbax(directory, item, step_dir=step_dir)
+    try:
+        stored = _Stored(directory)
+        return jax.tree_util.tree_map_with_path(lambda p, a: stored.read(jax.tree_util.keystr(p), a), item)
+    except (_Damaged, OSError, ValueError, KeyError, TypeError) as e:
+        raise CheckpointError(
+            f"{step_dir}: the array data could not be read ({type(e).__name__}: {e}); the checkpoint is truncated or "
+            f"corrupted; load an earlier step"
+        ) from e
