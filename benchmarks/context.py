@@ -1,16 +1,17 @@
 """Context parallelism: compiled temp memory per device and step time against sequence length.
 
-A plain-torch causal transformer LM (SDPA attention, grouped K/V heads) trains with AdamW on one
-sequence per step. Its sequence is split over ``context`` = 1, 2, 4, 8 devices with
-``ContextParallel`` (ring attention, load-balanced); context=1 is the ordinary Trainer (the whole
-sequence on one device, torchshard's usual attention), and "1 + ContextParallel" the same device
-running the ring kernel (one block, its backward recomputing the scores). Memory is the compiled step's
-``memory_analysis()`` temp bytes per device (nothing is allocated to measure it); time is the
-median of timed steps, for runs whose compiled memory fits ``--fits`` and sequences up to
-``--time-up-to``.
+A plain-torch causal transformer LM (SDPA attention, grouped K/V heads) trains with AdamW on
+``--batch`` sequences per step (every device holds a part of each). Its sequence is split over
+``context`` = 1, 2, 4, 8 devices with ``ContextParallel`` (ring attention, load-balanced);
+context=1 is the ordinary Trainer (the whole sequence on one device, torchshard's usual attention),
+and "1 + ContextParallel" the same device running the ring kernel (one block, its backward
+recomputing the scores). Memory is the compiled step's ``memory_analysis()`` temp bytes per device
+(nothing is allocated to measure it); time is the median of timed steps, for runs whose compiled
+memory fits ``--fits`` and sequences up to ``--time-up-to``.
 
     python benchmarks/context.py                                  # the README tables
     python benchmarks/context.py --seqs 1024 --contexts 1,4 --steps 0   # memory only, seconds
+    python benchmarks/context.py --seqs 1024 --contexts 1,4 --batch 16  # 16 rows per device
 """
 
 from __future__ import annotations
@@ -30,6 +31,7 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--steps", type=int, default=3, help="timed steps per run (median; 0: memory only)")
     parser.add_argument("--time-up-to", type=int, default=4096, help="time runs up to this sequence length")
     parser.add_argument("--fits", type=float, default=4.0, help="GiB of compiled memory a timed run may need")
+    parser.add_argument("--batch", type=int, default=1, help="rows per step (the mesh has only the context axis)")
     parser.add_argument("--dim", type=int, default=128)
     parser.add_argument("--layers", type=int, default=2)
     return parser.parse_args()
@@ -93,7 +95,7 @@ def run(args: argparse.Namespace, seq: int, context: int, kernel: bool) -> tuple
     cp = ts.ContextParallel(attention=args.attention) if kernel else None
     trainer = ts.Trainer(model, lm_loss, optax.adamw(1e-4), ts.plan(model, mesh), batch_spec=(None, "context"),
                          context=cp)  # fmt: skip
-    ids = torch.randint(0, 256, (1, seq + 1), generator=torch.Generator().manual_seed(seq))
+    ids = torch.randint(0, 256, (args.batch, seq + 1), generator=torch.Generator().manual_seed(seq))
     batch = trainer.place_batch((ids[:, :-1], ids[:, 1:]))
     memory = trainer.lower(batch).compile().memory_analysis()
     needed = memory.temp_size_in_bytes + memory.argument_size_in_bytes + memory.output_size_in_bytes
@@ -134,7 +136,8 @@ def main() -> None:
         seconds = results[(s, col)][1]
         return "—" if seconds is None else f"{seconds * 1e3:.0f} ms"
 
-    where = f"{args.layers} layers, dim {args.dim}, 8 heads / 4 KV heads, batch 1, {args.attention} attention"
+    heads = "8 heads / 4 KV heads"
+    where = f"{args.layers} layers, dim {args.dim}, {heads}, batch {args.batch}, {args.attention} attention"
     print(table(f"Compiled temp memory per device ({where}; × the first column)", seqs, columns, memory))
     if args.steps:
         print(table(f"Step time (median of {args.steps}; — not timed)", seqs, columns, step))

@@ -75,6 +75,10 @@ class CausalLM(nn.Module):
         return self.head(self.norms[-1](h))
 
 
+def one_layer_llama(**overrides):
+    return tiny_llama(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=1, **overrides)
+
+
 def lm_loss(model, batch):
     ids, labels = batch
     out = model(ids)
@@ -209,6 +213,45 @@ def test_step_passes_blocks_round_the_context_axis(mesh, variant):
     assert stats.count("all-gather") == 0, stats
 
 
+def hf_loss(model, batch):
+    return model(batch[0], labels=batch[1]).loss
+
+
+@SLOW
+@pytest.mark.parametrize(("model_fn", "loss_fn"), [(CausalLM, lm_loss), (one_layer_llama, hf_loss)],
+                         ids=["torch", "hf"])  # fmt: skip
+def test_rows_per_shard_keep_the_sequence_split(mesh, model_fn, loss_fn):
+    """4 rows per data shard: linear layers and the flattened loss keep each device's tokens, nothing is gathered.
+
+    Flattening [rows, seq] tokens kept the split only with one row per device; GSPMD gathered whole
+    sequences (f32[4,256,32] activations, s32[4,256] labels) over the context axis before.
+    """
+    torch.manual_seed(0)
+    model = model_fn()
+    trainer = ts.Trainer(model, loss_fn, adamw(), ts.plan(model, mesh), batch_spec=("data", "context"),
+                         context=ContextParallel())  # fmt: skip
+    stats = ts.inspect.collectives(trainer, batches(1, batch=8)[0])
+    assert stats.count("all-gather") == 0, stats
+    assert stats.count("all-to-all") == stats.count("all-to-all", axes="context") <= 3, stats  # the loss's tokens
+
+
+@SLOW
+def test_rows_per_shard_train_like_torch(mesh):
+    assert_trains_like_torch(functools.partial(CausalLM, depth=1), mesh, ContextParallel(), batch=8, steps=2)
+
+
+def test_flattened_tokens_round_trip_in_sequence_chunk_major_order():
+    from torchshard._bridge.ops import tokens
+
+    x = jnp.arange(2 * 8 * 3 * 5).reshape(2, 8, 3, 5)
+    with tokens.laid_out(tokens.TokenLayout(4)):
+        flat = tokens.flatten(x)
+        back = tokens.unflatten(flat, x.shape)
+    assert flat.shape == (48, 5) and (back == x).all()
+    # the first 2 × 2 × 3 flat tokens are sequence chunk 0 (positions 0, 1) of both rows
+    np.testing.assert_array_equal(flat[:12], x[:, :2].reshape(12, 5))
+
+
 # ---------------------------------------------------------------- composition
 
 
@@ -283,10 +326,6 @@ class Prefix(nn.Module):
     def forward(self, ids):
         h = torch.cat([self.prefix.expand(ids.shape[0], -1, -1), self.lm.embed(ids)], dim=1)
         return self.lm.head(self.lm.attn[0](h))[:, 4:]
-
-
-def one_layer_llama(**overrides):
-    return tiny_llama(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=1, **overrides)
 
 
 def padded_loss(model, batch):

@@ -16,6 +16,7 @@ from torchshard._base.specs import entry_axes
 from torchshard._base.validate import AnyMesh, describe_mesh, instance_problems, raise_for_arguments
 from torchshard._bridge.constants import index_constants_folded
 from torchshard._bridge.env import overriding
+from torchshard._bridge.ops import tokens
 from torchshard._bridge.ops.attention import ATTENTION_OPS
 from torchshard._parallel.ring_attention import context_attention
 
@@ -191,8 +192,11 @@ def _sdpa(context: ContextParallel, mesh: Mesh) -> Callable[..., jax.Array]:
 
 
 @contextlib.contextmanager
-def tracing(context: ContextParallel, mesh: Mesh) -> Iterator[None]:
+def tracing(context: ContextParallel, mesh: Mesh, row_axes: tuple[str, ...] = ()) -> Iterator[None]:
     """While a step is traced: SDPA runs as context-parallel attention over ``context.axis``.
+
+    Lowerings that flatten tokens keep them split over ``row_axes`` (the batch's rows) and the
+    context axis (`tokens.TokenLayout`): a linear layer's dot and the loss see each device's rows.
 
     Integer and boolean tensors that depend on no input (positions from ``arange``, masks built
     from them) are computed while tracing: transformers then sees concrete positions, finds no packed
@@ -204,4 +208,5 @@ def tracing(context: ContextParallel, mesh: Mesh) -> Iterator[None]:
         for op in ATTENTION_OPS:
             stack.enter_context(overriding(op, sdpa, jax_function=True))
         stack.enter_context(index_constants_folded())
+        stack.enter_context(tokens.laid_out(tokens.TokenLayout(mesh.shape[context.axis], mesh, row_axes, context.axis)))
         yield
