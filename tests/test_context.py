@@ -160,7 +160,7 @@ def test_attention_matches_torch_sdpa(mesh, variant, causal, heads, kv_heads, ke
 
 
 def test_balanced_layout_gives_every_device_equal_causal_work():
-    from torchshard._parallel.ring_attention import Layout
+    from torchshard._parallel.ring_layout import Layout
 
     def visible_pairs(layout, device):
         rows = [int(s) + i for s in layout.starts(device) for i in range(layout.run)]
@@ -335,7 +335,8 @@ def padded_loss(model, batch):
 INNER_LENGTH = r"the attention's: the sequence \(length 260\) does not split into 8 equal chunks.*e.g. 256 or 264"
 PADDING = (
     r"attn_mask bool\[2, 1, 256, 256\] is computed from the step's inputs \(e.g. a padding attention_mask in the "
-    r"batch\); context-parallel attention supports no mask, is_causal=True, or a constant causal mask"
+    r"batch\); context-parallel attention supports no mask, is_causal=True, a constant causal mask.*or packed "
+    r"documents \(ts.document_mask\(position_ids\)"
 )
 DROPOUT = r"dropout_p=0.1 is not supported; set the model's attention dropout to 0"
 

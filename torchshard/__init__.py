@@ -8,6 +8,7 @@ from torchshard._ckpt.export import from_torch_state_dict, to_torch_state_dict
 from torchshard._ckpt.safetensors import save_safetensors
 from torchshard._ckpt.stepdir import checkpoint_steps
 from torchshard._parallel.context import ContextParallel
+from torchshard._parallel.documents import document_mask
 from torchshard._parallel.experts import ExpertDispatch
 from torchshard._parallel.pipeline import Pipeline
 from torchshard._report.visualize import visualize, visualize_plan
@@ -47,6 +48,7 @@ __all__ = [
     "collectives",
     "constrain",
     "distributed",
+    "document_mask",
     "from_torch_state_dict",
     "init_sharded",
     "load",
