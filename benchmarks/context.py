@@ -1,16 +1,17 @@
 """Context parallelism: compiled temp memory per device and step time against sequence length.
 
-A plain-torch causal transformer LM (SDPA attention, grouped K/V heads) trains with AdamW on one
-sequence per step. Its sequence is split over ``context`` = 1, 2, 4, 8 devices with
-``ContextParallel`` (ring attention, load-balanced); context=1 is the ordinary Trainer (the whole
-sequence on one device, torchshard's usual attention), and "1 + ContextParallel" the same device
-running the ring kernel (one block, its backward recomputing the scores). Memory is the compiled step's
-``memory_analysis()`` temp bytes per device (nothing is allocated to measure it); time is the
-median of timed steps, for runs whose compiled memory fits ``--fits`` and sequences up to
-``--time-up-to``.
+A plain-torch causal transformer LM (SDPA attention, grouped K/V heads) trains with AdamW on
+``--batch`` sequences per step (every device holds a part of each). Its sequence is split over
+``context`` = 1, 2, 4, 8 devices with ``ContextParallel`` (ring attention, load-balanced);
+context=1 is the ordinary Trainer (the whole sequence on one device, torchshard's usual attention),
+and "1 + ContextParallel" the same device running the ring kernel (one block, its backward
+recomputing the scores). Memory is the compiled step's ``memory_analysis()`` temp bytes per device
+(nothing is allocated to measure it); time is the median of timed steps, for runs whose compiled
+memory fits ``--fits`` and sequences up to ``--time-up-to``.
 
     python benchmarks/context.py                                  # the README tables
     python benchmarks/context.py --seqs 1024 --contexts 1,4 --steps 0   # memory only, seconds
+    python benchmarks/context.py --seqs 1024 --contexts 1,4 --batch 16  # 16 rows per device
 """
 
 from __future__ import annotations
@@ -30,6 +31,13 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--steps", type=int, default=3, help="timed steps per run (median; 0: memory only)")
     parser.add_argument("--time-up-to", type=int, default=4096, help="time runs up to this sequence length")
     parser.add_argument("--fits", type=float, default=4.0, help="GiB of compiled memory a timed run may need")
+    parser.add_argument("--batch", type=int, default=1, help="rows per step (the mesh has only the context axis)")
+    parser.add_argument(
+        "--documents",
+        type=int,
+        default=0,
+        help="pack each row with documents of this many tokens (ts.document_mask; 0: one per row)",
+    )
     parser.add_argument("--dim", type=int, default=128)
     parser.add_argument("--layers", type=int, default=2)
     return parser.parse_args()
@@ -48,12 +56,13 @@ def build(dim: int, layers: int, seq: int):
             self.out = nn.Linear(dim, dim)
             self.mlp = nn.Sequential(nn.Linear(dim, 4 * dim), nn.GELU(), nn.Linear(4 * dim, dim))
 
-        def forward(self, h):
+        def forward(self, h, mask):
             b, s, _ = h.shape
             x = self.norm1(h)
             q = self.q(x).view(b, s, self.heads, self.head_dim).transpose(1, 2)
             k, v = self.kv(x).view(b, s, 2, self.kv_heads, self.head_dim).permute(2, 0, 3, 1, 4).unbind(0)
-            y = nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+            y = nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None,
+                                                           enable_gqa=True)  # fmt: skip
             h = h + self.out(y.transpose(1, 2).reshape(b, s, dim))
             return h + self.mlp(self.norm2(h))
 
@@ -64,10 +73,13 @@ def build(dim: int, layers: int, seq: int):
             self.blocks = nn.ModuleList(Block() for _ in range(layers))
             self.norm, self.head = nn.LayerNorm(dim), nn.Linear(dim, 256)
 
-        def forward(self, ids):
-            h = self.embed(ids) + self.pos(torch.arange(ids.shape[1]))
+        def forward(self, ids, positions=None):
+            if positions is None:
+                h, mask = self.embed(ids) + self.pos(torch.arange(ids.shape[1])), None
+            else:
+                h, mask = self.embed(ids) + self.pos(positions), ts.document_mask(positions)
             for block in self.blocks:
-                h = block(h)
+                h = block(h, mask)
             return self.head(self.norm(h))
 
     torch.manual_seed(0)
@@ -77,8 +89,8 @@ def build(dim: int, layers: int, seq: int):
 def lm_loss(model, batch):
     import torch
 
-    ids, labels = batch
-    logits = model(ids)
+    ids, labels, *positions = batch
+    logits = model(ids, *positions)
     return torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), labels.reshape(-1))
 
 
@@ -93,8 +105,9 @@ def run(args: argparse.Namespace, seq: int, context: int, kernel: bool) -> tuple
     cp = ts.ContextParallel(attention=args.attention) if kernel else None
     trainer = ts.Trainer(model, lm_loss, optax.adamw(1e-4), ts.plan(model, mesh), batch_spec=(None, "context"),
                          context=cp)  # fmt: skip
-    ids = torch.randint(0, 256, (1, seq + 1), generator=torch.Generator().manual_seed(seq))
-    batch = trainer.place_batch((ids[:, :-1], ids[:, 1:]))
+    ids = torch.randint(0, 256, (args.batch, seq + 1), generator=torch.Generator().manual_seed(seq))
+    batch = (ids[:, :-1], ids[:, 1:], *([positions(args, seq)] if args.documents else []))
+    batch = trainer.place_batch(batch)
     memory = trainer.lower(batch).compile().memory_analysis()
     needed = memory.temp_size_in_bytes + memory.argument_size_in_bytes + memory.output_size_in_bytes
     if args.steps == 0 or seq > args.time_up_to or needed > args.fits * 2**30:
@@ -106,6 +119,33 @@ def run(args: argparse.Namespace, seq: int, context: int, kernel: bool) -> tuple
         jax.block_until_ready(trainer.step(batch)["loss"])
         times.append(time.perf_counter() - start)
     return memory.temp_size_in_bytes, statistics.median(times)
+
+
+def positions(args: argparse.Namespace, seq: int):
+    """Position ids of rows packed with ``--documents``-token documents (the last one shorter)."""
+    import torch
+
+    return (torch.arange(seq) % args.documents).expand(args.batch, seq).contiguous()
+
+
+def skipped_fraction(args: argparse.Namespace, seq: int, devices: int) -> float:
+    """The fraction of (query run, key tile) pairs the ring kernel skips as having no visible pair.
+
+    Mirrors the kernel's schedule: each device's rows are ``parts`` runs (2, zig-zag, when balanced),
+    every key run is folded in tiles of at most 512 keys, and a tile is skipped when it lies after
+    the query run (causal) or, packed, no row shares a document between the two.
+    """
+    import numpy as np
+
+    parts = 2
+    run = seq // (devices * parts)
+    tiles = -(-run // 512)
+    size = run // tiles
+    docs = np.arange(seq) // args.documents if args.documents else np.zeros(seq, int)
+    starts = [s for i in range(devices) for s in (i * run, (2 * devices - 1 - i) * run)]
+    pairs = [(q, k + t * size) for q in starts for k in starts for t in range(tiles)]
+    skipped = sum(k > q + run - 1 or docs[k + size - 1] < docs[q] or docs[k] > docs[q + run - 1] for q, k in pairs)
+    return skipped / len(pairs)
 
 
 def table(title: str, seqs: list[int], columns: list[tuple[int, bool]], cell) -> str:
@@ -134,8 +174,13 @@ def main() -> None:
         seconds = results[(s, col)][1]
         return "—" if seconds is None else f"{seconds * 1e3:.0f} ms"
 
-    where = f"{args.layers} layers, dim {args.dim}, 8 heads / 4 KV heads, batch 1, {args.attention} attention"
+    heads = "8 heads / 4 KV heads" + (f", documents of {args.documents} tokens" if args.documents else "")
+    where = f"{args.layers} layers, dim {args.dim}, {heads}, batch {args.batch}, {args.attention} attention"
     print(table(f"Compiled temp memory per device ({where}; × the first column)", seqs, columns, memory))
+    for c in contexts[1:] if contexts[0] == 1 else contexts:
+        print(
+            f"context={c}: ring tiles skipped " + ", ".join(f"seq {s} {skipped_fraction(args, s, c):.0%}" for s in seqs)
+        )
     if args.steps:
         print(table(f"Step time (median of {args.steps}; — not timed)", seqs, columns, step))
 

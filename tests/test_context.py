@@ -11,6 +11,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
@@ -72,6 +73,10 @@ class CausalLM(nn.Module):
             h = h + attn(self.norms[2 * i](h))
             h = h + mlp(self.norms[2 * i + 1](h))
         return self.head(self.norms[-1](h))
+
+
+def one_layer_llama(**overrides):
+    return tiny_llama(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=1, **overrides)
 
 
 def lm_loss(model, batch):
@@ -159,6 +164,45 @@ def test_step_passes_blocks_round_the_context_axis(mesh, variant):
     assert stats.count("all-gather") == 0, stats
 
 
+def hf_loss(model, batch):
+    return model(batch[0], labels=batch[1]).loss
+
+
+@SLOW
+@pytest.mark.parametrize(("model_fn", "loss_fn"), [(CausalLM, lm_loss), (one_layer_llama, hf_loss)],
+                         ids=["torch", "hf"])  # fmt: skip
+def test_rows_per_shard_keep_the_sequence_split(mesh, model_fn, loss_fn):
+    """4 rows per data shard: linear layers and the flattened loss keep each device's tokens, nothing is gathered.
+
+    Flattening [rows, seq] tokens kept the split only with one row per device; GSPMD gathered whole
+    sequences (f32[4,256,32] activations, s32[4,256] labels) over the context axis before.
+    """
+    torch.manual_seed(0)
+    model = model_fn()
+    trainer = ts.Trainer(model, loss_fn, adamw(), ts.plan(model, mesh), batch_spec=("data", "context"),
+                         context=ContextParallel())  # fmt: skip
+    stats = ts.inspect.collectives(trainer, batches(1, batch=8)[0])
+    assert stats.count("all-gather") == 0, stats
+    assert stats.count("all-to-all") == stats.count("all-to-all", axes="context") <= 3, stats  # the loss's tokens
+
+
+@SLOW
+def test_rows_per_shard_train_like_torch(mesh):
+    assert_trains_like_torch(functools.partial(CausalLM, depth=1), mesh, ContextParallel(), batch=8, steps=2)
+
+
+def test_flattened_tokens_round_trip_in_sequence_chunk_major_order():
+    from torchshard._bridge.ops import tokens
+
+    x = jnp.arange(2 * 8 * 3 * 5).reshape(2, 8, 3, 5)
+    with tokens.laid_out(tokens.TokenLayout(4)):
+        flat = tokens.flatten(x)
+        back = tokens.unflatten(flat, x.shape)
+    assert flat.shape == (48, 5) and (back == x).all()
+    # the first 2 × 2 × 3 flat tokens are sequence chunk 0 (positions 0, 1) of both rows
+    np.testing.assert_array_equal(flat[:12], x[:, :2].reshape(12, 5))
+
+
 # composition with remat, scan, MixedPrecision, grad accumulation, checkpoints and pipelines: test_matrix.py
 
 
@@ -191,10 +235,6 @@ class Prefix(nn.Module):
         return self.lm.head(self.lm.attn[0](h))[:, 4:]
 
 
-def one_layer_llama(**overrides):
-    return tiny_llama(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=1, **overrides)
-
-
 def padded_loss(model, batch):
     return model(batch[0], labels=batch[0], attention_mask=(batch[1] > 0).int()).loss
 
@@ -202,7 +242,8 @@ def padded_loss(model, batch):
 INNER_LENGTH = r"the attention's: the sequence \(length 260\) does not split into 8 equal chunks.*e.g. 256 or 264"
 PADDING = (
     r"attn_mask bool\[2, 1, 256, 256\] is computed from the step's inputs \(e.g. a padding attention_mask in the "
-    r"batch\); context-parallel attention supports no mask, is_causal=True, or a constant causal mask"
+    r"batch\); context-parallel attention supports no mask, is_causal=True, a constant causal mask.*or packed "
+    r"documents \(ts.document_mask\(position_ids\)"
 )
 DROPOUT = r"dropout_p=0.1 is not supported; set the model's attention dropout to 0"
 

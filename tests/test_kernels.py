@@ -26,7 +26,8 @@ import torchshard as ts
 from torchshard import ShardingError
 from torchshard._bridge.env import env
 from torchshard._parallel import experts, pipeline
-from torchshard._parallel.ring_attention import Layout, context_attention
+from torchshard._parallel.ring_attention import context_attention
+from torchshard._parallel.ring_layout import Layout
 
 
 def _close_trees(got, want) -> None:

@@ -10,6 +10,7 @@ from torchshard._ckpt.pretrained import load_safetensors
 from torchshard._ckpt.safetensors import save_safetensors
 from torchshard._ckpt.stepdir import checkpoint_steps
 from torchshard._parallel.context import ContextParallel
+from torchshard._parallel.documents import document_mask
 from torchshard._parallel.experts import ExpertDispatch, ExpertDispatchWarning
 from torchshard._parallel.pipeline import Pipeline
 from torchshard._report.visualize import visualize, visualize_plan
@@ -51,6 +52,7 @@ __all__ = [
     "collectives",
     "constrain",
     "distributed",
+    "document_mask",
     "from_torch_state_dict",
     "generate",
     "init_sharded",

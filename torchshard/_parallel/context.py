@@ -8,6 +8,7 @@ from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh, PartitionSpec
 
@@ -16,13 +17,16 @@ from torchshard._base.specs import entry_axes
 from torchshard._base.validate import AnyMesh, describe_mesh, instance_problems, raise_for_arguments
 from torchshard._bridge.constants import index_constants_folded
 from torchshard._bridge.env import overriding
+from torchshard._bridge.ops import tokens
 from torchshard._bridge.ops.attention import ATTENTION_OPS
+from torchshard._parallel import documents, hf_documents
 from torchshard._parallel.ring_attention import context_attention
 
 ATTENTIONS = ("ring", "all_gather")
 SUPPORTED = (
-    "context-parallel attention supports no mask, is_causal=True, or a constant causal mask (e.g. "
-    "torch.ones(S, S, dtype=torch.bool).tril()), with dropout 0"
+    "context-parallel attention supports no mask, is_causal=True, a constant causal mask (e.g. "
+    "torch.ones(S, S, dtype=torch.bool).tril()), or packed documents (ts.document_mask(position_ids), or "
+    "transformers' position_ids restarting per document), with dropout 0"
 )
 
 
@@ -144,6 +148,18 @@ def _causal_pattern(mask: Any, length: int) -> bool | None:
     return True if np.all(values == causal) else None
 
 
+def _segments(mask: Any, batch: int, length: int) -> tuple[jax.Array | None, list[str]]:
+    """The [b, s] document ids an integer ``attn_mask`` (`document_mask` under tracing) carries, or why it cannot."""
+    if mask is None or not jnp.issubdtype(mask.dtype, jnp.integer):
+        return None, []
+    if mask.ndim != 4 or mask.shape[1:] != (1, 1, length) or mask.shape[0] not in (1, batch):
+        return None, [
+            f"integer attn_mask {mask.dtype}{list(mask.shape)} is not ts.document_mask's document ids [{batch}, 1, 1, "
+            f"{length}]; pass ts.document_mask(position_ids) to scaled_dot_product_attention unchanged"
+        ]
+    return mask.reshape(mask.shape[0], length), []
+
+
 def _call_problems(context: ContextParallel, mesh: Mesh, query: Any, key: Any, mask: Any, dropout_p: Any,
                    enable_gqa: bool) -> list[str]:  # fmt: skip
     if query.ndim != 4 or key.ndim != 4:
@@ -163,7 +179,15 @@ def _call_problems(context: ContextParallel, mesh: Mesh, query: Any, key: Any, m
     if heads % kv_heads or (heads != kv_heads and not enable_gqa):
         problems.append(f"{heads} query heads and {kv_heads} key/value heads need enable_gqa=True and {heads} % "
                         f"{kv_heads} == 0, as in torch")  # fmt: skip
-    if mask is not None and length == kv_length and _causal_pattern(mask, length) is None:
+    segments, unreadable = _segments(mask, query.shape[0], length) if length == kv_length else (None, [])
+    problems += unreadable
+    if (
+        segments is None
+        and mask is not None
+        and length == kv_length
+        and not unreadable
+        and (_causal_pattern(mask, length) is None)
+    ):
         where = "is computed from the step's inputs (e.g. a padding attention_mask in the batch)"
         if not isinstance(mask, jax.core.Tracer):
             where = "is neither the causal mask nor all-visible"
@@ -174,7 +198,7 @@ def _call_problems(context: ContextParallel, mesh: Mesh, query: Any, key: Any, m
     return problems + _split_problem("the attention's", length, context, mesh)
 
 
-def _sdpa(context: ContextParallel, mesh: Mesh) -> Callable[..., jax.Array]:
+def _sdpa(context: ContextParallel, mesh: Mesh, row_axes: tuple[str, ...]) -> Callable[..., jax.Array]:
     """``scaled_dot_product_attention`` (a JAX-level lowering) as context-parallel attention over the axis."""
 
     def sdpa(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False):
@@ -183,25 +207,34 @@ def _sdpa(context: ContextParallel, mesh: Mesh) -> Callable[..., jax.Array]:
         raise_if_any(
             problems, header=f"scaled_dot_product_attention({shapes}) under {context} on {describe_mesh(mesh)}"
         )
-        causal = bool(is_causal) or (attn_mask is not None and bool(_causal_pattern(attn_mask, query.shape[2])))
+        segments = _segments(attn_mask, query.shape[0], query.shape[2])[0]
+        causal = bool(is_causal) or segments is not None  # documents are causal within themselves
+        causal = causal or (attn_mask is not None and bool(_causal_pattern(attn_mask, query.shape[2])))
         return context_attention(query, key, value, mesh=mesh, axis=context.axis, causal=causal, scale=scale,
-                                 gathered=context.attention == "all_gather", balanced=context.load_balance)  # fmt: skip
+                                 gathered=context.attention == "all_gather", balanced=context.load_balance,
+                                 segments=segments, rows=row_axes)  # fmt: skip
 
     return sdpa
 
 
 @contextlib.contextmanager
-def tracing(context: ContextParallel, mesh: Mesh) -> Iterator[None]:
+def tracing(context: ContextParallel, mesh: Mesh, row_axes: tuple[str, ...] = ()) -> Iterator[None]:
     """While a step is traced: SDPA runs as context-parallel attention over ``context.axis``.
+
+    Lowerings that flatten tokens keep them split over ``row_axes`` (the batch's rows) and the
+    context axis (`tokens.TokenLayout`): a linear layer's dot and the loss see each device's rows.
 
     Integer and boolean tensors that depend on no input (positions from ``arange``, masks built
     from them) are computed while tracing: transformers then sees concrete positions, finds no packed
     sequences and passes ``is_causal=True`` with no mask, as in eager torch (with traced positions it
     builds a ``[B, 1, S, S]`` mask), and a constant mask a model builds can be read and recognised.
     """
-    sdpa = _sdpa(context, mesh)
+    sdpa = _sdpa(context, mesh, row_axes)
     with contextlib.ExitStack() as stack:
         for op in ATTENTION_OPS:
             stack.enter_context(overriding(op, sdpa, jax_function=True))
         stack.enter_context(index_constants_folded())
+        stack.enter_context(documents.as_segments())
+        stack.enter_context(hf_documents.segments_from_position_ids())
+        stack.enter_context(tokens.laid_out(tokens.TokenLayout(mesh.shape[context.axis], mesh, row_axes, context.axis)))
         yield

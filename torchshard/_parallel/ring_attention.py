@@ -1,12 +1,15 @@
 """Attention over a sequence sharded along a mesh axis: K/V blocks passed round the axis or gathered, online softmax.
 
-Runs inside a ``shard_map`` that is manual over the context axis only. Each device keeps its own
+Runs inside a ``shard_map`` that is manual over the context axis (and, with documents, the batch's
+row axes). Each device keeps its own
 query rows and meets every key block once, one block per ring step: the block of device
 ``(i - t) mod n`` at step ``t``. Scores are folded into a running max, sum and weighted value
 (the log-sum-exp carry) a tile of keys at a time, so a device holds O(S/n) activations and one
 ``(S/n) × KEY_TILE`` block of scores.
 The backward pass runs the ring again from the saved log-sum-exp (a custom VJP): the key/value
 gradients travel with their block and arrive back at its owner after the last step.
+With documents (packed rows), each token's segment id travels with its key: a query sees the
+keys of its own segment only, and a tile with no visible (query, key) pair is skipped.
 """
 
 from __future__ import annotations
@@ -14,48 +17,20 @@ from __future__ import annotations
 import dataclasses
 import functools
 from collections.abc import Sequence
+from typing import Any
 
 import jax
 import jax.numpy as jnp
 from jax.sharding import Mesh, PartitionSpec
 
+from torchshard._parallel.ring_layout import Layout, from_zigzag, to_zigzag
 from torchshard._parallel.vmapped import vmapped_axes
 
 Stats = tuple[jax.Array, jax.Array, jax.Array]  # running max, running sum, running weighted values (all f32)
+Seg = jax.Array | None  # [b, s] segment ids of a run of tokens (non-decreasing along it); None: one document
+Keys = tuple[jax.Array, jax.Array, Seg]  # a block of keys [b, kv, s, d], their values, their segment ids
 # keys folded at a time: a device holds a (S/n) × KEY_TILE block of scores per head, not (S/n) × (S/n)
 KEY_TILE = 512
-
-
-@dataclasses.dataclass(frozen=True)
-class Layout:
-    """Which sequence positions a device's local rows hold: ``parts`` runs of ``run`` consecutive positions.
-
-    Natural: device ``i`` holds ``[i·run, (i+1)·run)``. Balanced (zig-zag): the sequence is cut into
-    ``2n`` chunks and device ``i`` holds chunks ``i`` and ``2n-1-i``, so under a causal mask every
-    device has the same number of visible (query, key) pairs.
-
-    Example:
-        >>> [int(s) for s in Layout(seq=16, devices=4, balanced=True).starts(1)]
-        [2, 12]
-    """
-
-    seq: int
-    devices: int
-    balanced: bool
-
-    @property
-    def parts(self) -> int:
-        return 2 if self.balanced else 1
-
-    @property
-    def run(self) -> int:
-        return self.seq // (self.devices * self.parts)
-
-    def starts(self, device: jax.Array | int) -> tuple[jax.Array, ...]:
-        """First position of each run of ``device`` (a traced index inside the shard_map)."""
-        if self.balanced:
-            return jnp.asarray(device * self.run), jnp.asarray((2 * self.devices - 1 - device) * self.run)
-        return (jnp.asarray(device * self.run),)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -68,15 +43,20 @@ class Ring:
     gathered: bool  # K/V arrive all-gathered (attention="all_gather") instead of passed by ppermute
     key_tile: int = KEY_TILE
     vmapped: frozenset[str] = frozenset()  # a pipeline's stage axis, manual here too (see `vmapped_axes`)
+    rows: tuple[str, ...] = ()  # the batch's row axes, manual with documents: tiles are skipped per device
 
 
 def _varying(x: jax.Array, ring: Ring) -> jax.Array:
     """A fresh array typed as differing per device: loop carries must match the per-device values they meet."""
-    return jax.lax.pcast(x, (ring.axis,), to="varying")
+    return jax.lax.pcast(x, (*ring.rows, ring.axis), to="varying")
 
 
 def _runs(x: jax.Array, parts: int, dim: int) -> list[jax.Array]:
     return jnp.split(x, parts, axis=dim) if parts > 1 else [x]
+
+
+def _seg_runs(seg: Seg, parts: int) -> list[Seg]:
+    return [None] * parts if seg is None else list(_runs(seg, parts, 1))
 
 
 def _join(xs: Sequence[jax.Array], dim: int) -> jax.Array:
@@ -88,19 +68,36 @@ def _pass_on(x: jax.Array, ring: Ring) -> jax.Array:
     return jax.lax.ppermute(x, ring.axis, [(i, (i + 1) % n) for i in range(n)])
 
 
-def _logits(q: jax.Array, k: jax.Array, q_start: jax.Array, k_start: jax.Array, causal: bool) -> jax.Array:
+def _pass_keys(block: Keys, ring: Ring) -> Keys:
+    k, v, seg = block
+    return _pass_on(k, ring), _pass_on(v, ring), None if seg is None else _pass_on(seg, ring)
+
+
+def _logits(q: jax.Array, k: jax.Array, q_start: jax.Array, k_start: jax.Array, causal: bool, q_seg: Seg,
+            k_seg: Seg) -> jax.Array:  # fmt: skip
     """f32 scores of [b, kv, g, q, d] queries (already scaled) against [b, kv, k, d] keys; -inf where masked."""
     s = jnp.einsum("bkgqh,bksh->bkgqs", q, k, preferred_element_type=jnp.float32)
+    keep = None
     if causal:
         rows = jax.lax.broadcasted_iota(jnp.int32, s.shape[-2:], 0) + q_start
         cols = jax.lax.broadcasted_iota(jnp.int32, s.shape[-2:], 1) + k_start
-        s = jnp.where(rows >= cols, s, -jnp.inf)
-    return s
+        keep = rows >= cols
+    if q_seg is not None and k_seg is not None:
+        same = (q_seg[:, :, None] == k_seg[:, None, :])[:, None, None]
+        keep = same if keep is None else same & keep
+    return s if keep is None else jnp.where(keep, s, -jnp.inf)
 
 
-def _sees(q_start: jax.Array, rows: int, k_start: jax.Array, causal: bool) -> jax.Array:
-    """Whether any of ``rows`` queries from ``q_start`` sees a key from ``k_start`` (fully masked tiles are skipped)."""
-    return k_start <= q_start + rows - 1 if causal else jnp.bool_(True)
+def _sees(q_start: jax.Array, q_seg: Seg, rows: int, k_start: jax.Array, k_seg: Seg, causal: bool) -> jax.Array:
+    """Whether any of ``rows`` queries from ``q_start`` sees a key of the tile from ``k_start`` (else it is skipped).
+
+    Segment ids never decrease along a run, so a row's query and key segments share an id only if
+    their ranges overlap.
+    """
+    seen = k_start <= q_start + rows - 1 if causal else jnp.bool_(True)
+    if q_seg is not None and k_seg is not None:
+        seen = seen & jnp.any((k_seg[:, -1] >= q_seg[:, 0]) & (k_seg[:, 0] <= q_seg[:, -1]))
+    return seen
 
 
 def _key_tiles(length: int, most: int) -> int:
@@ -111,10 +108,15 @@ def _key_tiles(length: int, most: int) -> int:
     return 1
 
 
-def _tiled(x: jax.Array, tiles: int) -> jax.Array:
-    """[b, kv, k, d] → [tiles, b, kv, k / tiles, d]."""
-    b, kv, k, d = x.shape
-    return jnp.moveaxis(x.reshape(b, kv, tiles, k // tiles, d), 2, 0)
+def _tiled(x: jax.Array, tiles: int, dim: int = 2) -> jax.Array:
+    """[b, kv, k, d] → [tiles, b, kv, k / tiles, d] (``dim`` the keys' dim)."""
+    shape = (*x.shape[:dim], tiles, x.shape[dim] // tiles, *x.shape[dim + 1 :])
+    return jnp.moveaxis(x.reshape(shape), dim, 0)
+
+
+def _tiled_seg(seg: Seg, tiles: int) -> Seg:
+    """[b, k] segment ids → [tiles, b, k / tiles]."""
+    return None if seg is None else _tiled(seg, tiles, 1)
 
 
 def _untiled(x: jax.Array) -> jax.Array:
@@ -123,10 +125,10 @@ def _untiled(x: jax.Array) -> jax.Array:
 
 
 def _update(stats: Stats, q: jax.Array, k: jax.Array, v: jax.Array, q_start: jax.Array, k_start: jax.Array,
-            causal: bool) -> Stats:  # fmt: skip
+            causal: bool, q_seg: Seg, k_seg: Seg) -> Stats:  # fmt: skip
     """One key block folded into the running (max, sum, weighted values) of a query run."""
     m, total, acc = stats
-    s = _logits(q, k, q_start, k_start, causal)
+    s = _logits(q, k, q_start, k_start, causal, q_seg, k_seg)
     m_new = jnp.maximum(m, s.max(-1))
     shift = jnp.where(m_new == -jnp.inf, 0.0, m_new)  # a row that has seen no key yet stays at zero weight
     p = jnp.exp(s - shift[..., None])
@@ -135,21 +137,25 @@ def _update(stats: Stats, q: jax.Array, k: jax.Array, v: jax.Array, q_start: jax
     return m_new, alpha[..., 0] * total + p.sum(-1), alpha * acc + pv
 
 
-def _fold(stats: Stats, q: jax.Array, k: jax.Array, v: jax.Array, q_start: jax.Array, k_start: jax.Array,
+def _fold(stats: Stats, q: jax.Array, q_start: jax.Array, q_seg: Seg, block: Keys, k_start: jax.Array,
           ring: Ring) -> Stats:  # fmt: skip
     """Every key tile of a run that a query run sees, folded into that query run's stats."""
+    k, v, k_seg = block
     causal, tiles = ring.causal, _key_tiles(k.shape[2], ring.key_tile)
     size = k.shape[2] // tiles
 
-    def tile(stats: Stats, xs: tuple[jax.Array | int, jax.Array, jax.Array]) -> tuple[Stats, None]:
-        i, k_tile, v_tile = xs
+    def tile(stats: Stats, xs: tuple[Any, ...]) -> tuple[Stats, None]:
+        i, k_tile, v_tile, seg_tile = xs
         start = k_start + i * size
-        update = functools.partial(_update, q=q, k=k_tile, v=v_tile, q_start=q_start, k_start=start, causal=causal)
-        return jax.lax.cond(_sees(q_start, q.shape[3], start, causal), update, lambda s: s, stats), None
+        update = functools.partial(_update, q=q, k=k_tile, v=v_tile, q_start=q_start, k_start=start, causal=causal,
+                                   q_seg=q_seg, k_seg=seg_tile)  # fmt: skip
+        seen = _sees(q_start, q_seg, q.shape[3], start, seg_tile, causal)
+        return jax.lax.cond(seen, update, lambda s: s, stats), None
 
     if tiles == 1:
-        return tile(stats, (0, k, v))[0]
-    return jax.lax.scan(tile, stats, (jnp.arange(tiles), _tiled(k, tiles), _tiled(v, tiles)))[0]
+        return tile(stats, (0, k, v, k_seg))[0]
+    xs = (jnp.arange(tiles), _tiled(k, tiles), _tiled(v, tiles), _tiled_seg(k_seg, tiles))
+    return jax.lax.scan(tile, stats, xs)[0]
 
 
 def _no_keys_yet(q: jax.Array, ring: Ring) -> Stats:
@@ -163,49 +169,51 @@ def _source(ring: Ring, me: jax.Array, t: jax.Array | int) -> jax.Array:
     return (me - t) % ring.layout.devices
 
 
-def _pairs(ring: Ring, me: jax.Array, k: jax.Array, v: jax.Array, t: jax.Array | int):
-    """Ring step ``t``'s query run starts, its key block's run starts, and that block's key and value runs."""
+def _pairs(ring: Ring, me: jax.Array, block: Keys, t: jax.Array | int):
+    """Ring step ``t``'s query run starts, its key block's run starts, and that block's (keys, values, segments)."""
+    k, v, seg = block
     if ring.gathered:
-        k, v = k[t], v[t]
+        k, v, seg = k[t], v[t], None if seg is None else seg[t]
     parts = ring.layout.parts
-    return ring.layout.starts(me), ring.layout.starts(_source(ring, me, t)), _runs(k, parts, 2), _runs(v, parts, 2)
+    runs = list(zip(_runs(k, parts, 2), _runs(v, parts, 2), _seg_runs(seg, parts), strict=True))
+    return ring.layout.starts(me), ring.layout.starts(_source(ring, me, t)), runs
 
 
-def _forward_step(ring: Ring, me: jax.Array, qs: list[jax.Array], stats: list[Stats], k: jax.Array, v: jax.Array,
-                  t: jax.Array | int) -> list[Stats]:  # fmt: skip
-    q_starts, k_starts, ks, vs = _pairs(ring, me, k, v, t)
+def _forward_step(ring: Ring, me: jax.Array, queries: tuple[list[jax.Array], list[Seg]], stats: list[Stats],
+                  block: Keys, t: jax.Array | int) -> list[Stats]:  # fmt: skip
+    qs, q_segs = queries
+    q_starts, k_starts, runs = _pairs(ring, me, block, t)
     stats = list(stats)
     for a, q_start in enumerate(q_starts):
         for c, k_start in enumerate(k_starts):
-            stats[a] = _fold(stats[a], qs[a], ks[c], vs[c], q_start, k_start, ring)
+            stats[a] = _fold(stats[a], qs[a], q_start, q_segs[a], runs[c], k_start, ring)
     return stats
 
 
-def _forward(ring: Ring, me: jax.Array, q: jax.Array, k: jax.Array, v: jax.Array) -> tuple[jax.Array, jax.Array]:
+def _forward(ring: Ring, me: jax.Array, q: jax.Array, block: Keys, q_seg: Seg) -> tuple[jax.Array, jax.Array]:
     """(output, log-sum-exp) of the local queries against every key block of the axis."""
-    qs = _runs(q, ring.layout.parts, 3)
-    stats = [_no_keys_yet(run, ring) for run in qs]
+    queries = (_runs(q, ring.layout.parts, 3), _seg_runs(q_seg, ring.layout.parts))
+    stats = [_no_keys_yet(run, ring) for run in queries[0]]
 
     def step(carry, t):
-        stats, k, v = carry
-        stats = _forward_step(ring, me, qs, stats, k, v, t)
-        if not ring.gathered:
-            k, v = _pass_on(k, ring), _pass_on(v, ring)
-        return (stats, k, v), None
+        stats, block = carry
+        stats = _forward_step(ring, me, queries, stats, block, t)
+        return (stats, block if ring.gathered else _pass_keys(block, ring)), None
 
     # the last step is peeled off: its keys/values need not travel on
     last = ring.layout.devices - 1
-    (stats, k, v), _ = jax.lax.scan(step, (stats, k, v), jnp.arange(last))
-    stats = _forward_step(ring, me, qs, stats, k, v, last)
+    (stats, block), _ = jax.lax.scan(step, (stats, block), jnp.arange(last))
+    stats = _forward_step(ring, me, queries, stats, block, last)
     out = _join([acc / total[..., None] for _, total, acc in stats], 3)
     lse = _join([m + jnp.log(total) for m, total, _ in stats], 3)
     return out.astype(q.dtype), lse
 
 
 def _grads(q: jax.Array, k: jax.Array, v: jax.Array, do: jax.Array, lse: jax.Array, delta: jax.Array,
-           q_start: jax.Array, k_start: jax.Array, causal: bool) -> tuple[jax.Array, jax.Array, jax.Array]:  # fmt: skip
+           q_start: jax.Array, k_start: jax.Array, causal: bool, q_seg: Seg,
+           k_seg: Seg) -> tuple[jax.Array, jax.Array, jax.Array]:  # fmt: skip
     """(dq, dk, dv) of one (query run, key run) pair, recomputing its probabilities from the saved lse."""
-    p = jnp.exp(_logits(q, k, q_start, k_start, causal) - lse[..., None])
+    p = jnp.exp(_logits(q, k, q_start, k_start, causal, q_seg, k_seg) - lse[..., None])
     dv = jnp.einsum("bkgqs,bkgqh->bksh", p.astype(do.dtype), do, preferred_element_type=jnp.float32)
     dp = jnp.einsum("bkgqh,bksh->bkgqs", do, v, preferred_element_type=jnp.float32)
     ds = p * (dp - delta[..., None])
@@ -214,116 +222,88 @@ def _grads(q: jax.Array, k: jax.Array, v: jax.Array, do: jax.Array, lse: jax.Arr
     return dq, dk, dv
 
 
-def _backward_step(ring: Ring, me: jax.Array, saved: tuple[list[jax.Array], ...], dqs: list[jax.Array], k: jax.Array,
-                   v: jax.Array, t: jax.Array | int) -> tuple[list[jax.Array], jax.Array, jax.Array]:  # fmt: skip
+def _backward_step(ring: Ring, me: jax.Array, saved: tuple[list, ...], dqs: list[jax.Array], block: Keys,
+                   t: jax.Array | int) -> tuple[list[jax.Array], jax.Array, jax.Array]:  # fmt: skip
     """Adds one key block's share to the query grads; returns them and that block's dk, dv (f32)."""
-    qs, dos, lses, deltas = saved
-    q_starts, k_starts, ks, vs = _pairs(ring, me, k, v, t)
+    qs, dos, lses, deltas, q_segs = saved
+    q_starts, k_starts, runs = _pairs(ring, me, block, t)
     parts = ring.layout.parts
     dqs = list(dqs)
     dks: list[list[jax.Array]] = [[] for _ in range(parts)]
     dvs: list[list[jax.Array]] = [[] for _ in range(parts)]
     for a, q_start in enumerate(q_starts):
         for c, k_start in enumerate(k_starts):
-            dqs[a], dk, dv = _unfold(dqs[a], (qs[a], dos[a], lses[a], deltas[a]), ks[c], vs[c], q_start, k_start, ring)
+            query = (qs[a], dos[a], lses[a], deltas[a], q_segs[a])
+            dqs[a], dk, dv = _unfold(dqs[a], query, q_start, runs[c], k_start, ring)
             dks[c].append(dk)
             dvs[c].append(dv)
     return dqs, _join([sum(d[1:], d[0]) for d in dks], 2), _join([sum(d[1:], d[0]) for d in dvs], 2)
 
 
-def _unfold(dq: jax.Array, saved: tuple[jax.Array, ...], k: jax.Array, v: jax.Array, q_start: jax.Array,
-            k_start: jax.Array, ring: Ring) -> tuple[jax.Array, jax.Array, jax.Array]:  # fmt: skip
+def _unfold(dq: jax.Array, saved: tuple, q_start: jax.Array, block: Keys, k_start: jax.Array,
+            ring: Ring) -> tuple[jax.Array, jax.Array, jax.Array]:  # fmt: skip
     """The backward of `_fold`: dq accumulated over the key tiles the query run sees, and each tile's dk, dv."""
-    q, do, lse, delta = saved
+    q, do, lse, delta, q_seg = saved
+    k, v, k_seg = block
     tiles = _key_tiles(k.shape[2], ring.key_tile)
     size = k.shape[2] // tiles
     nothing = _varying(jnp.zeros((*k.shape[:2], size, k.shape[3]), jnp.float32), ring)
 
-    def tile(dq: jax.Array, xs: tuple[jax.Array | int, jax.Array, jax.Array]):
-        i, k_tile, v_tile = xs
+    def tile(dq: jax.Array, xs: tuple[Any, ...]) -> tuple[jax.Array, tuple[jax.Array, jax.Array]]:
+        i, k_tile, v_tile, seg_tile = xs
         start = k_start + i * size
 
         def grads(dq: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
-            g = _grads(q, k_tile, v_tile, do, lse, delta, q_start, start, ring.causal)
+            g = _grads(q, k_tile, v_tile, do, lse, delta, q_start, start, ring.causal, q_seg, seg_tile)
             return dq + g[0], g[1], g[2]
 
-        dq, dk, dv = jax.lax.cond(_sees(q_start, q.shape[3], start, ring.causal), grads,
-                                  lambda dq: (dq, nothing, nothing), dq)  # fmt: skip
+        seen = _sees(q_start, q_seg, q.shape[3], start, seg_tile, ring.causal)
+        dq, dk, dv = jax.lax.cond(seen, grads, lambda dq: (dq, nothing, nothing), dq)
         return dq, (dk, dv)
 
     if tiles == 1:
-        dq, (dk, dv) = tile(dq, (0, k, v))
+        dq, (dk, dv) = tile(dq, (0, k, v, k_seg))
         return dq, dk, dv
-    dq, (dks, dvs) = jax.lax.scan(tile, dq, (jnp.arange(tiles), _tiled(k, tiles), _tiled(v, tiles)))
+    xs = (jnp.arange(tiles), _tiled(k, tiles), _tiled(v, tiles), _tiled_seg(k_seg, tiles))
+    dq, (dks, dvs) = jax.lax.scan(tile, dq, xs)
     return dq, _untiled(dks), _untiled(dvs)
 
 
-def _backward(ring: Ring, res: tuple[jax.Array, ...], do: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array, None]:
-    q, k, v, out, lse, me = res
+def _backward(ring: Ring, res: tuple, do: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array, None, None, None]:
+    q, k, v, k_seg, q_seg, out, lse, me = res
     parts = ring.layout.parts
     delta = jnp.einsum("bkgqh,bkgqh->bkgq", do, out, preferred_element_type=jnp.float32)
-    saved = (_runs(q, parts, 3), _runs(do, parts, 3), _runs(lse, parts, 3), _runs(delta, parts, 3))
+    saved: tuple[list[Any], ...] = (*(_runs(x, parts, 3) for x in (q, do, lse, delta)), _seg_runs(q_seg, parts))
     dqs = [_varying(jnp.zeros(x.shape, jnp.float32), ring) for x in saved[0]]
     dk, dv = (_varying(jnp.zeros(x.shape, jnp.float32), ring) for x in (k, v))
 
     def step(carry, t, *, last=False):
-        dqs, k, v, dk, dv = carry
-        dqs, dk_block, dv_block = _backward_step(ring, me, saved, dqs, k, v, t)
+        dqs, block, dk, dv = carry
+        dqs, dk_block, dv_block = _backward_step(ring, me, saved, dqs, block, t)
         if ring.gathered:
-            return (dqs, k, v, dk.at[t].add(dk_block), dv.at[t].add(dv_block)), None
+            return (dqs, block, dk.at[t].add(dk_block), dv.at[t].add(dv_block)), None
         # the gradients travel with their block: after the last step they reach its owner
         dk, dv = _pass_on(dk + dk_block, ring), _pass_on(dv + dv_block, ring)
-        if not last:
-            k, v = _pass_on(k, ring), _pass_on(v, ring)
-        return (dqs, k, v, dk, dv), None
+        return (dqs, block if last else _pass_keys(block, ring), dk, dv), None
 
     last = ring.layout.devices - 1
-    carry, _ = jax.lax.scan(step, (dqs, k, v, dk, dv), jnp.arange(last))
-    (dqs, _, _, dk, dv), _ = step(carry, last, last=True)
-    return _join(dqs, 3).astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype), None
+    carry, _ = jax.lax.scan(step, (dqs, (k, v, k_seg), dk, dv), jnp.arange(last))
+    (dqs, _, dk, dv), _ = step(carry, last, last=True)
+    return _join(dqs, 3).astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype), None, None, None
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
-def _attend(ring: Ring, q: jax.Array, k: jax.Array, v: jax.Array, me: jax.Array) -> jax.Array:
-    return _forward(ring, me, q, k, v)[0]
+def _attend(ring: Ring, q: jax.Array, k: jax.Array, v: jax.Array, k_seg: Seg, q_seg: Seg, me: jax.Array) -> jax.Array:
+    return _forward(ring, me, q, (k, v, k_seg), q_seg)[0]
 
 
-def _attend_fwd(
-    ring: Ring, q: jax.Array, k: jax.Array, v: jax.Array, me: jax.Array
-) -> tuple[jax.Array, tuple[jax.Array, ...]]:
-    out, lse = _forward(ring, me, q, k, v)
-    return out, (q, k, v, out, lse, me)
+def _attend_fwd(ring: Ring, q: jax.Array, k: jax.Array, v: jax.Array, k_seg: Seg, q_seg: Seg,
+                me: jax.Array) -> tuple[jax.Array, tuple]:  # fmt: skip
+    out, lse = _forward(ring, me, q, (k, v, k_seg), q_seg)
+    return out, (q, k, v, k_seg, q_seg, out, lse, me)
 
 
 _attend.defvjp(_attend_fwd, _backward)
-
-
-def _zigzag_target(chunk: int, devices: int) -> int:
-    return chunk if chunk < devices else 2 * devices - 1 - chunk
-
-
-def to_zigzag(x: jax.Array, axis: str, devices: int, dim: int, me: jax.Array) -> jax.Array:
-    """Local rows in natural order (device ``i``: chunks ``2i, 2i+1``) → zig-zag (chunks ``i, 2n-1-i``).
-
-    Chunk ``2i`` goes to device ``z(2i)`` and chunk ``2i+1`` to ``z(2i+1)``, ``z(c) = min(c, 2n-1-c)``;
-    each device receives one even and one odd chunk, so two ppermutes move everything once.
-    """
-    even, odd = jnp.split(x, 2, axis=dim)
-    even = jax.lax.ppermute(even, axis, [(i, _zigzag_target(2 * i, devices)) for i in range(devices)])
-    odd = jax.lax.ppermute(odd, axis, [(i, _zigzag_target(2 * i + 1, devices)) for i in range(devices)])
-    # device j holds chunk j first: the even one when j is even
-    j_even = me % 2 == 0
-    return jnp.concatenate([jnp.where(j_even, even, odd), jnp.where(j_even, odd, even)], axis=dim)
-
-
-def from_zigzag(x: jax.Array, axis: str, devices: int, dim: int, me: jax.Array) -> jax.Array:
-    """The inverse of `to_zigzag`."""
-    first, second = jnp.split(x, 2, axis=dim)
-    j_even = me % 2 == 0
-    even, odd = jnp.where(j_even, first, second), jnp.where(j_even, second, first)
-    even = jax.lax.ppermute(even, axis, [(_zigzag_target(2 * i, devices), i) for i in range(devices)])
-    odd = jax.lax.ppermute(odd, axis, [(_zigzag_target(2 * i + 1, devices), i) for i in range(devices)])
-    return jnp.concatenate([even, odd], axis=dim)
 
 
 def _gather(x: jax.Array, ring: Ring) -> jax.Array:
@@ -339,16 +319,19 @@ def _gather(x: jax.Array, ring: Ring) -> jax.Array:
     return jnp.stack(blocks)
 
 
-def _local(ring: Ring, device: jax.Array, q: jax.Array, k: jax.Array, v: jax.Array) -> jax.Array:
+def _local(ring: Ring, device: jax.Array, q: jax.Array, k: jax.Array, v: jax.Array, seg: Seg = None) -> jax.Array:
     # the device's index arrives as data (its slice of an iota) rather than from lax.axis_index:
     # XLA may move an axis_index's partition-id out of the manual region, where the SPMD
     # partitioner refuses it (seen with a 4-layer Llama: "PartitionId instruction is not supported")
     me, n = device[0], ring.layout.devices
     if ring.layout.balanced:
         q, k, v = (to_zigzag(x, ring.axis, n, dim, me) for x, dim in ((q, 3), (k, 2), (v, 2)))
+        seg = None if seg is None else to_zigzag(seg, ring.axis, n, 1, me)
+    k_seg = seg
     if ring.gathered:
         k, v = _gather(k, ring), _gather(v, ring)
-    out = _attend(ring, q, k, v, me)
+        k_seg = None if seg is None else _gather(seg, ring)
+    out = _attend(ring, q, k, v, k_seg, seg, me)
     return from_zigzag(out, ring.axis, n, 3, me) if ring.layout.balanced else out
 
 
@@ -364,6 +347,8 @@ def context_attention(
     gathered: bool = False,
     balanced: bool = False,
     key_tile: int = KEY_TILE,
+    segments: jax.Array | None = None,
+    rows: tuple[str, ...] = (),
 ) -> jax.Array:
     """softmax(q·kᵀ·scale)·v in torch's [batch, heads, seq, dim] layout, the sequence split over ``axis``.
 
@@ -379,6 +364,10 @@ def context_attention(
         gathered: gather K/V over the axis instead of passing blocks round the ring.
         balanced: zig-zag the rows inside the attention so every device does equal causal work.
         key_tile: fold at most this many keys at a time (the scores a device holds: its rows × this).
+        segments: [b or 1, s] integer document ids, non-decreasing along each row (from
+            `segment_ids`): a query sees only keys of its own document (and, when ``causal``, not after it).
+        rows: the mesh axes ``b`` is split over; with ``segments`` they are manual too, so each device
+            skips the tiles its own rows do not see.
 
     Example:
         >>> auto = (jax.sharding.AxisType.Auto,)
@@ -393,14 +382,28 @@ def context_attention(
     kv_heads = key.shape[1]
     scale = d**-0.5 if scale is None else scale
     q = (query * jnp.asarray(scale, query.dtype)).reshape(b, kv_heads, heads // kv_heads, s, d)
-    ring = Ring(axis, Layout(s, mesh.shape[axis], balanced and causal), causal, gathered, key_tile, vmapped_axes())
-    q_spec, kv_spec = PartitionSpec(None, None, None, axis, None), PartitionSpec(None, None, axis, None)
-    local = functools.partial(_local, ring)
-    in_specs = (PartitionSpec(axis), q_spec, kv_spec, kv_spec)
+    rows = _manual_rows(mesh, rows, b) if segments is not None else ()
+    layout = Layout(s, mesh.shape[axis], balanced and causal)
+    ring = Ring(axis, layout, causal, gathered, key_tile, vmapped_axes(), rows)
+    batch = rows or None
+    q_spec, kv_spec = PartitionSpec(batch, None, None, axis, None), PartitionSpec(batch, None, axis, None)
+    args, in_specs = [q, key, value], [q_spec, kv_spec, kv_spec]
+    if segments is not None:
+        args.append(jnp.broadcast_to(segments.astype(jnp.int32), (b, s)))
+        in_specs.append(PartitionSpec(batch, axis))
     # inside a pipeline's stages the stage axis is manual too; JAX's batching rule then types the
     # values as varying over it where this code says only the context axis, so its check is off there
-    manual = frozenset({axis}) | ring.vmapped
-    sharded = jax.shard_map(local, mesh=mesh, in_specs=in_specs, out_specs=q_spec, axis_names=manual,
-                            check_vma=not ring.vmapped)  # fmt: skip
+    manual = frozenset({axis, *rows}) | ring.vmapped
+    local = functools.partial(_local, ring)
+    sharded = jax.shard_map(local, mesh=mesh, in_specs=(PartitionSpec(axis), *in_specs), out_specs=q_spec,
+                            axis_names=manual, check_vma=not ring.vmapped)  # fmt: skip
     devices = jnp.arange(mesh.shape[axis], dtype=jnp.int32)
-    return sharded(devices, q, key, value).reshape(b, heads, s, d)
+    return sharded(devices, *args).reshape(b, heads, s, d)
+
+
+def _manual_rows(mesh: Mesh, rows: tuple[str, ...], b: int) -> tuple[str, ...]:
+    """``rows`` if ``b`` rows split evenly over them (and none is a pipeline's stage axis), else none."""
+    size = 1
+    for axis in rows:
+        size *= mesh.shape[axis]
+    return rows if rows and b % size == 0 and not set(rows) & vmapped_axes() else ()

@@ -9,6 +9,7 @@ from typing import Any
 
 from jax.sharding import Mesh
 
+from torchshard._base.specs import entry_axes
 from torchshard._parallel.context import ContextParallel, check_context, sequence_problems, tracing
 from torchshard._train.strategy import Bound, Setting
 
@@ -19,12 +20,13 @@ class Contextual(Bound):
 
     option: ContextParallel
     mesh: Mesh
+    row_axes: tuple[str, ...] = ()  # the batch_spec's axes for dim 0 (the rows)
 
     def batch_problems(self, what: str, shape: Sequence[int]) -> list[str]:
         return sequence_problems(self.option, self.mesh, what, shape)
 
     def tracing(self) -> contextlib.AbstractContextManager[Any]:
-        return tracing(self.option, self.mesh)
+        return tracing(self.option, self.mesh, self.row_axes)
 
 
 def bind(context: Any, setting: Setting) -> Bound:
@@ -38,4 +40,5 @@ def bind(context: Any, setting: Setting) -> Bound:
     if context is None:
         return Bound()
     assert isinstance(setting.plan.mesh, Mesh)  # checked with the other Trainer arguments
-    return Contextual(option=context, mesh=setting.plan.mesh)
+    rows = entry_axes(setting.batch_spec[0]) if len(setting.batch_spec) else ()
+    return Contextual(option=context, mesh=setting.plan.mesh, row_axes=tuple(rows))

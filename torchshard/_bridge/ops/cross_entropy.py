@@ -10,6 +10,7 @@ import jax.numpy as jnp
 import torch
 
 from torchshard._bridge.loaded import Environment, interop
+from torchshard._bridge.ops import tokens
 from torchshard._bridge.registry import register
 
 CROSS_ENTROPY_OPS = (torch.nn.functional.cross_entropy,)
@@ -25,6 +26,8 @@ def cross_entropy_jax(logits, target, ignore_index, reduction, float32_out=False
     a gather) differentiates into a zero ``[N, C]`` buffer plus a scatter-add, and under FSDP
     re-shards the vocabulary-sharded logits with an all-to-all (15.6 MiB per device per Llama step).
     """
+    # the flat tokens' order does not matter to the loss: under context parallelism they stay sharded
+    logits, target = tokens.constrain_flat(logits), tokens.constrain_flat(target)
     x = logits.astype(jnp.promote_types(logits.dtype, jnp.float32))
     valid = target != ignore_index
     hit = jax.lax.broadcasted_iota(target.dtype, x.shape, 1) == target[:, None]

@@ -1,0 +1,94 @@
+"""How lowerings that flatten a batch's [rows, sequence] tokens into one dim keep them sharded while traced.
+
+Flattening ``[rows, seq, ...]`` into ``[rows·seq, ...]`` keeps a sharding of rows over one axis and
+of the sequence over another only while each device holds one row: with more, a device's tokens are
+not one contiguous run of the flat dim, and GSPMD gathers the sequence first. A context-parallel
+step sets a `TokenLayout` for the trace: `flatten` then orders tokens sequence-chunk-major (so the
+flat dim stays sharded, for lowerings that undo it themselves), and `constrain_flat` pins a flat
+dim that is reduced order-free (a loss) to the rows' and sequence's axes.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+import dataclasses
+from collections.abc import Iterator
+
+import jax
+import jax.numpy as jnp
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+
+@dataclasses.dataclass(frozen=True)
+class TokenLayout:
+    """The sequence (dim 1) split in ``chunks`` over ``mesh``; rows over ``row_axes``, chunks over ``seq_axis``."""
+
+    chunks: int
+    mesh: Mesh | None = None
+    row_axes: tuple[str, ...] = ()
+    seq_axis: str | None = None
+
+
+_LAYOUT: contextvars.ContextVar[TokenLayout | None] = contextvars.ContextVar("token_layout", default=None)
+_PLAIN = TokenLayout(1)  # outside a layout: flatten in order, constrain nothing
+
+
+def _layout() -> TokenLayout:
+    return _LAYOUT.get() or _PLAIN
+
+
+@contextlib.contextmanager
+def laid_out(layout: TokenLayout) -> Iterator[None]:
+    """Inside the block, token-flattening lowerings follow ``layout``."""
+    token = _LAYOUT.set(layout)
+    try:
+        yield
+    finally:
+        _LAYOUT.reset(token)
+
+
+def _chunked(shape: tuple[int, ...]) -> int:
+    chunks = _layout().chunks
+    return chunks if chunks > 1 and len(shape) >= 3 and shape[1] % chunks == 0 else 1
+
+
+def flatten(x: jax.Array) -> jax.Array:
+    """``[d0, d1, ..., k]`` → ``[tokens, k]``; under a layout, ``d1``'s chunks major (undo with `unflatten`).
+
+    Example:
+        >>> flatten(jnp.arange(6).reshape(1, 3, 2)).shape
+        (3, 2)
+    """
+    chunks = _chunked(x.shape)
+    if chunks > 1:
+        x = jnp.moveaxis(x.reshape(x.shape[0], chunks, x.shape[1] // chunks, *x.shape[2:]), 1, 0)
+    return x.reshape(-1, x.shape[-1])
+
+
+def unflatten(out: jax.Array, shape: tuple[int, ...]) -> jax.Array:
+    """The inverse of `flatten` for an ``[tokens, n]`` result of a ``shape`` input: ``[*shape[:-1], n]``."""
+    chunks = _chunked(shape)
+    if chunks == 1:
+        return out.reshape(*shape[:-1], out.shape[-1])
+    out = out.reshape(chunks, shape[0], shape[1] // chunks, *shape[2:-1], out.shape[-1])
+    return jnp.moveaxis(out, 0, 1).reshape(*shape[:-1], out.shape[-1])
+
+
+def constrain_flat(x: jax.Array) -> jax.Array:
+    """``x``'s dim 0 (flat tokens) sharded over the rows' and the sequence's axes under a layout, else ``x``.
+
+    For a flat dim consumed order-free (a mean over tokens): GSPMD then moves each device's tokens
+    with one all-to-all instead of gathering every sequence.
+    """
+    layout = _layout()
+    if layout.mesh is None or layout.seq_axis is None or x.ndim == 0:
+        return x
+    axes = (*layout.row_axes, layout.seq_axis)
+    size = 1
+    for axis in axes:
+        size *= layout.mesh.shape[axis]
+    if x.shape[0] % size:
+        return x
+    spec = PartitionSpec(axes, *[PartitionSpec.UNCONSTRAINED] * (x.ndim - 1))
+    return jax.lax.with_sharding_constraint(x, NamedSharding(layout.mesh, spec))
