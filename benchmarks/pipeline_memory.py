@@ -2,11 +2,13 @@
 
 On simulated CPU devices every device's buffers live in the process, so peak RSS counts what all
 8 devices hold. The model is a plain-torch residual stack (8 pre-norm MLP blocks, 268 MB of fp32
-weights at the defaults), built on the CPU, handed to a `Trainer` with every tensor replicated
-over ``data`` (``presets.data_parallel``) and trained a few steps with SGD without momentum, so
-that parameters (and their gradients) dominate. Each configuration runs in its own process (peak
-RSS is per process); the ratio is pipelined over replicated, measured in the same run. The peak
-covers construction (the model on the host, then placed) and the first steps.
+weights at the defaults), created on the devices by `init_sharded` (the pipelined one with its
+`Pipeline`, so each stage's layers only on its devices; ``--build host``: built on the CPU and
+placed by the Trainer), handed to a `Trainer` with every tensor replicated over ``data``
+(``presets.data_parallel``) and trained a few steps with SGD without momentum, so that
+parameters (and their gradients) dominate. Each configuration runs in its own process (peak RSS
+is per process); the ratio is pipelined over replicated, measured in the same run. The peak
+covers construction and the first steps.
 
     python benchmarks/pipeline_memory.py          # the README figures
     python benchmarks/pipeline_memory.py --tiny   # seconds; what the smoke test runs
@@ -32,6 +34,13 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--batch", type=int, default=16)
     parser.add_argument("--seq", type=int, default=16)
     parser.add_argument("--steps", type=int, default=3)
+    parser.add_argument(
+        "--build",
+        choices=["host", "meta"],
+        default="meta",
+        help="meta: init_sharded (with the Pipeline); host: built on the CPU, handed to the Trainer",
+    )
+    parser.add_argument("--schedule", default="gpipe", help="the Pipeline's schedule")
     parser.add_argument("--json", help="also write the rows here")
     parser.add_argument("--child", help=argparse.SUPPRESS)  # run one configuration and print its peak RSS
     return parser.parse_args()
@@ -47,13 +56,17 @@ def child(args: argparse.Namespace) -> None:
     from pipeline import build, mse
 
     axes = CONFIGS[args.child]
-    model = build(args.dim, args.hidden, args.depth)
+    mesh, rules = ts.make_mesh(axes), ts.presets.data_parallel()
+    pipeline = ts.Pipeline(microbatches=4, schedule=args.schedule) if "stage" in axes else None
+    if args.build == "meta":  # created on the devices, each stage's layers on its own
+        model = ts.init_sharded(lambda: build(args.dim, args.hidden, args.depth), mesh, rules, pipeline=pipeline)
+    else:
+        model = build(args.dim, args.hidden, args.depth)
     g = torch.Generator().manual_seed(1)
     shape = (args.batch, args.seq, args.dim)
     batch = (torch.randn(*shape, generator=g), torch.randn(*shape, generator=g))
     built = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-    plan = ts.plan(model, ts.make_mesh(axes), ts.presets.data_parallel())
-    pipeline = ts.Pipeline(microbatches=4) if "stage" in axes else None
+    plan = ts.plan(model, mesh, rules)
     trainer = ts.Trainer(model, mse, optax.sgd(1e-3), plan, pipeline=pipeline)
     del model  # the trainer owns the module now: the host copy of the weights goes once they are placed
     constructed = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
@@ -77,7 +90,8 @@ def main() -> None:
     rows = []
     for name in CONFIGS:
         sizes = ["--dim", str(args.dim), "--hidden", str(args.hidden), "--depth", str(args.depth), "--batch",
-                 str(args.batch), "--seq", str(args.seq), "--steps", str(args.steps)]  # fmt: skip
+                 str(args.batch), "--seq", str(args.seq), "--steps", str(args.steps), "--build", args.build,
+                 "--schedule", args.schedule]  # fmt: skip
         done = subprocess.run([sys.executable, __file__, "--child", name, *sizes], capture_output=True, text=True)
         if done.returncode:
             raise SystemExit(done.stderr)
@@ -86,7 +100,7 @@ def main() -> None:
     for row in rows:
         row["ratio"] = row["peak_rss_kib"] / rows[0]["peak_rss_kib"]
     print(f"\n{args.depth} blocks {args.dim}→{args.hidden}→{args.dim} ({weights / 1e6:.0f} MB of weights), SGD, "
-          f"{args.steps} steps, 8 CPU devices\n")  # fmt: skip
+          f"{args.steps} steps, 8 CPU devices, built on {args.build}, {args.schedule}\n")  # fmt: skip
     print("| config | RSS: model built (MiB) | peak RSS: Trainer built (MiB) | peak RSS: after the steps (MiB) | "
           "÷ replicated | step arguments + temp per device (MiB) |")  # fmt: skip
     print("|---|---|---|---|---|---|")

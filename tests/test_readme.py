@@ -98,7 +98,18 @@ def _context() -> dict[str, Any]:
     return {**_hf_llama_stack(), "rules": ts.presets.fsdp("data", min_size=1024)}
 
 
+def _pipeline_init() -> dict[str, Any]:
+    from models import BlockStack
+
+    def loss_fn(m: torch.nn.Module, ids: torch.Tensor) -> torch.Tensor:
+        logits = m(ids[:, :-1])
+        return torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), ids[:, 1:].reshape(-1))
+
+    return {"ts": ts, "optax": optax, "build": lambda: BlockStack(depth=8), "loss_fn": loss_fn}
+
+
 SETUPS: dict[str, Callable[[], dict[str, Any]]] = {
+    "pipeline_init": _pipeline_init,
     "hf_llama_stack": _hf_llama_stack,
     "context": _context,
     "hf_llama": _hf_llama,
@@ -135,6 +146,7 @@ THEN: dict[str, Callable[[dict[str, Any]], None]] = {
     "trainer_data": _after_data,
     "hf_llama_stack": lambda ns: ns["trainer"].step(_ids().repeat(2, 1)),  # 16 rows: 8 micro-batches × data 2
     "context": lambda ns: ns["trainer"].step(_ids()),  # 16 tokens: 2 per device of the ring, balanced
+    "pipeline_init": lambda ns: ns["trainer"].step(_ids(64)),  # 8 rows: 4 micro-batches × data 2
 }
 
 

@@ -14,7 +14,6 @@ from torchshard._parallel.documents import document_mask
 from torchshard._parallel.experts import ExpertDispatch, ExpertDispatchWarning
 from torchshard._parallel.pipeline import Pipeline
 from torchshard._report.visualize import visualize, visualize_plan
-from torchshard._sharding.init import init_sharded
 from torchshard._sharding.mesh import make_mesh, use_cpu_devices
 from torchshard._sharding.placement import constrain, shard, shard_batch
 from torchshard._sharding.plan import PlanEntry, ShardingPlan, plan
@@ -24,6 +23,7 @@ from torchshard._train.precision import MixedPrecision
 from torchshard._train.prefetch import prefetch
 from torchshard._train.remat import Remat
 from torchshard._train.scan import ScanLayersWarning
+from torchshard._train.staged_init import init_sharded
 from torchshard._train.state import TrainState
 from torchshard._train.trainer import Trainer
 

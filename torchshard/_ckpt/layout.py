@@ -17,6 +17,8 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import NamedSharding, PartitionSpec
 
+from torchshard._sharding.placement import row_sharding, stack_placed
+
 Stacks = Mapping[str, Sequence[str]]  # stacked key → the torch names of its layers, in order
 
 
@@ -58,21 +60,35 @@ def recipe(key: str, dest_stacks: Stacks, source_slots: Mapping[str, Slot]) -> R
     return Recipe(tuple(slot_of(name, source_slots) for name in layers), stacked=True)
 
 
-def read_sharding(slot: Slot, dest: jax.ShapeDtypeStruct, stacked_dest: bool, source_stacked: bool) -> Any:
-    """The sharding to read a checkpoint array into, so building the destination moves little."""
+def read_sharding(
+    slot: Slot, dest: jax.ShapeDtypeStruct, stacked_dest: bool, source_stacked: bool, row: int = 0
+) -> Any:
+    """The sharding to read a checkpoint array into, so building the destination moves little.
+
+    A layer read for row ``row`` of a stacked destination is read onto the devices holding that
+    row alone (a pipeline stage's), so no device receives another stage's layers.
+    """
     sharding = dest.sharding
     if not isinstance(sharding, NamedSharding) or stacked_dest == source_stacked:
         return sharding
     spec = tuple(sharding.spec)
     if source_stacked:  # a stack read for per-layer destinations: the layers' spec behind a whole leading dim
         return NamedSharding(sharding.mesh, PartitionSpec(None, *spec))
-    return NamedSharding(sharding.mesh, PartitionSpec(*spec[1:]))  # layers read for a stacked destination
+    return row_sharding(sharding, dest.shape[0], row)  # layers read for a stacked destination
+
+
+def stacked(parts: Sequence[jax.Array], like: Any) -> jax.Array:
+    """``parts`` stacked into ``like``'s shape and sharding: on the devices that hold them where they lie so."""
+    sharding = like.sharding
+    shape = (len(parts), *parts[0].shape)
+    whole = stack_placed(list(enumerate(parts)), shape, sharding) if isinstance(sharding, NamedSharding) else None
+    return jax.device_put(jnp.stack(parts) if whole is None else whole, sharding)
 
 
 def build(rec: Recipe, read: Mapping[str, jax.Array], dest: jax.ShapeDtypeStruct) -> jax.Array:
     """The destination array from what was read: taken as is, sliced out of a stack, or stacked."""
     parts = [read[s.key] if s.index is None else read[s.key][s.index] for s in rec.sources]
-    value = jnp.stack(parts) if rec.stacked else parts[0]
+    value = stacked(parts, dest) if rec.stacked else parts[0]
     return jax.device_put(value.astype(dest.dtype), dest.sharding)
 
 

@@ -16,7 +16,7 @@ from torchshard._base.errors import raise_if_any
 from torchshard._base.validate import mismatch_problems
 from torchshard._bridge.module_tensors import canonical_names
 from torchshard._bridge.tensors import jax_dtype
-from torchshard._ckpt.layout import Recipe, Slot, build, param_key, read_sharding, rekey, slot_of, slots
+from torchshard._ckpt.layout import Recipe, Slot, build, param_key, read_sharding, rekey, slot_of, slots, stacked
 from torchshard._ckpt.meta import flat
 from torchshard._ckpt.state import placed_arrays, trainer_tree
 from torchshard._sharding.plan import ShardingPlan
@@ -123,9 +123,9 @@ def model_item(meta: Meta, dest: Destination, plan: Mapping[str, Recipe]) -> dic
     """The checkpoint arrays to read, each onto a sharding from which its destination is cheap to build."""
     item: dict[str, jax.ShapeDtypeStruct] = {}
     for key, recipe in plan.items():
-        for slot in recipe.sources:
+        for row, slot in enumerate(recipe.sources):
             if slot.key not in item:
-                sharding = read_sharding(slot, dest.arrays[key], recipe.stacked, slot.index is not None)
+                sharding = read_sharding(slot, dest.arrays[key], recipe.stacked, slot.index is not None, row)
                 item[slot.key] = _abstract(meta["tensors"][slot.key], sharding)
     return item
 
@@ -161,7 +161,7 @@ class TrainerRead:
                 return _moved(source[jax.tree_util.keystr(path)], like)
             recipe = self.plan[key]
             parts = [_layer(source[jax.tree_util.keystr(rekey(path, {key: s.key}))], s) for s in recipe.sources]
-            return _moved(jnp.stack(parts) if recipe.stacked else parts[0], like)
+            return _moved(stacked(parts, like) if recipe.stacked else parts[0], like)
 
         return jax.tree_util.tree_map_with_path(leaf, trainer_tree(trainer))
 

@@ -4,13 +4,14 @@ from __future__ import annotations
 
 import inspect
 import warnings
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any, Literal
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import torch
-from jax.sharding import Mesh
+from jax.sharding import Mesh, NamedSharding
 
 from torchshard._base.errors import ShardingError, raise_if_any
 from torchshard._base.validate import instance_problems, int_problems, mismatch_problems, raise_for_arguments
@@ -19,40 +20,91 @@ from torchshard._bridge.init_calls import failed_init, traceable_inits
 from torchshard._bridge.init_views import aliasing, materialised
 from torchshard._bridge.module_tensors import named_tensors
 from torchshard._bridge.tensors import is_jax_tensor, unwrap
-from torchshard._sharding.placement import assign
+from torchshard._sharding.placement import assign, row_sharding, stack_placed
 from torchshard._sharding.plan import PlanEntry, ShardingPlan, plan
 from torchshard._sharding.rules import Rules, as_rules
 
+Select = Callable[[dict[str, torch.Tensor]], list[jax.Array]]
 
-def _materialise(model_fn: Callable[[], torch.nn.Module], p: ShardingPlan, seed: int) -> dict[str, jax.Array]:
-    entries = p.unique_entries()
-    names = [e.name for e in entries]
+
+def _materialise(
+    model_fn: Callable[[], torch.nn.Module], p: ShardingPlan, seed: int, select: Select, shardings: list[Any]
+) -> list[jax.Array]:
+    """``select`` of ``model_fn()``'s tensors, built by one jitted call with ``shardings`` as its outputs' (XLA
+    computes only what those outputs need, each where it lives)."""
     tx = env()
 
     def build(key: jax.Array) -> list[jax.Array]:
         # torch init consumes torchax's RNG: seed it for this trace only, so its tracers stay inside;
         # aliasing: writes through views (w[0].zero_(), eye_, padding rows) reach their tensors, as in torch
         with seeded(jax.random.PRNGKey(key)), tensors_not_meta(), traceable_inits(), tx, aliasing(tx):
-            return _build(model_fn, p, names)
+            return select(_build(model_fn, p))
 
     try:
-        arrays = jax.jit(build, out_shardings=[p[n] for n in names])(np.uint32(seed))
+        return jax.jit(build, out_shardings=shardings)(np.uint32(seed))
     except Exception as e:  # an init op torchax cannot run: name it, keep its traceback
-        failure = _build_failure(e, entries)
+        failure = _build_failure(e, p.unique_entries())
         if failure is e:
             raise
         raise failure from e
-    return dict(zip(names, arrays, strict=True))
 
 
-def _build(model_fn: Callable[[], torch.nn.Module], p: ShardingPlan, names: list[str]) -> list[jax.Array]:
+def materialise(
+    model_fn: Callable[[], torch.nn.Module],
+    p: ShardingPlan,
+    seed: int,
+    stacks: Mapping[str, tuple[Sequence[str], NamedSharding]] | None = None,
+) -> dict[str, jax.Array]:
+    """Every canonical tensor of ``p`` built directly sharded; the layers of each of ``stacks`` (key → its layers'
+    names and the stack's sharding) built as one stacked array instead.
+
+    A stack split over mesh axes (a pipeline's stages) is built by one call per block of rows, on the
+    devices holding that block alone, so no device ever computes or holds another block's layers.
+    Each call runs the same ``model_fn`` under the same seed, so the values are those of one build.
+    """
+    stacks = stacks or {}
+    stacked = {n for names, _ in stacks.values() for n in names}
+    names = [e.name for e in p.unique_entries() if e.name not in stacked]
+    arrays = dict(zip(names, _materialise(model_fn, p, seed, lambda t: [unwrap(t[n]) for n in names],
+                                          [p[n] for n in names]), strict=True))  # fmt: skip
+    blocks = [(key, start, layers[start:stop], block) for key, (layers, sharding) in stacks.items()
+              for start, stop, block in _blocks(sharding, (len(layers), *p.entries[layers[0]].shape))]  # fmt: skip
+    by_mesh: dict[Any, list[Any]] = {}
+    for job in blocks:
+        by_mesh.setdefault(job[3].mesh, []).append(job)
+    built: dict[str, list[tuple[int, jax.Array]]] = {}
+    for jobs in by_mesh.values():
+
+        def select(t: dict[str, torch.Tensor], jobs: list[Any] = jobs) -> list[jax.Array]:
+            return [jnp.stack([unwrap(t[n]) for n in layers]) for _, _, layers, _ in jobs]
+
+        for (key, start, _, _), array in zip(jobs, _materialise(model_fn, p, seed, select, [j[3] for j in jobs]),
+                                             strict=True):  # fmt: skip
+            built.setdefault(key, []).append((start, array))
+    for key, (layers, sharding) in stacks.items():
+        shape = (len(layers), *p.entries[layers[0]].shape)
+        whole = stack_placed(built[key], shape, sharding)
+        assert whole is not None  # each block was built on exactly its rows' devices
+        arrays[key] = whole
+    return arrays
+
+
+def _blocks(sharding: NamedSharding, shape: tuple[int, ...]) -> list[tuple[int, int, NamedSharding]]:
+    """The blocks of rows one set of devices holds, as (first row, end, the block's sharding on those devices)."""
+    found: dict[tuple[int, int], NamedSharding] = {}
+    for index in sharding.devices_indices_map(shape).values():
+        start, stop = index[0].indices(shape[0])[:2]
+        found.setdefault((start, stop), row_sharding(sharding, shape[0], start, block=True))
+    return [(start, stop, block) for (start, stop), block in sorted(found.items())]
+
+
+def _build(model_fn: Callable[[], torch.nn.Module], p: ShardingPlan) -> dict[str, torch.Tensor]:
     with warnings.catch_warnings():
         # 64-bit tensors are narrowed unless x64 is on, as `shard` does; JAX would warn per tensor
         warnings.filterwarnings("ignore", "Explicitly requested dtype int64", UserWarning)
         with torch.device("jax"):
             model = model_fn()
-        tensors = _checked_rebuild(model, p)
-        return [unwrap(tensors[n]) for n in names]
+        return _checked_rebuild(model, p)
 
 
 def _build_failure(error: Exception, entries: list[PlanEntry]) -> ShardingError:
@@ -192,9 +244,21 @@ def init_sharded(
         >>> float(model[1].weight.jax().sum())  # deterministic inits equal eager torch
         64.0
     """
+    model, p, seed = planned(model_fn, mesh, rules, default=default, seed=seed)
+    return assign(model, materialise(model_fn, p, seed), p)
+
+
+def planned(
+    model_fn: Callable[[], torch.nn.Module],
+    mesh: Mesh,
+    rules: Rules | Iterable[Any] | None,
+    *,
+    default: Literal["replicate", "error"],
+    seed: int | None,
+) -> tuple[torch.nn.Module, ShardingPlan, int]:
+    """`init_sharded`'s arguments checked, ``model_fn()`` built on meta and planned, and the seed to build with."""
     _check_args(model_fn, mesh, default, seed)
     rules = as_rules(rules)  # a malformed table fails before model_fn runs
     model = _build_on_meta(model_fn)
     p = plan(model, mesh, rules, default=default)
-    seed = torch.initial_seed() % 2**32 if seed is None else seed
-    return assign(model, _materialise(model_fn, p, seed), p)
+    return model, p, torch.initial_seed() % 2**32 if seed is None else seed

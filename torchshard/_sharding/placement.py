@@ -21,6 +21,7 @@ from torchshard._base.validate import (
     raise_for_arguments,
     spec_problems,
 )
+from torchshard._bridge.layer_view import LayerView
 from torchshard._bridge.module_tensors import model_tensors, named_tensors, set_tensor
 from torchshard._bridge.tensors import host_array, is_jax_tensor, jax_dtype, unwrap, wrap
 from torchshard._sharding.plan import ShardingPlan
@@ -56,9 +57,14 @@ def put_stacked(
     no device ever holds another stage's layers. Placed values are stacked by a jitted call.
     ``dtype`` casts host values (a `MixedPrecision` master copy).
     """
-    arrays = [unwrap(v) for v in values]
-    if all(isinstance(a, jax.Array) for a in arrays):
-        stack = jax.jit(lambda *xs: jnp.stack(xs), out_shardings=sharding)(*arrays)
+    whole = _viewed_stack(values)
+    arrays = [unwrap(v) for v in values] if whole is None else []
+    if whole is not None or all(isinstance(a, jax.Array) for a in arrays):
+        shape = (len(values), *values[0].shape)
+        stack = whole if whole is not None else stack_placed(list(enumerate(arrays)), shape, sharding)
+        if stack is None:  # layers not on their rows' devices (placed elsewhere): stacked and moved by XLA
+            stack = jax.jit(lambda *xs: jnp.stack(xs), out_shardings=sharding)(*arrays)
+        stack = jax.device_put(stack, sharding)  # a no-op where it already lies so
         return stack if dtype is None or stack.dtype == dtype else stack.astype(dtype)
     hosts = [_host(a, f"{what}[{i}]") for i, a in enumerate(arrays)]
 
@@ -68,6 +74,89 @@ def put_stacked(
         return part if dtype is None else part.astype(dtype, copy=False)
 
     return jax.make_array_from_callback((len(hosts), *hosts[0].shape), sharding, rows)
+
+
+def _viewed_stack(values: Sequence[Any]) -> jax.Array | None:
+    """The stacked array ``values`` are the layers of, in order (as `init_sharded` with a pipeline builds them)."""
+    stacks = {id(v._stack) for v in values if isinstance(v, LayerView)}
+    if len(stacks) != 1 or [getattr(v, "_index", None) for v in values] != list(range(len(values))):
+        return None
+    array = values[0]._stack.array
+    return array if array.shape[0] == len(values) else None
+
+
+def row_sharding(sharding: NamedSharding, rows: int, row: int, *, block: bool = False) -> NamedSharding:
+    """Where row ``row`` of a ``rows``-row stack placed with ``sharding`` lives: the devices holding it alone.
+
+    Its other dims keep their spec; a dim 0 split over mesh axes (a pipeline's stages) becomes the
+    sub-mesh of the devices at that row's position on those axes. With ``block``, the sharding of
+    that position's whole block of rows (dim 0 kept, unsplit).
+
+    Example:
+        >>> mesh = ts.make_mesh({"stage": 4, "data": 2})
+        >>> one = row_sharding(NamedSharding(mesh, P("stage", "data")), 8, 5)
+        >>> one.spec, [d.id for d in one.mesh.devices.flat]
+        (P('data',), [4, 5])
+    """
+    spec = tuple(sharding.spec) + (None,) * (1 - len(sharding.spec))
+    rest = (None,) if block else ()
+    axes = () if spec[0] is None else (spec[0],) if isinstance(spec[0], str) else tuple(spec[0])
+    mesh = sharding.mesh
+    assert isinstance(mesh, Mesh)
+    sizes = [mesh.shape[a] for a in axes]
+    position = np.unravel_index(row // (rows // math.prod(sizes)), sizes) if axes else ()
+    where: list[Any] = [slice(None)] * mesh.devices.ndim
+    for axis, at in zip(axes, position, strict=True):
+        where[mesh.axis_names.index(axis)] = int(at)
+    kept = [i for i, name in enumerate(mesh.axis_names) if name not in axes]
+    sub = Mesh(mesh.devices[tuple(where)], tuple(mesh.axis_names[i] for i in kept),
+               axis_types=tuple(mesh.axis_types[i] for i in kept))  # fmt: skip
+    return NamedSharding(sub, PartitionSpec(*rest, *spec[1:]))
+
+
+def _bounds(index: tuple[slice, ...], shape: Sequence[int]) -> tuple[tuple[int, int], ...]:
+    return tuple(s.indices(n)[:2] for s, n in zip(index, shape, strict=True))
+
+
+def stack_placed(
+    parts: Sequence[tuple[int, jax.Array]], shape: Sequence[int], sharding: NamedSharding
+) -> jax.Array | None:
+    """The ``shape`` stack of ``parts`` built on each device from what it already holds; None where one lacks it.
+
+    ``parts`` are (first row, array): one layer (rank one less than ``shape``) or a block of rows.
+    A device's shard of the stack is its rows' shards, which must lie on it with the same slices
+    of the other dims; nothing moves between devices, so a device holding only its pipeline
+    stage's layers never receives another's.
+    """
+    shape = tuple(shape)
+    shards: list[jax.Array] = []
+    for device, index in sharding.addressable_devices_indices_map(shape).items():
+        assert index is not None  # a NamedSharding gives every device its slices
+        low, high = index[0].indices(shape[0])[:2]
+        found = [_piece(start, array, device, index[1:], shape[1:], low, high) for start, array in parts
+                 if start < high and start + (len(array) if array.ndim == len(shape) else 1) > low]  # fmt: skip
+        pieces = [p for p in found if p is not None]
+        if not pieces or len(pieces) < len(found):
+            return None
+        shards.append(pieces[0] if len(pieces) == 1 else jnp.concatenate(pieces))
+    return jax.make_array_from_single_device_arrays(shape, sharding, shards)
+
+
+def _piece(start: int, array: jax.Array, device: Any, rest: tuple[slice, ...], shape: Sequence[int], low: int,
+           high: int) -> jax.Array | None:  # fmt: skip
+    """This device's shard of ``array`` (rows from ``start``) cut to rows ``low..high``, or None if it lacks one."""
+    layer = array.ndim == len(shape)
+    wanted = _bounds(rest, shape)
+    for shard in array.addressable_shards:
+        if shard.device != device or shard.index is None:
+            continue
+        got = _bounds(shard.index, array.shape)
+        if layer and got == wanted:
+            return shard.data[None]
+        if not layer and got[1:] == wanted and got[0] == (0, len(array)):
+            cut = (max(low - start, 0), min(high - start, len(array)))
+            return shard.data if cut == (0, len(array)) else shard.data[cut[0] : cut[1]]
+    return None
 
 
 def _host(value: Any, what: str) -> np.ndarray:

@@ -11,6 +11,7 @@ import torch
 from jax.sharding import NamedSharding
 
 from torchshard._base.validate import raise_for_arguments
+from torchshard._bridge.layer_view import LayerView
 from torchshard._bridge.module_tensors import named_tensors
 from torchshard._bridge.tensors import is_jax_tensor, jax_dtype, rebind, unwrap
 from torchshard._sharding.placement import put
@@ -99,9 +100,9 @@ def stored_dtypes(plan: ShardingPlan, precision: MixedPrecision | None) -> dict[
 
 def store_params(model: torch.nn.Module, plan: ShardingPlan, precision: MixedPrecision) -> None:
     """Rebinds ``model``'s params (as placed by ``plan``) to copies in the policy's master dtype."""
-    # layers a Trainer stacks are still on the host here: they are cast as they are stacked
-    params = {n: t for n, t in named_tensors(model).items()
-              if n in plan and plan.entries[n].kind == "param" and is_jax_tensor(t)}  # fmt: skip
+    # layers a Trainer stacks (on the host, or views of a stack init_sharded built) are cast as they are stacked
+    params = {n: t for n, t in named_tensors(model).items() if not isinstance(t, LayerView)
+              and n in plan and plan.entries[n].kind == "param" and is_jax_tensor(t)}  # fmt: skip
     arrays = {n: unwrap(t) for n, t in params.items()}
     stored = jax.jit(lambda t: jax.tree.map(precision.stored, t))(arrays)
     rebind(params, stored)

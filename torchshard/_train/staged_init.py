@@ -1,0 +1,104 @@
+"""init_sharded with a pipeline: each stage's layers created on its own devices, stacked as the Trainer keeps them."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+from typing import Any, Literal
+
+import torch
+from jax.sharding import Mesh, PartitionSpec
+
+from torchshard._base.validate import instance_problems, raise_for_arguments
+from torchshard._bridge.layer_view import LayerView, StackedArray
+from torchshard._bridge.module_tensors import named_tensors, set_tensor
+from torchshard._parallel.pipeline import Pipeline
+from torchshard._sharding import init as sharded
+from torchshard._sharding.placement import assign
+from torchshard._sharding.rules import Rules
+from torchshard._train.pipelined import bind
+from torchshard._train.scan import Layout
+from torchshard._train.state import tensor_structs
+from torchshard._train.strategy import Setting
+
+
+def init_sharded(
+    model_fn: Callable[[], torch.nn.Module],
+    mesh: Mesh,
+    rules: Rules | Iterable[Any] | None = None,
+    *,
+    default: Literal["replicate", "error"] = "replicate",
+    seed: int | None = None,
+    pipeline: Pipeline | None = None,
+) -> torch.nn.Module:
+    """Builds ``model_fn()`` with every tensor created directly sharded, never whole on one device.
+
+    The model is first built on ``meta`` to plan it; then ``model_fn`` runs inside a jitted
+    function whose outputs are pinned to the plan, so XLA computes each shard where it lives.
+    Deterministic inits (constants, ``ones``, ``arange``...) equal eager torch; random ones draw
+    from JAX's RNG seeded by ``seed`` (default: ``torch.initial_seed()``).
+
+    With ``pipeline`` (the `Pipeline` the Trainer will take), the stack it splits is created stage
+    by stage: each stage's layers by a call that runs on that stage's devices alone, stacked as a
+    pipelined Trainer stores them, so no device ever holds another stage's layers and the Trainer
+    takes the stacks as they are. The values equal those built without ``pipeline`` (same seed).
+
+    Args:
+        model_fn: builds the module (no arguments); must not move tensors to a device itself.
+        mesh: the device mesh.
+        rules: as for `plan`.
+        default: as for `plan`.
+        seed: RNG seed for random initialisers.
+        pipeline: the `Pipeline` the model will be trained with, or None.
+
+    Returns:
+        The module (built on meta) whose tensors are sharded torchax tensors (with ``pipeline``,
+        the pipelined layers' tensors read their stage-split stack).
+
+    Raises:
+        ArgumentError: ``model_fn`` is not a no-argument callable (a built module is not), it
+            returns no module or creates tensors on a device itself; ``mesh`` is not a `Mesh`;
+            bad ``rules``, ``default``, ``seed`` or ``pipeline``. Checked before anything is built.
+        ShardingError: the plan is invalid (see `plan`); ``model_fn`` raised on ``meta`` or
+            built a different model the second time; an init op torchax cannot run; a 64-bit
+            integer that 32 bits cannot hold (``jax_enable_x64`` off); a pipeline that does not
+            fit the model, mesh or plan (as the Trainer says). The cause is chained.
+
+    Example:
+        >>> build = lambda: torch.nn.Sequential(torch.nn.Linear(16, 64), torch.nn.LayerNorm(64))
+        >>> model = init_sharded(build, ts.make_mesh({"data": 8}), ts.presets.fsdp(min_size=1024))
+        >>> model[0].weight.jax().sharding.spec, model[0].weight.device
+        (P('data', None), device(type='jax', index=0))
+        >>> float(model[1].weight.jax().sum())  # deterministic inits equal eager torch
+        64.0
+        >>> layers = lambda: torch.nn.ModuleList(torch.nn.Linear(8, 8) for _ in range(4))
+        >>> stack = lambda: torch.nn.ModuleDict({"blocks": layers()})
+        >>> staged = init_sharded(stack, ts.make_mesh({"stage": 4, "data": 2}), pipeline=ts.Pipeline())
+        >>> staged["blocks"][3].weight.jax().shape  # layer 3, read from the stack only stage 3's devices hold
+        (8, 8)
+    """
+    problems = [] if pipeline is None else instance_problems("pipeline", pipeline, Pipeline, "None or a Pipeline")
+    raise_for_arguments(problems, header="invalid init_sharded() arguments")
+    model, plan, seed = sharded.planned(model_fn, mesh, rules, default=default, seed=seed)
+    if pipeline is None:
+        return assign(model, sharded.materialise(model_fn, plan, seed), plan)
+    setting = bind(pipeline, Setting(model, plan, PartitionSpec())).rewrite(Setting(model, plan, PartitionSpec()))
+    layout = Layout(setting.groups)
+    stacks = layout.stacks()
+    dtypes = {n: e.dtype for n, e in plan.entries.items()}
+    structs = tensor_structs(setting.plan, layout, [n for names in stacks.values() for n in names], dtypes)
+    arrays = sharded.materialise(model_fn, plan, seed, {k: (stacks[k], structs[k].sharding) for k in stacks})
+    assign(model, {k: a for k, a in arrays.items() if k not in stacks}, plan)
+    _bind_views(model, {k: (stacks[k], arrays[k]) for k in stacks})
+    return model
+
+
+def _bind_views(model: torch.nn.Module, stacks: dict[str, tuple[list[str], Any]]) -> None:
+    """Each layer's tensor becomes a view of its stack, as a scanned Trainer's are (no per-layer copy)."""
+    tensors = named_tensors(model)
+    params = {n for n, _ in model.named_parameters(remove_duplicate=False)}
+    for names, array in stacks.values():
+        stack = StackedArray(array)
+        for i, name in enumerate(names):
+            param = name in params
+            set_tensor(model, name, LayerView(stack, i, param=param, requires_grad=tensors[name].requires_grad),
+                       param=param)  # fmt: skip
