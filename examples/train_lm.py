@@ -9,7 +9,9 @@ the attention's output and the MLP's down projection row-parallel over ``"model"
 owns whole heads), and ``presets.fsdp("data")`` shards every big weight's other dim over
 ``"data"``. AdamW follows a linear-warmup + cosine schedule (optax). Validation
 (``trainer.evaluate``) and sampling (``ts.generate``) run on the mesh, compiled, on the trainer's
-own state: no CPU copy of the weights.
+own state: no CPU copy of the weights. Rows are packed: each file in a window is a document, its
+positions restart at 0 and attention stays inside it (``ts.document_mask``). ``--context N``
+splits each sequence over N devices (context parallelism over ``data × context × model``).
 
 Everything a run writes lands in ``--out``: ``config.json`` (the settings that shape the run),
 ``metrics.jsonl`` (one JSON object per step: step, loss, tokens_per_s, lr, grad_norm, and
@@ -22,6 +24,7 @@ Run::
 
     python examples/train_lm.py --steps 60 --out /tmp/train_lm            # 3.3M parameters, 32 × 128 bytes a step
     python examples/train_lm.py --steps 100 --out /tmp/train_lm --resume  # continue the same run to step 100
+    python examples/train_lm.py --steps 60 --out /tmp/train_cp --context 2  # each sequence over 2 devices
 """
 
 from __future__ import annotations
@@ -47,11 +50,14 @@ from tqdm import tqdm
 
 import torchshard as ts
 
-MESH = {"data": 4, "model": 2}
+DEVICES, MODEL_AXIS = 8, 2  # "model" splits heads; the rest is data (and, with --context N, the sequence)
 VOCAB = 256  # bytes
 VAL_EVERY_NTH_FILE = 20
 SKIPPED_FOLDERS = {"site-packages", "dist-packages", "__pycache__"}
-Batch = tuple[torch.Tensor, torch.Tensor]  # (input bytes, next bytes), [batch, seq] int64 each
+# (input bytes, their positions in their files, next bytes), [batch, seq] int64 each; a file's last
+# byte has no next byte of its own, so its target is IGNORE
+Batch = tuple[torch.Tensor, torch.Tensor, torch.Tensor]
+IGNORE = -100  # F.cross_entropy's ignore_index
 
 # Settings that shape the trajectory (model, data, optimizer): a run records them in config.json
 # and --resume takes them from there, so a resumed run is the run it continues.
@@ -87,13 +93,15 @@ def is_validation(relative: str) -> bool:
 
 
 class Corpus(NamedTuple):
-    """Training and validation text as flat byte arrays, split by file."""
+    """Training and validation text as flat byte arrays, split by file, and where each file starts in them."""
 
     train: np.ndarray
     val: np.ndarray
     train_files: int
     val_files: int
     root: str
+    train_starts: np.ndarray
+    val_starts: np.ndarray
 
     def digest(self) -> str:
         """Identifies the text, so a resumed run can check that it trains on the same bytes."""
@@ -107,49 +115,60 @@ def load_corpus(root: pathlib.Path | None = None) -> Corpus:
     for path in stdlib_files(root):
         parts[is_validation(path.relative_to(root).as_posix())].append(path.read_bytes())
     as_array = lambda chunks: np.frombuffer(b"".join(chunks), dtype=np.uint8)  # noqa: E731
-    return Corpus(as_array(parts[False]), as_array(parts[True]), len(parts[False]), len(parts[True]), str(root))
+    starts = lambda chunks: np.cumsum([0, *map(len, chunks[:-1])])  # noqa: E731
+    train, val = parts[False], parts[True]
+    return Corpus(as_array(train), as_array(val), len(train), len(val), str(root), starts(train), starts(val))
 
 
-def windows(text: np.ndarray, rng: np.random.Generator, *, batch: int, seq: int) -> Batch:
-    """``batch`` random windows of ``seq + 1`` bytes as (inputs, next-byte targets), int64 torch tensors."""
-    starts = rng.integers(0, len(text) - seq - 1, size=batch)
-    rows = np.stack([text[s : s + seq + 1] for s in starts]).astype(np.int64)
-    return torch.from_numpy(rows[:, :-1].copy()), torch.from_numpy(rows[:, 1:].copy())
+def windows(text: np.ndarray, files: np.ndarray, rng: np.random.Generator, *, batch: int, seq: int) -> Batch:
+    """``batch`` random windows of ``seq + 1`` bytes, packed: each file in a window is a document of its own.
+
+    Positions restart at 0 where a file starts (the window's first bytes count from 0 too), and a
+    file's last byte gets no target: the next file's first byte is not its continuation.
+    """
+    begins = rng.integers(0, len(text) - seq - 1, size=batch)
+    index = begins[:, None] + np.arange(seq + 1)
+    file_start = np.maximum(files[np.searchsorted(files, index, side="right") - 1], begins[:, None])
+    position, rows = index - file_start, text[index].astype(np.int64)
+    targets = np.where(position[:, 1:] == 0, IGNORE, rows[:, 1:])
+    return tuple(torch.from_numpy(np.ascontiguousarray(a)) for a in (rows[:, :-1], position[:, :-1], targets))  # type: ignore[return-value]
 
 
 def train_batch(corpus: Corpus, step: int, *, seed: int, batch: int, seq: int) -> Batch:
     """The batch of ``step``: a pure function of (seed, step), so a resumed run sees the same batches."""
-    return windows(corpus.train, np.random.default_rng([seed, 1, step]), batch=batch, seq=seq)
+    return windows(corpus.train, corpus.train_starts, np.random.default_rng([seed, 1, step]), batch=batch, seq=seq)
 
 
 def val_batches(corpus: Corpus, n: int, *, seed: int, batch: int, seq: int) -> list[Batch]:
     """A fixed validation set: the same windows at every evaluation."""
     rng = np.random.default_rng([seed, 2])
-    return [windows(corpus.val, rng, batch=batch, seq=seq) for _ in range(n)]
+    return [windows(corpus.val, corpus.val_starts, rng, batch=batch, seq=seq) for _ in range(n)]
 
 
 # --------------------------------------------------------------------------------------------- model
 
 
-HEADS = ("data", "model", None, None)  # [batch, heads, seq, head_dim]: whole heads on each device
+# [batch, heads, seq, head_dim]: whole heads on each device; with --context N the sequence stays split
+HEADS = ("data", "model", None, None)
+CONTEXT_HEADS = ("data", "model", "context", None)
 
 
 class Attention(nn.Module):
     """Causal self-attention; q/k/v split by output (whole heads) and o by input over ``"model"``."""
 
-    def __init__(self, d: int, heads: int) -> None:
+    def __init__(self, d: int, heads: int, spec: tuple[str | None, ...] = HEADS) -> None:
         super().__init__()
-        self.heads = heads
+        self.heads, self.spec = heads, spec
         self.q, self.k, self.v, self.o = (nn.Linear(d, d, bias=False) for _ in range(4))
 
     def _split(self, x: torch.Tensor) -> torch.Tensor:
         b, s, d = x.shape
-        return ts.constrain(x.view(b, s, self.heads, d // self.heads).transpose(1, 2), HEADS)
+        return ts.constrain(x.view(b, s, self.heads, d // self.heads).transpose(1, 2), self.spec)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tensor:
         b, s, d = x.shape
         q, k, v = self._split(self.q(x)), self._split(self.k(x)), self._split(self.v(x))
-        out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None)
         return self.o(out.transpose(1, 2).reshape(b, s, d))
 
 
@@ -163,35 +182,50 @@ class MLP(nn.Module):
 
 
 class Block(nn.Module):
-    def __init__(self, d: int, heads: int) -> None:
+    def __init__(self, d: int, heads: int, spec: tuple[str | None, ...] = HEADS) -> None:
         super().__init__()
-        self.ln1, self.attn, self.ln2, self.mlp = nn.LayerNorm(d), Attention(d, heads), nn.LayerNorm(d), MLP(d)
+        self.ln1, self.attn, self.ln2, self.mlp = nn.LayerNorm(d), Attention(d, heads, spec), nn.LayerNorm(d), MLP(d)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x = x + self.attn(self.ln1(x))
+    def forward(self, x: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tensor:
+        x = x + self.attn(self.ln1(x), mask)
         return x + self.mlp(self.ln2(x))
 
 
 class GPT(nn.Module):
-    """Byte embeddings plus learned positions, pre-norm blocks, a final norm and a byte head."""
+    """Byte embeddings plus learned positions, pre-norm blocks, a final norm and a byte head.
 
-    def __init__(self, *, layers: int, d_model: int, heads: int, seq: int) -> None:
+    Given ``positions`` (each packed document counting from 0), attention stays inside each
+    document (`torchshard.document_mask`); without them the row is one causal sequence.
+    """
+
+    def __init__(self, *, layers: int, d_model: int, heads: int, seq: int, context: int = 1) -> None:
         super().__init__()
+        spec = CONTEXT_HEADS if context > 1 else HEADS
         self.tok, self.pos = nn.Embedding(VOCAB, d_model), nn.Embedding(seq, d_model)
-        self.blocks = nn.ModuleList(Block(d_model, heads) for _ in range(layers))
+        self.blocks = nn.ModuleList(Block(d_model, heads, spec) for _ in range(layers))
         self.ln_f, self.head = nn.LayerNorm(d_model), nn.Linear(d_model, VOCAB, bias=False)
 
-    def forward(self, idx: torch.Tensor) -> torch.Tensor:
-        x = self.tok(idx) + self.pos(torch.arange(idx.shape[1], device=idx.device))
+    def forward(self, idx: torch.Tensor, positions: torch.Tensor | None = None) -> torch.Tensor:
+        mask = None if positions is None else ts.document_mask(positions)
+        positions = torch.arange(idx.shape[1], device=idx.device) if positions is None else positions
+        x = self.tok(idx) + self.pos(positions)
         for block in self.blocks:
-            x = block(x)
+            x = block(x, mask)
         return self.head(self.ln_f(x))
 
 
-def build_model(cfg: dict[str, Any]) -> GPT:
-    """The run's GPT, initialised from its seed (the same weights every time)."""
+def build_model(cfg: dict[str, Any], *, context: int = 1) -> GPT:
+    """The run's GPT, initialised from its seed (the same weights every time, whatever ``context``)."""
     torch.manual_seed(cfg["seed"])
-    return GPT(layers=cfg["layers"], d_model=cfg["d_model"], heads=cfg["heads"], seq=cfg["seq"])
+    return GPT(layers=cfg["layers"], d_model=cfg["d_model"], heads=cfg["heads"], seq=cfg["seq"], context=context)
+
+
+def mesh_axes(context: int) -> dict[str, int]:
+    """The 8 devices as data × model, with ``--context N`` data × context × model."""
+    data = DEVICES // (MODEL_AXIS * context)
+    return (
+        {"data": data, "context": context, "model": MODEL_AXIS} if context > 1 else {"data": data, "model": MODEL_AXIS}
+    )
 
 
 def rules() -> ts.Rules:
@@ -204,9 +238,9 @@ def rules() -> ts.Rules:
 
 
 def loss_fn(model: nn.Module, batch: Batch) -> torch.Tensor:
-    """Mean next-byte cross-entropy (nats per byte)."""
-    x, y = batch
-    return F.cross_entropy(model(x).reshape(-1, VOCAB), y.reshape(-1))
+    """Mean next-byte cross-entropy (nats per byte) over the bytes that have a next byte in their file."""
+    x, positions, y = batch
+    return F.cross_entropy(model(x, positions).reshape(-1, VOCAB), y.reshape(-1), ignore_index=IGNORE)
 
 
 def lr_schedule(cfg: dict[str, Any]) -> Callable[[Any], Any]:
@@ -284,6 +318,14 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument(
         "--sample-bytes", metavar="N", type=non_negative(int), default=200, help="bytes generated (default: 200)"
     )
+    run.add_argument(
+        "--context",
+        metavar="N",
+        type=int,
+        choices=(1, 2, 4),
+        default=1,
+        help="split each sequence over N devices (context parallelism: data × context × model); default 1",
+    )
     run.add_argument("--prompt", metavar="TEXT", default="def ", help="text the sample starts from (default: 'def ')")
     run.add_argument(
         "--temperature",
@@ -342,18 +384,20 @@ def resolve_config(args: argparse.Namespace, parser: argparse.ArgumentParser) ->
     cfg = {**RUN_DEFAULTS, **stored_run, **given}
     cfg["decay_steps"] = cfg["decay_steps"] or args.steps
     cfg["warmup"] = min(100, cfg["decay_steps"] // 10) if cfg["warmup"] is None else cfg["warmup"]
-    check_config(cfg, parser)
+    check_config(cfg, parser, context=args.context)
     return cfg
 
 
-def check_config(cfg: dict[str, Any], parser: argparse.ArgumentParser) -> None:
-    problems = []
+def check_config(cfg: dict[str, Any], parser: argparse.ArgumentParser, *, context: int = 1) -> None:
+    problems, axes = [], mesh_axes(context)
     if cfg["d_model"] % cfg["heads"]:
         problems.append(f"--d-model {cfg['d_model']} is not divisible by --heads {cfg['heads']}")
-    if cfg["heads"] % MESH["model"]:
-        problems.append(f"--heads {cfg['heads']} is not a multiple of the model axis ({MESH['model']})")
-    if cfg["batch"] % MESH["data"]:
-        problems.append(f"--batch {cfg['batch']} is not a multiple of the data axis ({MESH['data']})")
+    if cfg["heads"] % axes["model"]:
+        problems.append(f"--heads {cfg['heads']} is not a multiple of the model axis ({axes['model']})")
+    if cfg["batch"] % axes["data"]:
+        problems.append(f"--batch {cfg['batch']} is not a multiple of the data axis ({axes['data']})")
+    if context > 1 and cfg["seq"] % (2 * context):
+        problems.append(f"--seq {cfg['seq']} does not split into 2 × {context} balanced chunks for --context {context}")
     if cfg["warmup"] >= cfg["decay_steps"]:
         problems.append(f"--warmup {cfg['warmup']} must be below --decay-steps {cfg['decay_steps']}")
     if problems:
@@ -497,12 +541,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     start_run(args, cfg, corpus)
 
-    model = build_model(cfg)
-    mesh = ts.make_mesh(MESH)
+    model = build_model(cfg, context=args.context)
+    mesh = ts.make_mesh(mesh_axes(args.context))
     plan = ts.plan(model, mesh, rules())
     params = sum(p.numel() for p in model.parameters())
     print(f"model: {params / 1e6:.2f}M parameters; {plan!r}", flush=True)
-    trainer = ts.Trainer(model, loss_fn, optimizer(cfg), plan, seed=cfg["seed"])
+    split = {"context": ts.ContextParallel(), "batch_spec": ("data", "context")} if args.context > 1 else {}
+    trainer = ts.Trainer(model, loss_fn, optimizer(cfg), plan, seed=cfg["seed"], **split)
     if args.resume:
         ts.load(args.out / "checkpoints", trainer)  # the latest complete step, optimizer state and RNG key too
         print(f"resumed at step {trainer.step_count}", flush=True)

@@ -70,7 +70,8 @@ def test_train_lm_writes_its_outputs_and_resumes_with_the_same_losses(tmp_path, 
     sample = (stopped / "sample.txt").read_bytes()
     assert sample.startswith(b"def ") and len(sample) == 4 + 24 and "--- sample" in out
 
-    resumed = _finish(_start("--steps", "5", "--resume", "--out", str(stopped)))
+    # resumed with the sequence split over 2 devices (context parallelism): the same run, exactly
+    resumed = _finish(_start("--steps", "5", "--resume", "--context", "2", "--out", str(stopped)))
     assert "resumed at step 3" in resumed
     assert ts.checkpoint_steps(stopped / "checkpoints") == [3, 5]
     got, expected = _metrics(stopped), _metrics(whole)
@@ -93,7 +94,25 @@ def test_train_lm_writes_its_outputs_and_resumes_with_the_same_losses(tmp_path, 
         (["--steps", "5", "--warmup", "5"], r"--warmup 5 must be below --decay-steps 5"),
         (["--resume"], r"--resume: .*config\.json does not exist"),
         (["--prompt", ""], r"--prompt must not be empty"),
+        (["--context", "2", "--seq", "30"], r"--seq 30 does not split into 2 × 2 balanced chunks for --context 2"),
+        (["--context", "3"], r"argument --context: invalid choice: 3"),
     ],
 )
 def test_train_lm_rejects_bad_arguments(tmp_path, train_lm, capsys, args, message):
     assert re.search(message, _usage_error(train_lm, capsys, ["--out", str(tmp_path / "run"), *args]))
+
+
+def test_windows_pack_whole_files_as_documents(train_lm):
+    # three files of 5, 3 and 6 bytes; windows of 8 + 1 bytes from fixed starts
+    text = np.arange(14, dtype=np.uint8)
+    files = np.array([0, 5, 8])
+
+    class Starts:  # an rng whose windows begin at bytes 3 and 0
+        def integers(self, low, high, size):
+            return np.array([3, 0])
+
+    x, positions, y = train_lm.windows(text, files, Starts(), batch=2, seq=8)
+    assert x.tolist() == [[3, 4, 5, 6, 7, 8, 9, 10], [0, 1, 2, 3, 4, 5, 6, 7]]
+    assert positions.tolist() == [[0, 1, 0, 1, 2, 0, 1, 2], [0, 1, 2, 3, 4, 0, 1, 2]]
+    ignore = train_lm.IGNORE  # a file's last byte predicts nothing: the next file is another document
+    assert y.tolist() == [[4, ignore, 6, 7, ignore, 9, 10, 11], [1, 2, 3, 4, ignore, 6, 7, ignore]]
