@@ -312,7 +312,9 @@ PROGRESS = {
     "output_from_one_rank": LOOP + "print(i, flush=True) if rank == 0 else None",
     "heartbeats_only": LOOP + "os.utime(os.environ['TORCHSHARD_HEARTBEAT'])",
     "heartbeat_function": IMPORT_WORKER + LOOP + "worker.heartbeat()",
-    "one_rank_ends_early": "time.sleep(0.5 if rank == 0 else 1.4)",  # rank 1 gets a full timeout after rank 0 ends
+    # rank 1 gets a full timeout after rank 0 ends: it outlives one timeout from the start (1.4 > 1.0) but not one
+    # from rank 0's end (1.4 < 0.8 + 1.0), with 0.4 s to spare either way for a loaded machine's scheduling
+    "one_rank_ends_early": "time.sleep(0.8 if rank == 0 else 1.4)",
 }
 
 
