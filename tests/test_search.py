@@ -17,7 +17,7 @@ from torchshard._report.costs import StepCosts, step_costs
 from torchshard._report.estimate import crosses_hosts, estimate, moved_bytes
 from torchshard._report.hardware import hardware, load_profiles
 from torchshard._report.hlo import Collective
-from torchshard._report.search import Problem, at_depth, compile_layout, measure
+from torchshard._report.search import FAST_COMPILE, Problem, _options, _plan, at_depth, compile_layout, measure
 from torchshard._report.space import Layout, ModelDims, layouts
 
 F32 = np.float32
@@ -139,6 +139,24 @@ def test_the_search_ranks_fitting_configurations_and_its_best_fits_by_plan_compi
     assert main(argv) == 0
     assert json.loads(capsys.readouterr().out)["device_memory"]["fits"]
     assert set(best.to_json()) >= {"mesh", "options", "peak_bytes", "fits", "step_seconds", "tokens_per_second", "mfu"}
+
+
+@pytest.mark.slow
+def test_the_search_compiles_without_llvm_optimisation_to_the_same_program_and_memory(tiny_problem):
+    import optax
+
+    from torchshard._train.abstract import AbstractTrainer
+
+    layout = Layout((("stage", 1), ("data", 2), ("context", 1), ("expert", 1), ("model", 2)), remat="dots_saveable")
+    model = tiny_problem.model
+    trainer = AbstractTrainer(model, tiny_problem.loss_fn, optax.adamw(1e-4), _plan(model, layout, jax.devices()[:4]),
+                              **_options(model, layout))  # fmt: skip
+    lowered = trainer.lower(torch.empty(tiny_problem.batch, dtype=torch.int64, device="meta"))
+    fast, full = lowered.compile(FAST_COMPILE), lowered.compile({"xla_backend_optimization_level": 3})
+    assert fast.as_text() == full.as_text()  # the optimised HLO, its sharding, collectives and buffers
+    fields = ("argument_size_in_bytes", "output_size_in_bytes", "temp_size_in_bytes", "alias_size_in_bytes")
+    memory = [tuple(getattr(c.memory_analysis(), f) for f in fields) for c in (fast, full)]
+    assert memory[0] == memory[1] and memory[0][2] > 0
 
 
 def test_search_cli_errors_name_the_fix(capsys):

@@ -33,7 +33,7 @@ def add_search_arguments(parser: argparse.ArgumentParser) -> None:
     s.add_argument("--hardware", default="h100", help=f"profile: {', '.join(PROFILES)} (default: h100)")
     s.add_argument("--hardware-file", metavar="FILE.json", help="more profiles: a list of Hardware fields")
     s.add_argument("--hosts", type=int, help="hosts the devices span (default: the profile's devices per host)")
-    s.add_argument("--max-compiles", type=int, default=40, help="compile at most this many layouts (default: 40)")
+    s.add_argument("--max-compiles", type=int, default=20, help="compile at most this many layouts (default: 20)")
     s.add_argument("--remat-policies", default="none,nothing_saveable,dots_saveable", help="remat values to try")
     s.add_argument("--microbatches", default="1,2,4", help="grad accumulation / micro-batches per stage to try")
     s.add_argument("--precisions", default="bf16,fp32", help="precisions to try")
