@@ -107,7 +107,7 @@ def write_state(directory: pathlib.Path, tree: dict[str, Any], *, key: str = "to
     A process whose write failed raises its own error, the others a `CheckpointError` naming it.
     """
     process = jax.process_index()
-    failure: OSError | None = None
+    failure: Exception | None = None
     try:
         os.makedirs(directory, exist_ok=True)
         arrays = _write_file(directory / data_name(process), tree)
@@ -116,7 +116,7 @@ def write_state(directory: pathlib.Path, tree: dict[str, Any], *, key: str = "to
             json.dump(index, f, separators=(",", ":"))
             f.flush()
             os.fsync(f.fileno())
-    except OSError as e:
+    except Exception as e:  # any failure, held until the others know: raising alone would leave them waiting
         failure = e
     failed = flagged_processes(f"{key}-written", failure is not None)
     if failure is not None:

@@ -135,7 +135,9 @@ class Trainer:
         self._tensors = named_tensors(self._model)
         self._names = split_names(self._model, plan)
         self._replicated = NamedSharding(plan.mesh, PartitionSpec())
-        self._base_key = jax.device_put(jax.random.key_data(jax.random.key(seed)), self._replicated)
+        # made by a jitted call: device_put of a one-device key to a multi-process replicated sharding gave an
+        # array whose shards cannot be listed, and a checkpoint could not write it
+        self._base_key = jax.jit(lambda: jax.random.key_data(jax.random.key(seed)), out_shardings=self._replicated)()
         self._in_flight: collections.deque[jax.Array] = collections.deque()
         self._stacks: dict[str, StackedArray] = {}
         self._frozen = self._physical(self._names[2])
