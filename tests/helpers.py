@@ -81,3 +81,22 @@ class Counter(torch.nn.Module):
         super().__init__()
         self.lin = torch.nn.Linear(4, 4)
         self.register_buffer("count", torch.tensor([count, 1]))
+
+
+def assert_attention_matches(attend, torch_fn, mesh, q, k, v, w) -> None:
+    """``sum(attend(q, k, v) * w)`` and its q/k/v gradients, jitted on ``mesh`` (batch over "data", the sequence
+    over "context"), against ``torch_fn(q, k, v)`` in eager torch: the one check of the attention kernels."""
+    import functools
+
+    import jax
+    import jax.numpy as jnp
+    from jax.sharding import NamedSharding, PartitionSpec
+
+    expected, expected_grads = eager_value_and_grads(torch_fn, [q, k, v], argnums=(0, 1, 2))
+    place = functools.partial(jax.device_put, device=NamedSharding(mesh, PartitionSpec("data", None, "context")))
+    q_, k_, v_, w_ = (place(jnp.asarray(t.numpy())) for t in (q, k, v, w))
+    loss = lambda q, k, v: (attend(q, k, v) * w_).sum()  # noqa: E731
+    value, grads = jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2)))(q_, k_, v_)
+    assert_close(value, expected, what="value")
+    for name, got, want in zip("qkv", grads, expected_grads, strict=True):
+        assert_close(got, want, what=f"d{name}")

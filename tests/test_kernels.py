@@ -17,8 +17,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 import torch
-from helpers import assert_close, eager_value_and_grads
-from jax.sharding import NamedSharding, PartitionSpec
+from helpers import assert_attention_matches, assert_close
 from models import Experts
 from torch import nn
 
@@ -121,17 +120,9 @@ def test_attention_matches_torch_sdpa(gathered, balanced, causal, heads, kv_head
         out = nn.functional.scaled_dot_product_attention(q, k, v, is_causal=causal, enable_gqa=True)
         return (out * w).sum()
 
-    expected, expected_grads = eager_value_and_grads(torch_fn, [q, k, v], argnums=(0, 1, 2))
     attend = functools.partial(context_attention, mesh=mesh, axis="context", causal=causal, key_tile=key_tile,
                                gathered=gathered, balanced=balanced)  # fmt: skip
-    place = functools.partial(jax.device_put, device=NamedSharding(mesh, PartitionSpec("data", None, "context")))
-    q_, k_, v_, w_ = (place(jnp.asarray(t.numpy())) for t in (q, k, v, w))
-    value, grads = jax.jit(jax.value_and_grad(lambda q, k, v: (attend(q, k, v) * w_).sum(), argnums=(0, 1, 2)))(
-        q_, k_, v_
-    )
-    assert_close(value, expected, what="value")
-    for name, got, want in zip("qkv", grads, expected_grads, strict=True):
-        assert_close(got, want, what=f"d{name}")
+    assert_attention_matches(attend, torch_fn, mesh, q, k, v, w)
 
 
 def test_balanced_layout_gives_every_device_equal_causal_work():

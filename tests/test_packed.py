@@ -11,8 +11,7 @@ import numpy as np
 import optax
 import pytest
 import torch
-from helpers import assert_close, eager_value_and_grads, torch_losses
-from jax.sharding import NamedSharding, PartitionSpec
+from helpers import assert_attention_matches, torch_losses
 from models import tiny_llama
 from torch import nn
 
@@ -105,19 +104,11 @@ def test_document_attention_matches_torch_sdpa(mesh, variant, heads, kv_heads, k
         k, v = (x.repeat_interleave(heads // kv_heads, dim=1) for x in (k, v))
         return (nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask) * w).sum()
 
-    expected, expected_grads = eager_value_and_grads(torch_fn, [q, k, v], argnums=(0, 1, 2))
     segments = jnp.asarray(segment_ids(pos).numpy())
     attend = functools.partial(context_attention, mesh=mesh, axis="context", causal=True, key_tile=key_tile,
                                gathered=context.attention == "all_gather", balanced=context.load_balance,
                                segments=segments, rows=("data",))  # fmt: skip
-    place = functools.partial(jax.device_put, device=NamedSharding(mesh, PartitionSpec("data", None, "context")))
-    q_, k_, v_, w_ = (place(jnp.asarray(t.numpy())) for t in (q, k, v, w))
-    value, grads = jax.jit(jax.value_and_grad(lambda q, k, v: (attend(q, k, v) * w_).sum(), argnums=(0, 1, 2)))(
-        q_, k_, v_
-    )
-    assert_close(value, expected, what="value")
-    for name, got, want in zip("qkv", grads, expected_grads, strict=True):
-        assert_close(got, want, what=f"d{name}")
+    assert_attention_matches(attend, torch_fn, mesh, q, k, v, w)
 
 
 # ---------------------------------------------------------------- training against eager torch
