@@ -2,10 +2,14 @@
 
 from __future__ import annotations
 
+from collections.abc import Mapping, Sequence
+
 import jax
+import torch
 
 from torchshard._bridge.env import env
 from torchshard._bridge.loaded import Tensor
+from torchshard._bridge.module_tensors import named_tensors, set_tensor
 
 
 class StackedArray:
@@ -51,3 +55,22 @@ class LayerView(Tensor):
             "this tensor is one layer of a scanned Trainer's stacked weights and cannot be written in place; "
             "change the weights through a checkpoint (torchshard.load) or build the Trainer with scan_layers=False"
         )
+
+
+def view_stacks(
+    model: torch.nn.Module, stacks: Mapping[str, tuple[Sequence[str], jax.Array]]
+) -> dict[str, StackedArray]:
+    """Each layer's tensor (``names`` in stack order) becomes a `LayerView` of its stacked array: no per-layer copy.
+
+    Returns the `StackedArray` of each key, whose `StackedArray.replace` moves every view of it to a new array.
+    """
+    tensors = named_tensors(model)
+    params = {n for n, _ in model.named_parameters(remove_duplicate=False)}
+    stacked = {}
+    for key, (names, array) in stacks.items():
+        stacked[key] = stack = StackedArray(array)
+        for i, name in enumerate(names):
+            param = name in params
+            set_tensor(model, name, LayerView(stack, i, param=param, requires_grad=tensors[name].requires_grad),
+                       param=param)  # fmt: skip
+    return stacked

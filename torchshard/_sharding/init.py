@@ -20,7 +20,7 @@ from torchshard._bridge.init_calls import failed_init, traceable_inits
 from torchshard._bridge.init_views import aliasing, materialised
 from torchshard._bridge.module_tensors import named_tensors
 from torchshard._bridge.tensors import is_jax_tensor, unwrap
-from torchshard._sharding.placement import assign, row_sharding, stack_placed
+from torchshard._sharding.placement import row_sharding, stack_placed
 from torchshard._sharding.plan import PlanEntry, ShardingPlan, plan
 from torchshard._sharding.rules import Rules, as_rules
 
@@ -201,51 +201,6 @@ def _placed_problems(model: Any) -> list[str]:
         f"{', ...' if len(names) > 5 else ''}); drop the device= arguments so init_sharded can create them sharded"
         for device, names in by_device.items()
     ]
-
-
-def init_sharded(
-    model_fn: Callable[[], torch.nn.Module],
-    mesh: Mesh,
-    rules: Rules | Iterable[Any] | None = None,
-    *,
-    default: Literal["replicate", "error"] = "replicate",
-    seed: int | None = None,
-) -> torch.nn.Module:
-    """Builds ``model_fn()`` with every tensor created directly sharded, never whole on one device.
-
-    The model is first built on ``meta`` to plan it; then ``model_fn`` runs once inside a jitted
-    function whose outputs are pinned to the plan, so XLA computes each shard where it lives.
-    Deterministic inits (constants, ``ones``, ``arange``...) equal eager torch; random ones draw
-    from JAX's RNG seeded by ``seed`` (default: ``torch.initial_seed()``).
-
-    Args:
-        model_fn: builds the module (no arguments); must not move tensors to a device itself.
-        mesh: the device mesh.
-        rules: as for `plan`.
-        default: as for `plan`.
-        seed: RNG seed for random initialisers.
-
-    Returns:
-        The module (built on meta) whose tensors are sharded torchax tensors.
-
-    Raises:
-        ArgumentError: ``model_fn`` is not a no-argument callable (a built module is not), it
-            returns no module or creates tensors on a device itself; ``mesh`` is not a `Mesh`;
-            bad ``rules``, ``default`` or ``seed``. Checked before anything is built.
-        ShardingError: the plan is invalid (see `plan`); ``model_fn`` raised on ``meta`` or
-            built a different model the second time; an init op torchax cannot run; a 64-bit
-            integer that 32 bits cannot hold (``jax_enable_x64`` off). The cause is chained.
-
-    Example:
-        >>> build = lambda: torch.nn.Sequential(torch.nn.Linear(16, 64), torch.nn.LayerNorm(64))
-        >>> model = init_sharded(build, ts.make_mesh({"data": 8}), ts.presets.fsdp(min_size=1024))
-        >>> model[0].weight.jax().sharding.spec, model[0].weight.device
-        (P('data', None), device(type='jax', index=0))
-        >>> float(model[1].weight.jax().sum())  # deterministic inits equal eager torch
-        64.0
-    """
-    model, p, seed = planned(model_fn, mesh, rules, default=default, seed=seed)
-    return assign(model, materialise(model_fn, p, seed), p)
 
 
 def planned(

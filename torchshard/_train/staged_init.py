@@ -9,8 +9,7 @@ import torch
 from jax.sharding import Mesh, PartitionSpec
 
 from torchshard._base.validate import instance_problems, raise_for_arguments
-from torchshard._bridge.layer_view import LayerView, StackedArray
-from torchshard._bridge.module_tensors import named_tensors, set_tensor
+from torchshard._bridge.layer_view import view_stacks
 from torchshard._parallel.pipeline import Pipeline
 from torchshard._sharding import init as sharded
 from torchshard._sharding.placement import assign
@@ -81,24 +80,13 @@ def init_sharded(
     model, plan, seed = sharded.planned(model_fn, mesh, rules, default=default, seed=seed)
     if pipeline is None:
         return assign(model, sharded.materialise(model_fn, plan, seed), plan)
-    setting = bind(pipeline, Setting(model, plan, PartitionSpec())).rewrite(Setting(model, plan, PartitionSpec()))
+    unpipelined = Setting(model, plan, PartitionSpec())
+    setting = bind(pipeline, unpipelined).rewrite(unpipelined)
     layout = Layout(setting.groups)
     stacks = layout.stacks()
     dtypes = {n: e.dtype for n, e in plan.entries.items()}
     structs = tensor_structs(setting.plan, layout, [n for names in stacks.values() for n in names], dtypes)
     arrays = sharded.materialise(model_fn, plan, seed, {k: (stacks[k], structs[k].sharding) for k in stacks})
     assign(model, {k: a for k, a in arrays.items() if k not in stacks}, plan)
-    _bind_views(model, {k: (stacks[k], arrays[k]) for k in stacks})
+    view_stacks(model, {k: (stacks[k], arrays[k]) for k in stacks})  # as a scanned Trainer's layers read them
     return model
-
-
-def _bind_views(model: torch.nn.Module, stacks: dict[str, tuple[list[str], Any]]) -> None:
-    """Each layer's tensor becomes a view of its stack, as a scanned Trainer's are (no per-layer copy)."""
-    tensors = named_tensors(model)
-    params = {n for n, _ in model.named_parameters(remove_duplicate=False)}
-    for names, array in stacks.values():
-        stack = StackedArray(array)
-        for i, name in enumerate(names):
-            param = name in params
-            set_tensor(model, name, LayerView(stack, i, param=param, requires_grad=tensors[name].requires_grad),
-                       param=param)  # fmt: skip

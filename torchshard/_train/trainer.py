@@ -17,8 +17,8 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 from torchshard._base.errors import ShardingError, raise_if_any
 from torchshard._base.specs import SpecLike, parse_spec
 from torchshard._base.validate import describe_mesh, raise_for_arguments
-from torchshard._bridge.layer_view import LayerView, StackedArray
-from torchshard._bridge.module_tensors import named_tensors, set_tensor
+from torchshard._bridge.layer_view import LayerView, StackedArray, view_stacks
+from torchshard._bridge.module_tensors import named_tensors
 from torchshard._bridge.tensors import rebind, set_array, unwrap
 from torchshard._multihost.worker import heartbeat
 from torchshard._sharding.placement import put, put_stacked, shard
@@ -231,15 +231,8 @@ class Trainer:
 
     def _views(self) -> None:
         """Per-layer tensors of scanned blocks become views of the stacked state (no second copy)."""
-        params = {n for n, _ in self._model.named_parameters(remove_duplicate=False)}
-        for key, names in self.layout.stacks().items():
-            array = {**self._state.params, **self._state.buffers, **self._frozen}[key]
-            self._stacks[key] = stack = StackedArray(array)
-            for i, name in enumerate(names):
-                old = self._tensors[name]
-                is_param = name in params
-                view = LayerView(stack, i, param=is_param, requires_grad=old.requires_grad)
-                set_tensor(self._model, name, view, param=is_param)
+        arrays = {**self._state.params, **self._state.buffers, **self._frozen}
+        self._stacks = view_stacks(self._model, {k: (names, arrays[k]) for k, names in self.layout.stacks().items()})
         self._tensors = named_tensors(self._model)
 
     def _shardings(self) -> dict[str, NamedSharding]:
