@@ -1,7 +1,7 @@
 """Multi-process test script: a save or export that fails on one process only ends on every process.
 
 ``python -m torchshard.launch --nproc 2 --cpu-devices-per-proc 1 tests/mp_save_script.py ROOT RANK``: process
-RANK cannot create directories under ROOT (a full disk, say); every process catches the `CheckpointError` of
+RANK cannot create directories or files under ROOT (a full disk, say); every process catches the `CheckpointError` of
 `save` and of `save_safetensors` (only process 0 writes
 export files), prints it, trains one more step (all processes still in step), and exits 0.
 """
@@ -31,7 +31,14 @@ def main() -> None:
                 raise OSError(errno.ENOSPC, "No space left on device", str(path))
             return mkdir(path, *args, **kwargs)
 
+        def no_new_file(path, flags, *args, **kwargs):
+            if flags & os.O_CREAT and str(path).startswith(str(root)):
+                raise OSError(errno.ENOSPC, "No space left on device", str(path))
+            return open_(path, flags, *args, **kwargs)
+
+        open_ = os.open
         os.mkdir = full_disk  # os.makedirs and pathlib's mkdir call it too
+        os.open = no_new_file  # its shard file: the other process may have made the directories already
 
     model = torch.nn.Linear(4, 2)
     plan = ts.plan(model, ts.make_mesh({"data": 2}))

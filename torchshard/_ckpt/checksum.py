@@ -57,16 +57,20 @@ _fingerprint_one = jax.jit(_fingerprint)
 
 
 def _host_words(a: np.ndarray) -> np.ndarray:
-    """`_words` on the host, for the dtypes `_on_host` accepts."""
+    """`_words` on the host, for the dtypes `on_host` accepts."""
     if a.dtype == np.bool_:
         return a.astype(np.uint32)
     unsigned = np.dtype(f"uint{8 * a.dtype.itemsize}")
     return a.view(unsigned) if a.dtype.itemsize == 4 else a.view(unsigned).astype(np.uint32)
 
 
-def _on_host(x: Any) -> bool:
-    """Whether the host computes ``x``'s checksum: whole-byte real dtypes of at most 32 bits (nearly every array)."""
-    dtype = getattr(x, "dtype", None)
+def on_host(dtype: Any) -> bool:
+    """Whether the host computes the checksum of a ``dtype`` array: whole-byte real dtypes of at most 32 bits.
+
+    Example:
+        >>> on_host(jnp.bfloat16), on_host(jnp.complex64)
+        (True, False)
+    """
     if dtype is None or jax.dtypes.issubdtype(dtype, jax.dtypes.extended):
         return False
     if jnp.issubdtype(dtype, jnp.complexfloating):
@@ -75,29 +79,31 @@ def _on_host(x: Any) -> bool:
     return size in (1, 2, 4) and jax.dtypes.itemsize_bits(dtype) == 8 * size
 
 
-def _shard_sums(data: np.ndarray, index: tuple[slice, ...], shape: tuple[int, ...]) -> tuple[int, int]:
+def shard_sums(data: np.ndarray, index: tuple[slice, ...], shape: tuple[int, ...]) -> tuple[int, int]:
     """One shard's part of ``[sum(words), sum(words * (2 * position + 1))]`` (mod 2**32).
 
     The weighted sum splits by dimension: each position is the sum over dims of its global index
     times the dim's stride, so each dim needs only its marginal sums (a reduction over the others).
     """
     words = _host_words(np.asarray(data))
-    total = int(words.sum(dtype=np.uint32))
+    total = None
     weighted, stride = 0, 1
     for dim in reversed(range(words.ndim)):
         others = tuple(d for d in range(words.ndim) if d != dim)
         marginal = words.sum(axis=others, dtype=np.uint32)
+        total = int(marginal.sum(dtype=np.uint32)) if total is None else total  # one pass fewer over the data
         first = index[dim].start or 0 if dim < len(index) else 0
         positions = (np.arange(first, first + words.shape[dim], dtype=np.uint64) % 2**32).astype(np.uint32)
         weighted += int((marginal * positions).sum(dtype=np.uint32)) * stride
         stride *= shape[dim]
+    total = int(words.sum(dtype=np.uint32)) if total is None else total  # a 0-d array has no dimension to sum
     return total % 2**32, (total + 2 * weighted) % 2**32
 
 
 def _host_sums(x: jax.Array) -> tuple[int, int]:
     """This process's part of ``x``'s checksum: its shards that are replica 0 (each element once over all processes)."""
     shards = [s for s in x.addressable_shards if s.replica_id == 0]
-    parts = [_shard_sums(np.asarray(s.data), tuple(s.index), tuple(x.shape)) for s in shards]
+    parts = [shard_sums(np.asarray(s.data), tuple(s.index), tuple(x.shape)) for s in shards]
     return sum(p[0] for p in parts) % 2**32, sum(p[1] for p in parts) % 2**32
 
 
@@ -115,17 +121,22 @@ def start_checksums(tree: Any) -> Started:
     for x in leaves:  # jax builds an array's per-device list on first use, not thread-safely: two threads at once
         with contextlib.suppress(ValueError):  # (the write and these sums) could list each device twice
             getattr(x, "addressable_shards", None)  # (an array it cannot list raises again where it is read)
-    return Started(tree, {i: _fingerprint_one(x) for i, x in enumerate(leaves) if not _on_host(x)})
+    device = {i: _fingerprint_one(x) for i, x in enumerate(leaves) if not on_host(getattr(x, "dtype", None))}
+    return Started(tree, device)
 
 
-def finish_checksums(started: Started) -> Any:
+def finish_checksums(started: Started, local: list[tuple[int, int] | None] | None = None) -> Any:
     """The tree of ``[int, int]`` checksums: host sums of this process's shards, added up over processes.
 
-    Safe on any thread: processes add their sums up through the coordination service.
+    ``local`` (per leaf) are this process's host sums where the caller has them already (a load
+    sums what it reads); ``None`` in it, or no ``local``, sums the leaf's shards here. Safe on any
+    thread: processes add their sums up through the coordination service.
     """
     leaves, treedef = jax.tree.flatten(started.tree)
-    local = [list(_host_sums(x)) if i not in started.on_device else [0, 0] for i, x in enumerate(leaves)]
-    by_leaf = zip(*_everyones(local), strict=True)  # per leaf: every process's [plain, weighted]
+    have = local or [None] * len(leaves)
+    local_ = [list(_host_sums(x) if mine is None else mine) if i not in started.on_device else [0, 0]
+              for i, (x, mine) in enumerate(zip(leaves, have, strict=True))]  # fmt: skip
+    by_leaf = zip(*_everyones(local_), strict=True)  # per leaf: every process's [plain, weighted]
     sums = [[sum(column) % 2**32 for column in zip(*parts, strict=True)] for parts in by_leaf]
     for i, fingerprint in started.on_device.items():
         sums[i] = [int(v) for v in jax.device_get(fingerprint)]

@@ -13,7 +13,7 @@ import numpy as np
 
 from torchshard._base.errors import CheckpointError, raise_if_any
 from torchshard._base.validate import describe_mesh
-from torchshard._ckpt.checksum import checksums, is_checksum
+from torchshard._ckpt.checksum import checksums, finish_checksums, is_checksum, start_checksums
 from torchshard._ckpt.datastate import data_entry_problems
 from torchshard._ckpt.stepdir import META
 
@@ -167,9 +167,12 @@ def read_meta(step_dir: pathlib.Path) -> dict[str, Any]:
     return meta
 
 
-def checksum_problems(meta: dict[str, Any], restored: dict[str, Any]) -> list[str]:
-    """Every restored array whose checksum differs from the saved one."""
-    sums = checksums(restored)
+def checksum_problems(meta: dict[str, Any], restored: dict[str, Any], local: list[Any] | None = None) -> list[str]:
+    """Every restored array whose checksum differs from the saved one.
+
+    ``local``: this process's host sums of each leaf as read (`read_state`'s), ``None`` where it has none.
+    """
+    sums = finish_checksums(start_checksums(restored), local)
     bad = [n for n, s in sums["model"].items() if s != meta["tensors"][n]["checksum"]]
     if "trainer" in restored:
         bad += [p for p, s in flat_sums(sums["trainer"]).items() if s != meta["trainer"][p]["checksum"]]
