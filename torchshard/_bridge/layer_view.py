@@ -8,7 +8,7 @@ import jax
 import torch
 
 from torchshard._bridge.env import env
-from torchshard._bridge.loaded import Tensor
+from torchshard._bridge.loaded import Tensor, mappings
 from torchshard._bridge.module_tensors import named_tensors, set_tensor
 
 
@@ -44,6 +44,23 @@ class LayerView(Tensor):
         self._stack, self._index, self._env = stack, index, env()
         if param:
             self._is_param = True  # what makes isinstance(view, torch.nn.Parameter) true, as for torchax params
+
+    # shape and dtype come from the stack: torchax reads them through _elem, which would slice the layer out (a
+    # device copy and an eager gather per read; building a Trainer reads them hundreds of times)
+    @property
+    def shape(self) -> torch.Size:
+        return torch.Size(self._stack.array.shape[1:])
+
+    @property
+    def ndim(self) -> int:
+        return self._stack.array.ndim - 1
+
+    def dim(self) -> int:
+        return self.ndim
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return mappings.j2t_dtype(self._stack.array.dtype)
 
     @property
     def _elem(self) -> jax.Array:  # private: torchax reads the wrapped array from this attribute

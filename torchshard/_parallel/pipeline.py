@@ -4,9 +4,11 @@ The layers' weights are stacked ``[L, ...]`` with the stage axis on the layer di
 a contiguous split gives each stage its chunks. One loop of ``repeats·M + S - 1`` iterations runs
 every stage on its current micro-batch at once (``vmap`` over the stage dim: under GSPMD each
 device computes only its own stage), then passes every stage's output to the next stage with a
-``ppermute`` (a collective-permute). Autodiff of the loop is the backward pass; under ``"1f1b"`` each
-iteration's stage work is checkpointed whole, so the backward recomputes and differentiates one
-micro-batch per stage at a time.
+``ppermute`` (a collective-permute). The loop steps one layer at a time (an iteration is ``chunk``
+steps), so autodiff of the loop, the backward pass, keeps one gradient accumulator for the stack
+and slices each layer out of the stack again rather than keeping its slice; under ``"1f1b"`` and
+``"circular"`` each step is checkpointed, so the backward recomputes and differentiates one layer
+of one micro-batch per stage at a time.
 """
 
 from __future__ import annotations
@@ -17,7 +19,6 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
-from jax.ad_checkpoint import checkpoint_name
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from torchshard._base.errors import ShardingError
@@ -25,7 +26,6 @@ from torchshard._base.validate import describe_mesh, int_problems, raise_for_arg
 from torchshard._parallel.vmapped import vmapped_over
 
 SCHEDULES = ("gpipe", "circular", "1f1b")
-LAYER_INPUT = "torchshard_pipeline_layer_input"  # the activations a circular schedule keeps for the backward
 # layer_fn(one layer's arrays, hidden state, other call arrays, key) -> (hidden state, key after)
 LayerFn = Callable[[Mapping[str, jax.Array], jax.Array, Sequence[jax.Array], jax.Array], tuple[jax.Array, jax.Array]]
 
@@ -47,9 +47,9 @@ class Pipeline:
         schedule: ``"gpipe"``: all forwards, then the backward by autodiff; ``"circular"``: chunk ``j``
             on stage ``j mod S``, and micro-batches go ``repeats`` times round the stages, which shrinks
             the idle fraction to ``(S-1)/(repeats*M + S-1)``; ``"1f1b"``: gpipe's order, but the forward
-            keeps only each stage's input per micro-batch and the backward runs one micro-batch's
-            stage forward and its backward together, so a stage holds one micro-batch's activations
-            (at most S in the pipe) instead of M, for one more stage forward per micro-batch.
+            keeps only each layer's input per micro-batch and the backward runs one layer's forward
+            and its backward together, so a stage holds one layer's activations of one micro-batch
+            instead of all of them for M, for one more forward per micro-batch.
         repeats: rounds of a circular schedule (1 for gpipe and 1f1b).
         layers: regex (``re.fullmatch``) naming the ModuleList to pipeline, if the model has several.
 
@@ -181,14 +181,21 @@ def _by_batch(x: jax.Array, rows: int) -> bool:
 
 @dataclasses.dataclass(frozen=True)
 class _Loop:
-    """The arrays and functions of one pipelined call, shared by every iteration."""
+    """The arrays and functions of one pipelined call, shared by every step.
+
+    The loop runs one layer per step: step ``k`` is layer ``k mod chunk`` of every stage's chunk in
+    iteration ``k // chunk``, so the stack's gradient is one accumulator that each step updates in
+    place (a loop over iterations around a loop over the chunk would keep a second one per
+    iteration, and autodiff would keep every layer's slice of the stack for the backward).
+    """
 
     spec: Stages
-    stage_fn: Callable[..., tuple[jax.Array, jax.Array]]
+    layer_fn: LayerFn
     weights: Mapping[str, jax.Array]  # [S, repeats, chunk, ...], or [S, chunk, ...] for one repeat
     split: tuple[jax.Array, ...]  # batch-split call arguments, [M, mb, ...]
     whole: tuple[jax.Array, ...]
     key: jax.Array
+    policy: Any  # what the backward keeps of a layer (a jax.checkpoint policy)
 
     def constrain(self, x: jax.Array, *dims: Any) -> jax.Array:
         spec = PartitionSpec(self.spec.axis, *dims, *([PartitionSpec.UNCONSTRAINED] * (x.ndim - 1 - len(dims))))
@@ -207,74 +214,75 @@ class _Loop:
         )
         return move(x)
 
-    def stages_out(self, repeat: jax.Array, inputs: jax.Array, micro: jax.Array, keys: jax.Array) -> jax.Array:
-        """Every stage's output for this iteration, each stage on its own devices."""
-        run = jax.vmap(self.stage_fn, in_axes=(0, 0, 0, None, 0), spmd_axis_name=self.spec.axis)
-        repeats = self.spec.repeats
+    def keys(self, t: jax.Array) -> jax.Array:
+        """Each stage's key for iteration ``t``."""
+        return jax.vmap(lambda i: jax.random.fold_in(jax.random.fold_in(self.key, t), i))(jnp.arange(self.spec.stages))
 
-        def compute(weights, repeat, inputs, micro, keys):
-            split = tuple(_per_stage(x, micro, shared=True) for x in self.split)
-            chunk = weights if repeats == 1 else {k: _per_stage(w, repeat) for k, w in weights.items()}
-            return run(chunk, inputs, split, self.whole, keys)[0]
+    def layers(self, weights: Mapping[str, jax.Array], h: jax.Array, keys: jax.Array, repeat: jax.Array,
+               micro: jax.Array, i: jax.Array) -> tuple[jax.Array, jax.Array]:  # fmt: skip
+        """Layer ``i`` of every stage's chunk (of its ``repeat``) on its micro-batch, each stage on its own devices."""
+        split = tuple(_per_stage(x, micro) for x in self.split)
+        if self.spec.repeats == 1:
+            layer = {k: jnp.take(w, i, axis=1) for k, w in weights.items()}
+        else:
+            layer = {k: jax.vmap(lambda a, r: a[r, i])(w, repeat) for k, w in weights.items()}
+        one = lambda layer, h, split, keys: self.layer_fn(layer, h, (*split, *self.whole), keys)  # noqa: E731
+        return jax.vmap(one, spmd_axis_name=self.spec.axis)(layer, h, split, keys)
 
-        if self.spec.schedule == "1f1b":
-            # keep only each stage's input per micro-batch: the backward recomputes one micro-batch's stage forward
-            # at a time and takes its vjp at once, so a stage holds one micro-batch's activations, never M of them
-            compute = jax.checkpoint(compute, policy=jax.checkpoint_policies.nothing_saveable)
-        elif repeats > 1:
-            # each stage's chunk changes with its repeat: autodiff would keep every iteration's slice of the weights
-            # for the backward; instead keep only each layer's input and recompute the rest (as remat would)
-            compute = jax.checkpoint(compute, policy=jax.checkpoint_policies.save_only_these_names(LAYER_INPUT))
-        return compute(self.weights, repeat, inputs, micro, keys)
-
-    def iteration(self, carry: tuple[jax.Array, jax.Array], t: jax.Array):
-        buffer, shift = carry
+    def step(self, carry: tuple[jax.Array, jax.Array, jax.Array], k: jax.Array):
+        buffer, h, keys = carry
         spec, stage = self.spec, jnp.arange(self.spec.stages)
-        m, s = spec.microbatches, spec.stages
+        m, c = spec.microbatches, spec.chunk
+        t, i = k // c, k % c
+        # an iteration starts: stage 0 takes micro-batch t mod M, the others keep what the previous stage handed on
         first = jax.lax.dynamic_index_in_dim(buffer, t % m, 1, keepdims=False)
-        inputs = jnp.where(_column(stage == 0, shift.ndim), first, shift)
-        inputs = self.constrain(inputs, spec.batch)
+        h = self.constrain(jnp.where(_column((i == 0) & (stage == 0), h.ndim), first, h), spec.batch)
+        keys = jnp.where(i == 0, self.keys(t), keys)
         # stage s runs micro-batch (t - s) mod M of repeat (t - s) // M; outside 0..repeats-1 it idles on junk
         ahead = t - stage
         repeat = jnp.clip(ahead // m, 0, spec.repeats - 1)
-        micro = ahead % m
-        keys = jax.vmap(lambda i: jax.random.fold_in(jax.random.fold_in(self.key, t), i))(stage)
-        out = self.stages_out(repeat, inputs, micro, keys)
-        rotated = self.constrain(self.rotate(out), spec.batch)
+        layers = jax.checkpoint(self.layers, policy=self.policy, prevent_cse=False)
+        h, keys = layers(self.weights, h, keys, repeat, ahead % m, i)
+        if c == 1:
+            buffer, h = self.hand_on(buffer, h, t)
+        else:
+            buffer, h = jax.lax.cond(i == c - 1, self.hand_on, lambda b, h, t: (b, h), buffer, h, t)
+        return (buffer, h, keys), None
+
+    def hand_on(self, buffer: jax.Array, h: jax.Array, t: jax.Array) -> tuple[jax.Array, jax.Array]:
+        """The end of iteration ``t``: every stage's output to the next stage; stage 0 keeps the last stage's."""
+        s, m = self.spec.stages, self.spec.microbatches
+        rotated = self.constrain(self.rotate(h), self.spec.batch)
         # stage 0's slot now holds the last stage's output: micro-batch t-S+1 is done with this round
         done = (t - s + 1) % m
         old = jax.lax.dynamic_index_in_dim(buffer, done, 1, keepdims=False)
         kept = jnp.where(t >= s - 1, rotated, old)
-        buffer = jax.lax.dynamic_update_index_in_dim(buffer, kept, done, 1)
-        return (buffer, rotated), None
+        return jax.lax.dynamic_update_index_in_dim(buffer, kept, done, 1), rotated
 
 
 def _column(mask: jax.Array, ndim: int) -> jax.Array:
     return mask.reshape(mask.shape + (1,) * (ndim - 1))
 
 
-def _per_stage(x: jax.Array, index: jax.Array, *, shared: bool = False) -> jax.Array:
-    """Stage s's slice ``index[s]`` of its own ``x[s]`` (or of a ``shared`` x): local on each stage's devices."""
-    take = lambda a, i: jax.lax.dynamic_index_in_dim(a, i, 0, keepdims=False)  # noqa: E731
-    if shared:
-        return jax.vmap(take, in_axes=(None, 0))(x, index)
-    return jax.vmap(take)(x, index)
+def _per_stage(x: jax.Array, index: jax.Array) -> jax.Array:
+    """Stage s's slice ``x[index[s]]`` (``[S, ...]``): local on each stage's devices."""
+    return jax.vmap(lambda i: jax.lax.dynamic_index_in_dim(x, i, 0, keepdims=False))(index)
 
 
-def stage_function(layer_fn: LayerFn, policy: Any) -> Callable[..., tuple[jax.Array, jax.Array]]:
-    """One stage's work: its chunk's layers in turn (a ``lax.scan``), each under ``policy`` if given."""
+def _unsliced(prim: Any, *_: Any, **__: Any) -> bool:
+    # a layer's slice of the stack is not kept for the backward, which slices the stack again: kept, it would be a
+    # copy of the stack (autodiff stacks a loop-invariant residual outside the loop)
+    return prim not in (jax.lax.dynamic_slice_p, jax.lax.gather_p)
 
-    def stage(weights, h, split, whole, key):
-        others = (*split, *whole)
 
-        def body(carry, layer):
-            h, key = carry
-            return layer_fn(layer, checkpoint_name(h, LAYER_INPUT), others, key), None
-
-        step = jax.checkpoint(body, policy=policy) if policy is not None else body
-        return jax.lax.scan(step, (h, key), dict(weights))[0]
-
-    return stage
+def backward_policy(schedule: str, policy: Any) -> Any:
+    """What the backward keeps of each layer: ``policy`` (remat) or everything for gpipe, but never a slice of
+    the stack; only the layer's input for circular and 1f1b, which recompute the layer in the backward."""
+    if schedule != "gpipe":
+        return jax.checkpoint_policies.nothing_saveable
+    if policy is None:
+        return _unsliced
+    return lambda prim, *args, **params: _unsliced(prim) and policy(prim, *args, **params)
 
 
 def run(
@@ -320,13 +328,15 @@ def run(
                for k, w in params.items()}  # fmt: skip
     split = tuple(_split(x, m) for x in others if _by_batch(x, rows))
     whole = tuple(x for x in others if not _by_batch(x, rows))
-    loop = _Loop(spec, stage_function(_reordered(layer_fn, others, rows), policy), weights, split, whole, key)
+    layer_fn = _reordered(layer_fn, others, rows)
+    loop = _Loop(spec, layer_fn, weights, split, whole, key, backward_policy(spec.schedule, policy))
     micro = _split(h, m)
     buffer = loop.constrain(jnp.broadcast_to(micro, (spec.stages, *micro.shape)), None, spec.batch)
     shift = loop.constrain(jnp.zeros((spec.stages, *micro.shape[1:]), h.dtype), spec.batch)
+    steps = jnp.arange(spec.iterations * spec.chunk)
     try:
         with vmapped_over(spec.axis):  # shard_maps inside the layers (context-parallel attention) take the axis
-            (buffer, _), _ = jax.lax.scan(loop.iteration, (buffer, shift), jnp.arange(spec.iterations))
+            (buffer, _, _), _ = jax.lax.scan(loop.step, (buffer, shift, loop.keys(jnp.int32(0))), steps)
     except (TypeError, ValueError) as err:
         if isinstance(err, ShardingError) or not (whole_rows := _whole_rows(h, others, names)):
             raise
