@@ -146,6 +146,7 @@ class _Request:
     entry: dict[str, Any]
     slices: dict[Any, Bounds]  # device → bounds
     owned: frozenset[Bounds]  # the slices this process sums for the checksum: each element once over processes
+    pieces: dict[Bounds, list[tuple[dict[str, Any], Bounds]]]  # per slice: the stored shards it overlaps, and where
 
 
 class _Stored:
@@ -180,7 +181,8 @@ class _Stored:
         slices = {d: _bounds(tuple(i), shape) for d, i in local.items()}
         mine = jax.process_index()
         owned = frozenset(b for b in set(slices.values()) if owners[b].process_index == mine)
-        return _Request(key, abstract, entry, slices, owned)
+        pieces = {b: list(_overlaps(entry, b)) for b in set(slices.values())}
+        return _Request(key, abstract, entry, slices, owned, pieces)
 
     def map_files(self, requests: list[_Request]) -> None:
         """Maps every file the requests touch; one this process reads mostly is read whole, at once.
@@ -192,8 +194,8 @@ class _Stored:
         needed: dict[str, int] = {}
         for request in requests:
             itemsize = jnp.dtype(request.entry["dtype"]).itemsize
-            for bounds in set(request.slices.values()):
-                for shard, have in _overlaps(request.entry, bounds):
+            for pieces in request.pieces.values():
+                for shard, have in pieces:
                     needed[shard["file"]] = needed.get(shard["file"], 0) + math.prod(b - a for a, b in have) * itemsize
         for name, nbytes in needed.items():
             path = self.directory / name
@@ -223,7 +225,7 @@ class _Stored:
         singles, sums = [], []
         for device, bounds in request.slices.items():
             if bounds not in host:
-                stored = self._assemble(request.key, request.entry, bounds, dtype)
+                stored = self._assemble(request.key, request.pieces[bounds], bounds, dtype)
                 if summed and bounds in request.owned:
                     sums.append(shard_sums(stored, tuple(slice(a, b) for a, b in bounds), shape))
                 host[bounds] = stored.astype(abstract.dtype, copy=False)
@@ -231,10 +233,11 @@ class _Stored:
         total = (sum(s[0] for s in sums) % 2**32, sum(s[1] for s in sums) % 2**32) if summed else None
         return jax.make_array_from_single_device_arrays(shape, abstract.sharding, singles), total
 
-    def _assemble(self, key: str, entry: dict[str, Any], bounds: Bounds, dtype: np.dtype) -> np.ndarray:
+    def _assemble(
+        self, key: str, pieces: list[tuple[dict[str, Any], Bounds]], bounds: Bounds, dtype: np.dtype
+    ) -> np.ndarray:
         """The stored values within ``bounds``: a view of the mapped file where one shard holds them all."""
         size = math.prod(b - a for a, b in bounds)
-        pieces = list(_overlaps(entry, bounds))
         if len(pieces) == 1 and math.prod(b - a for a, b in pieces[0][1]) == size:
             shard, have = pieces[0]
             return self.piece(shard, dtype)[_within(have, shard["index"])]
