@@ -3,12 +3,15 @@
 from __future__ import annotations
 
 import concurrent.futures
+import contextlib
 import logging
+import os
 import threading
 from collections.abc import Callable
 from typing import Any
 
 _THREAD = "torchshard-save"
+_NICENESS = 10  # added to the save thread's (and the threads it starts): the training step goes first
 logger = logging.getLogger(__name__)
 
 
@@ -29,13 +32,23 @@ def submit(work: Callable[[], Any]) -> concurrent.futures.Future[Any]:
     """Runs ``work`` on the save thread; its Future becomes the pending save."""
     with _pending.lock:
         if _pending.executor is None:
-            _pending.executor = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix=_THREAD)
+            _pending.executor = concurrent.futures.ThreadPoolExecutor(
+                1, thread_name_prefix=_THREAD, initializer=_yield_to_training
+            )
             # at exit, wait before concurrent.futures stops taking work (orbax's writes use executors)
             # and before atexit handlers stop JAX: threading's exit hooks run first, newest first
             threading._register_atexit(_at_exit)  # type: ignore[attr-defined]
         future = _pending.executor.submit(work)
         _pending.future, _pending.raised = future, False
     return future
+
+
+def _yield_to_training() -> None:
+    """Lowers the save thread's CPU priority: where the host's cores also run the step (CPU devices, the input
+    pipeline), a background write must not slow it down. Linux sets it per thread; elsewhere it is a no-op."""
+    with contextlib.suppress(AttributeError, OSError):
+        thread = threading.get_native_id()
+        os.setpriority(os.PRIO_PROCESS, thread, os.getpriority(os.PRIO_PROCESS, thread) + _NICENESS)
 
 
 def _on_save_thread() -> bool:
