@@ -10,6 +10,7 @@ import jax.numpy as jnp
 import torch
 
 from torchshard._bridge.loaded import Environment, interop
+from torchshard._bridge.ops import flash
 from torchshard._bridge.registry import register
 
 
@@ -77,8 +78,21 @@ def _causal(rows: int, cols: int, offset: int = 0) -> jax.Array:
     return row >= jax.lax.broadcasted_iota(jnp.int32, (rows, cols), 1)
 
 
-def attention_jax(query, key, value, attn_mask, is_causal, scale):
-    """[batch, heads, seq, dim] attention in torch's layout (grouped KV heads too): see `_attend`."""
+def attention_jax(query, key, value, attn_mask, is_causal, scale, *, most: int = flash.TILE):
+    """[batch, heads, seq, dim] attention in torch's layout (grouped KV heads too): see `flash.attend`."""
+    b, n, s, h = query.shape
+    kv_heads, t = key.shape[1], key.shape[2]
+    q = _grouped(query, kv_heads, scale)
+    mask = bias = None
+    if attn_mask is not None:
+        grouped = _as_grouped_mask(attn_mask, n, kv_heads)
+        mask, bias = (grouped, None) if grouped.dtype == jnp.bool_ else (None, grouped)
+    tiling = flash.Tiling(s // flash.tiles(s, most), t // flash.tiles(t, most), is_causal)
+    return flash.attend(tiling, q, key, value, mask, bias).reshape(b, n, s, h)
+
+
+def attention_materialised(query, key, value, attn_mask, is_causal, scale):
+    """The former lowering (scores materialised, causal query blocks): kept to measure `attention_jax` against."""
     b, n, s, h = query.shape
     kv_heads, t = key.shape[1], key.shape[2]
     q = _grouped(query, kv_heads, scale)
