@@ -19,6 +19,7 @@ _CALLED = re.compile(
     r"\b(?P<how>body|condition|calls|to_apply|branch_computations)=\{?(?P<names>%[\w.\-]+(?:,\s*%[\w.\-]+)*)"
 )
 _TRIP = re.compile(r'"known_trip_count":\{"n":"(\d+)"\}')
+_COMMENT = re.compile(r"/\*.*?\*/")  # /*index=5*/ between operands
 _CONTRACTING = re.compile(r"lhs_contracting_dims=\{([\d,]*)\}")
 _FREE = frozenset({"parameter", "constant", "get-tuple-element", "tuple", "bitcast", "while", "call", "conditional",
                    "after-all", "partition-id", "replica-id", "opt-barrier"})  # fmt: skip
@@ -154,9 +155,74 @@ def step_costs(text: str) -> StepCosts:
             op, args, result = m.group("op"), m.group("args"), m.group("type")
             flops += n * _dot_flops(line, op, args, result, comp.types)
             if name not in inlined and op not in _FREE and not op.endswith("-done"):
-                operands = (comp.types.get(a.strip().lstrip("%"), "") for a in args.split(","))
-                traffic += n * (_array_bytes(result) + sum(_array_bytes(t) for t in operands))
+                traffic += n * _moved(comps, comp, line, op, _operands(args), result)
     return StepCosts(flops, traffic, _collectives(text, comps, runs))
+
+
+def _operands(args: str) -> list[str]:
+    return [a.strip().lstrip("%") for a in _COMMENT.sub("", args).split(",") if a.strip()]
+
+
+def _moved(comps: dict[str, _Computation], comp: _Computation, line: str, op: str, operands: list[str],
+           result: str) -> int:  # fmt: skip
+    """Bytes a top-level instruction reads and writes; a dynamic slice moves its slice, not the array it cuts.
+
+    As XLA's own cost analysis counts them: a ``dynamic-slice`` reads and writes its result, a
+    ``dynamic-update-slice`` its update (in place), and a fusion reads of an operand only what its
+    dynamic slices take and writes of an in-place updated output only the update. Loops that walk
+    a stacked array (a scan's layers, an attention's tiles) would otherwise move the whole array
+    at every step.
+    """
+    types = [comp.types.get(o, "") for o in operands]
+    if op == "dynamic-slice":
+        return 2 * _array_bytes(result)
+    if op == "dynamic-update-slice":
+        return 2 * _array_bytes(types[1])
+    called = _CALLED.search(line) if op == "fusion" else None
+    fused = comps.get(called.group("names").split(",")[0].strip().lstrip("%")) if called else None
+    if fused is None:
+        return _array_bytes(result) + sum(_array_bytes(t) for t in types)
+    return _fusion_moved(fused, types, result)
+
+
+def _fusion_moved(fused: _Computation, operand_types: list[str], result: str) -> int:
+    instructions = [(m.group("name"), m.group("op"), _operands(m.group("args")), line.lstrip().startswith("ROOT"))
+                    for line in fused.lines if (m := _INSTRUCTION.match(line))]  # fmt: skip
+    uses: dict[str, list[tuple[str, int, str]]] = {}
+    for name, op, operands, _ in instructions:
+        for position, operand in enumerate(operands):
+            uses.setdefault(operand, []).append((op, position, name))
+    read = 0
+    for name, op, operands, _ in instructions:
+        if op != "parameter" or not operands[0].isdigit() or int(operands[0]) >= len(operand_types):
+            continue
+        users = uses.get(name, [])
+        sliced = [user for kind, pos, user in users if kind == "dynamic-slice" and pos == 0]
+        in_place = [user for kind, pos, user in users if kind == "dynamic-update-slice" and pos == 0]
+        whole = not users or len(sliced) + len(in_place) < len(users)
+        read += (
+            _array_bytes(operand_types[int(operands[0])])
+            if whole
+            else sum(_array_bytes(fused.types[u]) for u in sliced)
+        )
+    return read + _written(instructions, fused.types, result)
+
+
+def _written(instructions: list[tuple[str, str, list[str], bool]], types: dict[str, str], result: str) -> int:
+    """Bytes a fusion writes: each in-place updated output only its update."""
+    by_name = {name: (op, operands) for name, op, operands, _ in instructions}
+    root = next((name for name, _, _, is_root in instructions if is_root), None)
+    if root is None:
+        return _array_bytes(result)
+    op, operands = by_name[root]
+    outputs = operands if op == "tuple" else [root]
+    total = 0
+    for out in outputs:
+        kind, args = by_name.get(out, ("", []))
+        total += (
+            _array_bytes(types.get(args[1], "")) if kind == "dynamic-update-slice" else _array_bytes(types.get(out, ""))
+        )
+    return total
 
 
 def _collectives(text: str, comps: dict[str, _Computation], runs: dict[str, int]) -> tuple[tuple[Collective, int], ...]:
