@@ -303,7 +303,9 @@ def _attend_fwd(ring: Ring, q: jax.Array, k: jax.Array, v: jax.Array, k_seg: Seg
     return out, (q, k, v, k_seg, q_seg, out, lse, me)
 
 
-_attend.defvjp(_attend_fwd, _backward)
+# optimize_remat: under a jax.checkpoint policy that saves matmul outputs (dots_saveable), JAX would
+# replay the forward for the output and log-sum-exp, keeping every ring and tile step's scores to do so
+_attend.defvjp(_attend_fwd, _backward, optimize_remat=True)
 
 
 def _gather(x: jax.Array, ring: Ring) -> jax.Array:

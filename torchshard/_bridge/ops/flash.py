@@ -198,4 +198,6 @@ def _attend_bwd(tiling: Tiling, res: tuple, do: jax.Array):
     return dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype), None, dbias
 
 
+# optimize_remat: under a jax.checkpoint policy that saves matmul outputs (dots_saveable), JAX would
+# replay the forward for the output and log-sum-exp, keeping every tile's scores to do so
 attend.defvjp(_attend_fwd, _attend_bwd, optimize_remat=True)
