@@ -121,6 +121,21 @@ def test_no_remat_policy_saves_the_scores(attend, policy):
     assert temp < 4 * seq * seq * 4 / 4  # a quarter of one f32 score matrix per head
 
 
+def test_costs_count_what_tiles_pass_among_themselves_apart():
+    """A fused flash kernel keeps a tile's scores on chip: the estimate counts them apart from the memory traffic."""
+    from torchshard._report.costs import step_costs
+
+    seq, tile = 1024, flash.tile_size(1024)
+    q = jax.ShapeDtypeStruct((1, 4, seq, 16), jnp.float32)
+    costs = step_costs(jax.jit(jax.grad(lambda q: attention_jax(q, q, q, None, True, None).sum())).lower(q).compile()
+                       .as_text())  # fmt: skip
+    whole, cut = flash.Tiling(tile, tile, causal=True).pairs(seq, seq)
+    scores = (len(whole) + len(cut)) * 4 * tile * tile * 4  # every visible tile's f32 scores, once
+    assert costs.tile_bytes > 3 * scores  # written and read back, forward and backward
+    assert costs.bytes_accessed < costs.tile_bytes / 2
+    assert costs.flops == 7 * (len(whole) + len(cut)) * 2 * 4 * tile * tile * 16
+
+
 def test_tile_pairs_skip_what_the_causal_mask_hides():
     whole, cut = flash.Tiling(64, 32, causal=True).pairs(128, 128)
     assert cut == ((0, 0), (0, 1), (1, 2), (1, 3))  # each block's diagonal keys

@@ -23,6 +23,7 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import Mesh, PartitionSpec
 
+from torchshard._bridge.ops.flash import TILE_SCOPE
 from torchshard._parallel.ring_layout import Layout, from_zigzag, to_zigzag
 from torchshard._parallel.vmapped import vmapped_axes
 
@@ -124,6 +125,7 @@ def _untiled(x: jax.Array) -> jax.Array:
     return jnp.moveaxis(x, 0, 2).reshape(b, kv, tiles * k, d)
 
 
+@jax.named_scope(TILE_SCOPE)
 def _update(stats: Stats, q: jax.Array, k: jax.Array, v: jax.Array, q_start: jax.Array, k_start: jax.Array,
             causal: bool, q_seg: Seg, k_seg: Seg) -> Stats:  # fmt: skip
     """One key block folded into the running (max, sum, weighted values) of a query run."""
@@ -209,6 +211,7 @@ def _forward(ring: Ring, me: jax.Array, q: jax.Array, block: Keys, q_seg: Seg) -
     return out.astype(q.dtype), lse
 
 
+@jax.named_scope(TILE_SCOPE)
 def _grads(q: jax.Array, k: jax.Array, v: jax.Array, do: jax.Array, lse: jax.Array, delta: jax.Array,
            q_start: jax.Array, k_start: jax.Array, causal: bool, q_seg: Seg,
            k_seg: Seg) -> tuple[jax.Array, jax.Array, jax.Array]:  # fmt: skip

@@ -21,6 +21,9 @@ import jax.numpy as jnp
 Stats = tuple[jax.Array, jax.Array, jax.Array]  # running max, running sum, running weighted values (all f32)
 Grads = tuple[jax.Array, jax.Array, jax.Array, jax.Array | None]  # dq, dk, dv, dbias (f32)
 Index = jax.Array | int
+# the name scope of one tile's work: what its instructions pass among themselves a fused kernel keeps on
+# chip, which `torchshard._report.costs` counts apart from the memory traffic
+TILE_SCOPE = "attention_tile"
 
 
 def tile_size(length: int) -> int:
@@ -103,6 +106,7 @@ def _each_pair(pairs: tuple[tuple[int, int], ...], step: Callable[[Any, Index, I
     return carry
 
 
+@jax.named_scope(TILE_SCOPE)
 def _fold(tiling: Tiling, masked: bool, tensors: tuple, stats: Stats, i: Index, j: Index) -> Stats:
     """Key tile ``j`` folded into query block ``i``'s running (max, sum, weighted values)."""
     q, k, v, mask, bias = tensors
@@ -155,6 +159,7 @@ def _attend_fwd(tiling: Tiling, q, k, v, mask, bias):
     return out, (q, k, v, mask, bias, out, lse)
 
 
+@jax.named_scope(TILE_SCOPE)
 def _unfold(tiling: Tiling, masked: bool, tensors: tuple, grads: Grads, i: Index, j: Index) -> Grads:
     """Pair (``i``, ``j``)'s share of dq, dk, dv and the bias' gradient, from its recomputed scores."""
     q, k, v, mask, bias, do, lse, delta = tensors
