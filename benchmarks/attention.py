@@ -6,8 +6,9 @@
 Memory: the compiled fwd+bwd of one causal attention (bf16, GQA), plain and under
 ``jax.checkpoint(policy=dots_saveable)``: ``memory_analysis()`` temp bytes (nothing is allocated)
 and the FLOPs and bytes accessed `torchshard._report.costs.step_costs` reads from its HLO (loops
-weighted by their trip counts), beside the FLOPs the tiling implies (7 dots per visible tile pair:
-2 forward, 5 backward). Speed: median fwd+bwd time of interleaved rounds, causal, f32, on CPU.
+weighted by their trip counts; what the tiles pass among their own instructions apart), beside
+the FLOPs the tiling implies (7 dots per visible tile pair: 2 forward, 5 backward). Speed: median
+fwd+bwd time of interleaved rounds, causal, f32, on CPU.
 """
 
 from __future__ import annotations
@@ -66,7 +67,7 @@ def memory_rows(b: int, heads: int, kv: int, seq: int, dim: int) -> list[list[st
             costs = step_costs(compiled.as_text())
             temp = compiled.memory_analysis().temp_size_in_bytes
             rows.append([name, remat, f"{temp / 2**20:,.1f}", f"{costs.flops / 1e9:,.3f}",
-                         f"{costs.bytes_accessed / 2**30:,.2f}"])  # fmt: skip
+                         f"{costs.bytes_accessed / 2**30:,.2f}", f"{costs.tile_bytes / 2**30:,.2f}"])  # fmt: skip
     return rows
 
 
@@ -103,7 +104,7 @@ def main() -> None:
     b, heads, kv, seq, dim = (1, 4, 2, 1024, 16) if args.tiny else (1, 32, 8, args.seq, 128)
     print(f"one causal attention fwd+bwd, bf16, [{b}, {heads} heads ({kv} KV), {seq}, {dim}]; "
           f"the tiling's FLOPs: {tiled_flops(b, heads, seq, dim) / 1e9:,.3f} G")  # fmt: skip
-    header = ["lowering", "remat", "temp (MiB)", "FLOPs (G)", "bytes accessed (GiB)"]
+    header = ["lowering", "remat", "temp (MiB)", "FLOPs (G)", "bytes accessed (GiB)", "within tiles (GiB)"]
     print(table(header, memory_rows(b, heads, kv, seq, dim)))
     shapes = [(2, 4, 128, 16), (1, 4, 512, 16)] if args.tiny else [(16, 8, 256, 64), (2, 8, 2048, 64)]
     print()
