@@ -64,7 +64,8 @@ def published_layout(text: str) -> Layout:
 def row(c: engine.Candidate, devices: int) -> str:
     return (f"{c.layout.label():<60} peak {c.peak_bytes / 2**30:7.2f} GiB fits={c.fits} {c.step_seconds * 1e3:9.1f} ms "
             f"{c.tokens_per_second / devices:9.0f} tok/s/device MFU {c.mfu:.1%} ({c.dominant}; compute "
-            f"{c.parts['compute'] * 1e3:.0f} ms)")  # fmt: skip
+            f"{c.parts['compute'] * 1e3:.0f} ms, memory {c.parts['memory'] * 1e3:.0f} ms, attention tiles "
+            f"{c.parts.get('attention tiles', 0.0) * 1e3:.0f} ms)")  # fmt: skip
 
 
 def main() -> None:
@@ -105,7 +106,11 @@ def main() -> None:
         mine = engine.rate(problem, layout, *engine.measure(problem, layout, simulated_devices(devices)))
         rank = sum(c.fits and c.layout != layout and c.step_seconds < mine.step_seconds for c in compiled) + 1
         verdict = f"rank {rank} of {sum(bool(c.fits) for c in compiled if c.layout != layout) + 1} that fit"
-        print(f"published {args.published}: {row(mine, devices)}; {verdict if mine.fits else 'does not fit'}")
+        if not mine.fits:  # where its estimated time alone would put it among everything compiled
+            faster = sum(c.layout != layout and c.step_seconds < mine.step_seconds for c in compiled)
+            total = len({c.layout for c in compiled} | {layout})
+            verdict = f"does not fit; by estimated time alone {faster + 1} of {total}"
+        print(f"published {args.published}: {row(mine, devices)}; {verdict}")
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"seconds": seconds, "candidates": [c.to_json() for c in found]}, f, indent=1)

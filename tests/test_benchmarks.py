@@ -176,3 +176,20 @@ def test_checkpoint_benchmark_runs(tmp_path):
     assert result["bytes"] > 0 and result["save_vs_disk"] > 0 and result["load_vs_disk"] > 0
     assert set(result["stall"]) == {"step_s", "sync", "background"}
     assert [p.name for p in tmp_path.iterdir()] == [out.name]  # the benchmark removes what it wrote
+
+
+@pytest.mark.slow
+def test_attention_benchmark_runs():
+    done = subprocess.run([sys.executable, str(SCRIPT.parent / "attention.py"), "--tiny"], capture_output=True,
+                          text=True, timeout=300)  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    expected_flops = float(done.stdout.split("the tiling's FLOPs: ")[1].split(" G")[0])
+    rows = [[c.strip() for c in line.split("|")[1:-1]] for line in done.stdout.splitlines() if line.startswith("| ")]
+    memory = {(r[0], r[1]): r for r in rows if r[1] in ("none", "dots_saveable")}
+    for remat in ("none", "dots_saveable"):  # the former lowering saved the scores, the tiled one never does
+        tiled, before = memory["tiled (flash)", remat], memory["materialised (before)", remat]
+        assert float(tiled[2]) < float(before[2]) / 4, (tiled, before)
+    # the scan over tile pairs is weighted by its trip count: every visible pair's 7 dots, no more, no fewer
+    assert float(memory["tiled (flash)", "none"][3]) == expected_flops
+    speed = [r for r in rows if r[0].startswith("[")]
+    assert [r[0] for r in speed] == ["[2, 4, 128, 16]", "[1, 4, 512, 16]"] and all(float(r[3]) > 0 for r in speed)

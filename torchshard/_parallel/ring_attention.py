@@ -23,6 +23,7 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import Mesh, PartitionSpec
 
+from torchshard._bridge.ops.flash import TILE_SCOPE
 from torchshard._parallel.ring_layout import Layout, from_zigzag, to_zigzag
 from torchshard._parallel.vmapped import vmapped_axes
 
@@ -124,6 +125,7 @@ def _untiled(x: jax.Array) -> jax.Array:
     return jnp.moveaxis(x, 0, 2).reshape(b, kv, tiles * k, d)
 
 
+@jax.named_scope(TILE_SCOPE)
 def _update(stats: Stats, q: jax.Array, k: jax.Array, v: jax.Array, q_start: jax.Array, k_start: jax.Array,
             causal: bool, q_seg: Seg, k_seg: Seg) -> Stats:  # fmt: skip
     """One key block folded into the running (max, sum, weighted values) of a query run."""
@@ -209,6 +211,7 @@ def _forward(ring: Ring, me: jax.Array, q: jax.Array, block: Keys, q_seg: Seg) -
     return out.astype(q.dtype), lse
 
 
+@jax.named_scope(TILE_SCOPE)
 def _grads(q: jax.Array, k: jax.Array, v: jax.Array, do: jax.Array, lse: jax.Array, delta: jax.Array,
            q_start: jax.Array, k_start: jax.Array, causal: bool, q_seg: Seg,
            k_seg: Seg) -> tuple[jax.Array, jax.Array, jax.Array]:  # fmt: skip
@@ -303,7 +306,9 @@ def _attend_fwd(ring: Ring, q: jax.Array, k: jax.Array, v: jax.Array, k_seg: Seg
     return out, (q, k, v, k_seg, q_seg, out, lse, me)
 
 
-_attend.defvjp(_attend_fwd, _backward)
+# optimize_remat: under a jax.checkpoint policy that saves matmul outputs (dots_saveable), JAX would
+# replay the forward for the output and log-sum-exp, keeping every ring and tile step's scores to do so
+_attend.defvjp(_attend_fwd, _backward, optimize_remat=True)
 
 
 def _gather(x: jax.Array, ring: Ring) -> jax.Array:

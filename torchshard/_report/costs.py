@@ -7,6 +7,7 @@ import math
 import re
 from collections.abc import Iterator
 
+from torchshard._bridge.ops.flash import TILE_SCOPE
 from torchshard._report.hlo import _BITS, Collective, parse_hlo
 
 _HEADER = re.compile(r"^(?P<entry>ENTRY\s+)?%?(?P<name>[\w.\-]+)\s*\((?P<params>.*)\)\s*->.*\{\s*$")
@@ -19,6 +20,8 @@ _CALLED = re.compile(
     r"\b(?P<how>body|condition|calls|to_apply|branch_computations)=\{?(?P<names>%[\w.\-]+(?:,\s*%[\w.\-]+)*)"
 )
 _TRIP = re.compile(r'"known_trip_count":\{"n":"(\d+)"\}')
+_COMMENT = re.compile(r"/\*.*?\*/")  # /*index=5*/ between operands
+_OP_NAME = re.compile(r'op_name="([^"]*)"')
 _CONTRACTING = re.compile(r"lhs_contracting_dims=\{([\d,]*)\}")
 _FREE = frozenset({"parameter", "constant", "get-tuple-element", "tuple", "bitcast", "while", "call", "conditional",
                    "after-all", "partition-id", "replica-id", "opt-barrier"})  # fmt: skip
@@ -35,17 +38,22 @@ class StepCosts:
         bytes_accessed: bytes its top-level instructions (fusions, matmuls, copies, collectives) read and write.
         collectives: each collective with how often it runs (a loop's repeated; fractional once
             extrapolated in depth), with mesh axes once known.
+        tile_bytes: bytes the attention kernels' tiles (``TILE_SCOPE``) pass between their own
+            instructions: XLA writes them to memory, a fused flash kernel keeps them on chip; not
+            in ``bytes_accessed``, which has only what crosses a tile's boundary.
     """
 
     flops: float
     bytes_accessed: float
     collectives: tuple[tuple[Collective, float], ...]
+    tile_bytes: float = 0.0
 
     def scaled(self, other: StepCosts, factor: float) -> StepCosts:
         """``self + factor * (other - self)``: a cost at another depth, from two compiled depths."""
         mix = lambda a, b: a + factor * (b - a)  # noqa: E731
         return StepCosts(mix(self.flops, other.flops), mix(self.bytes_accessed, other.bytes_accessed),
-                         _mix_collectives(self.collectives, other.collectives, factor))  # fmt: skip
+                         _mix_collectives(self.collectives, other.collectives, factor),
+                         mix(self.tile_bytes, other.tile_bytes))  # fmt: skip
 
 
 def _mix_collectives(
@@ -145,18 +153,111 @@ def step_costs(text: str) -> StepCosts:
     comps = {c.name: c for c, _ in parsed}
     entry = next(c.name for c, is_entry in parsed if is_entry)
     runs, inlined = _multipliers(comps, entry)
-    flops = traffic = 0.0
+    flops = traffic = on_chip = 0.0
     for name, n in runs.items():
         comp = comps[name]
-        for line in comp.lines:
-            if (m := _INSTRUCTION.match(line)) is None:
-                continue
-            op, args, result = m.group("op"), m.group("args"), m.group("type")
-            flops += n * _dot_flops(line, op, args, result, comp.types)
-            if name not in inlined and op not in _FREE and not op.endswith("-done"):
-                operands = (comp.types.get(a.strip().lstrip("%"), "") for a in args.split(","))
-                traffic += n * (_array_bytes(result) + sum(_array_bytes(t) for t in operands))
-    return StepCosts(flops, traffic, _collectives(text, comps, runs))
+        flops += n * sum(_dot_flops(line, m.group("op"), m.group("args"), m.group("type"), comp.types)
+                         for line in comp.lines if (m := _INSTRUCTION.match(line)))  # fmt: skip
+        if name not in inlined:
+            moved, kept = _traffic(comps, comp)
+            traffic, on_chip = traffic + n * moved, on_chip + n * kept
+    return StepCosts(flops, traffic, _collectives(text, comps, runs), on_chip)
+
+
+def _traffic(comps: dict[str, _Computation], comp: _Computation) -> tuple[int, int]:
+    """Bytes ``comp``'s instructions move through memory, and those its attention tiles pass among themselves."""
+    parsed = [(m, line) for line in comp.lines if (m := _INSTRUCTION.match(line))]
+    tile: set[str] = set()
+    for m, line in parsed:  # in order: an instruction XLA added without a name (a copy) joins the tile it reads
+        named = _OP_NAME.search(line) is not None
+        if _in_tile(comps, line) or (not named and any(o in tile for o in _operands(m.group("args")))):
+            tile.add(m.group("name"))
+    outside = {o for m, line in parsed if m.group("name") not in tile for o in _operands(m.group("args"))}
+    outside |= {m.group("name") for m, line in parsed if line.lstrip().startswith("ROOT")}
+    moved = kept = 0
+    for m, line in parsed:
+        op, name, operands = m.group("op"), m.group("name"), _operands(m.group("args"))
+        if op in _FREE or op.endswith("-done"):
+            continue
+        reads, written = _moved(comps, comp, line, op, operands, m.group("type"))
+        if name not in tile:
+            moved += sum(reads) + written
+            continue
+        crossing = sum(r for r, o in zip(reads, operands, strict=False) if o not in tile)
+        crossing += written if name in outside else 0
+        moved, kept = moved + crossing, kept + sum(reads) + written - crossing
+    return moved, kept
+
+
+def _in_tile(comps: dict[str, _Computation], line: str) -> bool:
+    """Whether an instruction (or, for a fusion, any instruction it fuses) is named in an attention tile's scope."""
+    m = _OP_NAME.search(line)
+    if m is not None and TILE_SCOPE in m.group(1).split("/"):
+        return True
+    called = _CALLED.search(line) if " fusion(" in line else None
+    fused = comps.get(called.group("names").split(",")[0].strip().lstrip("%")) if called else None
+    return fused is not None and any(_in_tile(comps, inner) for inner in fused.lines if "op_name=" in inner)
+
+
+def _operands(args: str) -> list[str]:
+    return [a.strip().lstrip("%") for a in _COMMENT.sub("", args).split(",") if a.strip()]
+
+
+def _moved(comps: dict[str, _Computation], comp: _Computation, line: str, op: str, operands: list[str],
+           result: str) -> tuple[list[int], int]:  # fmt: skip
+    """Bytes a top-level instruction reads (per operand) and writes; a dynamic slice moves its slice.
+
+    As XLA's own cost analysis counts them: a ``dynamic-slice`` reads and writes its result, a
+    ``dynamic-update-slice`` its update (in place), and a fusion reads of an operand only what its
+    dynamic slices take and writes of an in-place updated output only the update. Loops that walk
+    a stacked array (a scan's layers, an attention's tiles) would otherwise move the whole array
+    at every step.
+    """
+    types = [comp.types.get(o, "") for o in operands]
+    if op == "dynamic-slice":
+        return [_array_bytes(result)] + [0] * (len(types) - 1), _array_bytes(result)
+    if op == "dynamic-update-slice":
+        update = _array_bytes(types[1])
+        return [0, update] + [0] * (len(types) - 2), update
+    called = _CALLED.search(line) if op == "fusion" else None
+    fused = comps.get(called.group("names").split(",")[0].strip().lstrip("%")) if called else None
+    if fused is None:
+        return [_array_bytes(t) for t in types], _array_bytes(result)
+    return _fusion_moved(fused, types, result)
+
+
+def _fusion_moved(fused: _Computation, operand_types: list[str], result: str) -> tuple[list[int], int]:
+    instructions = [(m.group("name"), m.group("op"), _operands(m.group("args")), line.lstrip().startswith("ROOT"))
+                    for line in fused.lines if (m := _INSTRUCTION.match(line))]  # fmt: skip
+    uses: dict[str, list[tuple[str, int, str]]] = {}
+    for name, op, operands, _ in instructions:
+        for position, operand in enumerate(operands):
+            uses.setdefault(operand, []).append((op, position, name))
+    reads = [_array_bytes(t) for t in operand_types]
+    for name, op, operands, _ in instructions:
+        if op != "parameter" or not operands[0].isdigit() or int(operands[0]) >= len(operand_types):
+            continue
+        users = uses.get(name, [])
+        sliced = [user for kind, pos, user in users if kind == "dynamic-slice" and pos == 0]
+        in_place = [user for kind, pos, user in users if kind == "dynamic-update-slice" and pos == 0]
+        if users and len(sliced) + len(in_place) == len(users):
+            reads[int(operands[0])] = sum(_array_bytes(fused.types[u]) for u in sliced)
+    return reads, _written(instructions, fused.types, result)
+
+
+def _written(instructions: list[tuple[str, str, list[str], bool]], types: dict[str, str], result: str) -> int:
+    """Bytes a fusion writes: each in-place updated output only its update."""
+    by_name = {name: (op, operands) for name, op, operands, _ in instructions}
+    root = next((name for name, _, _, is_root in instructions if is_root), None)
+    if root is None:
+        return _array_bytes(result)
+    op, operands = by_name[root]
+    outputs = operands if op == "tuple" else [root]
+    total = 0
+    for out in outputs:
+        kind, args = by_name.get(out, ("", []))
+        total += _array_bytes(types.get(args[1], "") if kind == "dynamic-update-slice" else types.get(out, ""))
+    return total
 
 
 def _collectives(text: str, comps: dict[str, _Computation], runs: dict[str, int]) -> tuple[tuple[Collective, int], ...]:

@@ -19,7 +19,9 @@ class Estimate:
         parts: seconds per cost: ``compute`` (matmul FLOPs over the peak), ``memory`` (bytes accessed over
             the HBM bandwidth), ``comm <axes>`` (collectives over those mesh axes over their links), and
             ``bubble`` (the share of compute a pipeline spends on placeholder micro-batches; already in
-            ``compute``).
+            ``compute``), ``attention tiles`` (what the attention tiles pass among their own
+            instructions over the HBM bandwidth: XLA's program writes it to memory, a fused flash
+            kernel keeps it on chip; not in the step time).
         dominant: the largest part.
     """
 
@@ -67,5 +69,7 @@ def estimate(costs: StepCosts, hw: Hardware, *, precision: str, devices_per_host
     seconds = max(parts["compute"], parts["memory"], overlapped) + critical
     if bubble:
         parts["bubble"] = parts["compute"] * bubble
-    dominant = max((k for k in parts if k != "bubble"), key=lambda k: parts[k])
+    if costs.tile_bytes:
+        parts["attention tiles"] = costs.tile_bytes / hw.hbm_bandwidth
+    dominant = max((k for k in parts if k not in ("bubble", "attention tiles")), key=lambda k: parts[k])
     return Estimate(seconds, parts, dominant)
