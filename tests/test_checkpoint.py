@@ -71,6 +71,17 @@ def test_a_module_saves_and_loads_onto_its_current_shardings(tmp_path, mesh_dm, 
     assert target.head.weight is target.embed.weight
 
 
+def test_loaded_arrays_are_the_processs_own_memory_not_the_files(tmp_path, mesh_fsdp):
+    """An array over the mapped file (what jax makes of an aligned read-only view) would fault when the file is
+    truncated and would keep a deleted step's disk space; a load copies into memory of its own."""
+    source = sharded(TiedLM, mesh_fsdp, presets.fsdp(min_size=64))
+    target = sharded(TiedLM, mesh_fsdp, presets.fsdp(min_size=64), seed=1)
+    ts.load(ts.save(tmp_path, source), target)
+    for data in (tmp_path / "step_00000000" / "state").glob("*.bin"):
+        data.write_bytes(b"")  # truncated in place: pages of a mapping over it would be gone (SIGBUS)
+    jax.tree.map(np.testing.assert_array_equal, values(target), values(source))
+
+
 def test_a_relative_path_saves_and_loads(tmp_path, mesh_fsdp, monkeypatch):
     """The README saves to "ckpt/": save and load resolve it against the cwd of the call."""
     monkeypatch.chdir(tmp_path)
