@@ -497,20 +497,22 @@ def test_a_hung_run_prints_each_workers_stack_and_stops():
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("failing", [0, 1, 2])
-def test_a_save_that_fails_on_one_process_ends_on_every_process(tmp_path, failing):
+def test_a_save_that_fails_on_one_process_ends_on_every_process(tmp_path):
     """Without agreeing on failures, the other process would wait at the save's barrier until the hang timeout.
 
-    ``failing=2`` names no process: the save succeeds (one device per process: the Trainer's replicated RNG key
-    was once an array whose shards could not be listed, and every such save failed).
+    One launch runs three cases in turn (see the script): ``failing=2`` names no process, and the save succeeds (one
+    device per process: the Trainer's replicated RNG key was once an array whose shards could not be listed, and
+    every such save failed); then process 0's saves fail, then process 1's.
     """
     command = [sys.executable, "-m", "torchshard.launch", "--nproc", "2", "--cpu-devices-per-proc", "1"]
-    command += ["--hang-timeout", "60", str(TESTS / "mp_save_script.py"), str(tmp_path), str(failing)]
+    command += ["--hang-timeout", "60", str(TESTS / "mp_save_script.py"), str(tmp_path)]
     result = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=180)
     assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-4000:]
-    for rank in (0, 1):
-        said = [line.split("] ", 1)[1] for line in result.stdout.splitlines() if line.startswith(f"[rank {rank}]")]
+    for failing, rank in ((f, r) for f in (2, 0, 1) for r in (0, 1)):
+        prefix = f"[rank {rank}] failing={failing} "
+        said = [line.removeprefix(prefix) for line in result.stdout.splitlines() if line.startswith(prefix)]
         lines = {line.split(":")[0]: line for line in said if line.split(":")[0] in ("save", "export", "after")}
+        assert list(lines) == ["save", "export", "after"], (failing, rank, said)
         if failing == 2:
             assert (lines["save"], lines["export"]) == ("save: saved", "export: saved"), said
             continue
