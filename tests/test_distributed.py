@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib.util
 import io
 import json
 import os
@@ -397,14 +398,17 @@ def _launch(
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory) -> dict[str, list[dict]]:
-    """The training script as 1 process × 8 devices and as 2 processes × 4 devices: each rank's JSON."""
-    out = {}
-    for nproc, cpus in ((1, 8), (2, 4)):
-        folder = tmp_path_factory.mktemp(f"run{nproc}x{cpus}")
-        result, _ = _launch(nproc, cpus, "mp_train_script.py", str(folder), timeout=240)
-        assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-4000:]
-        out[f"{nproc}x{cpus}"] = [json.loads((folder / f"rank{r}.json").read_text()) for r in range(nproc)]
-    return out
+    """The training script as 1 process × 8 devices (this one: a launch would spend its time importing torch and
+    JAX) and as 2 processes × 4 devices under the launcher: each rank's JSON."""
+    one, two = tmp_path_factory.mktemp("run1x8"), tmp_path_factory.mktemp("run2x4")
+    spec = importlib.util.spec_from_file_location("mp_train_script", TESTS / "mp_train_script.py")
+    script = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(script)  # its initialize() is single-process here, as in any test
+    script.main(str(one))
+    result, _ = _launch(2, 4, "mp_train_script.py", str(two), timeout=240)
+    assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-4000:]
+    return {"1x8": [json.loads((one / "rank0.json").read_text())],
+            "2x4": [json.loads((two / f"rank{r}.json").read_text()) for r in range(2)]}  # fmt: skip
 
 
 @pytest.mark.slow
