@@ -41,8 +41,17 @@ if not os.environ.get("TORCHSHARD_TEST_XLA_DEFAULTS"):
         os.environ[CHOSEN] = _known_fast_flags()
     os.environ["XLA_FLAGS"] = _with(os.environ[CHOSEN])
 
+# Eager torch, the truth of every test, runs tiny ops: its OpenMP threads only spin waiting for each other while
+# XLA's threads and the other pytest worker hold the 2 cores (a tiny MLP's AdamW step took 20-80 ms with 2 threads
+# on a loaded machine, 1-2 ms with 1). One thread each, for the tests and the processes they launch; ops this small
+# run on one thread anyway, so the values are the same.
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+
+import torch  # noqa: E402
+
 import torchshard  # noqa: E402
 
+torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
 torchshard.use_cpu_devices(8)
 
 

@@ -2,6 +2,11 @@
 
 from __future__ import annotations
 
+import functools
+import json
+import subprocess
+import sys
+
 import numpy as np
 import torch
 
@@ -100,3 +105,35 @@ def assert_attention_matches(attend, torch_fn, mesh, q, k, v, w) -> None:
     assert_close(value, expected, what="value")
     for name, got, want in zip("qkv", grads, expected_grads, strict=True):
         assert_close(got, want, what=f"d{name}")
+
+
+# One fresh Python process checks what needs a process that has not started JAX (import side effects,
+# use_cpu_devices before the backend starts, eager optimizers after import), instead of one process per test:
+# each start spends seconds importing torch and JAX. Its stdout and stderr are split at a marker line after
+# `import torchshard`, so a later step's output cannot be mistaken for the import's.
+FRESH_PROCESS = """
+import json, sys
+import torchshard
+from jax._src import xla_bridge
+started = sorted(xla_bridge._backends)
+print("-- imported --", flush=True)
+print("-- imported --", file=sys.stderr, flush=True)
+import jax, torch
+torchshard.use_cpu_devices(3)
+devices = [jax.device_count(), jax.devices()[0].platform]
+w = torch.nn.Parameter(torch.ones(3))
+for opt in (torch.optim.Adam([w]), torch.optim.SGD([w], lr=0.1), torch.optim.AdamW([w])):
+    w.sum().backward(); opt.step(); opt.zero_grad()
+print(json.dumps({"backends_after_import": started, "devices": devices, "optimizers_stepped": True}))
+"""
+
+
+@functools.cache
+def fresh_process() -> dict:
+    """What FRESH_PROCESS found (run once per pytest process): its report, and what it printed on import."""
+    done = subprocess.run([sys.executable, "-c", FRESH_PROCESS], capture_output=True, text=True, timeout=120)
+    out, _, rest = done.stdout.partition("-- imported --\n")
+    err, _, later_err = done.stderr.partition("-- imported --\n")
+    report = json.loads(rest.splitlines()[-1]) if done.returncode == 0 else {}
+    return {**report, "returncode": done.returncode, "import_stdout": out, "import_stderr": err,
+            "stderr": later_err or err}  # fmt: skip

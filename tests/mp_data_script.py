@@ -2,9 +2,11 @@
 
 ``python -m torchshard.launch --nproc 2 --cpu-devices-per-proc 4 tests/mp_data_script.py ROOT MODE``: each
 process shuffles its own 12 rows (3 batches an epoch) and feeds them as its part of the global batch. MODE
-``full`` trains every step; ``first`` trains 4 steps (mid-epoch 2), saves in the background with ``data=loader``
-and exits; ``resume`` builds a new Trainer and loader (other seeds), loads with ``data=loader`` and trains the
-rest. Each process writes ``ROOT/MODE.rank{i}.json``: the row ids of each step's batch and the losses.
+``first`` trains 4 steps (mid-epoch 2), saves in the background with ``data=loader`` and exits; ``resume`` builds a
+new Trainer and loader (other seeds), loads with ``data=loader`` and trains the rest, then trains every step with a
+new Trainer and loader (``full``: the uninterrupted run, in the same launch to spare one, after the resume so that
+the resume still runs in fresh processes). Each process writes ``ROOT/{first,resume,full}.rank{i}.json``: the row
+ids of each step's batch and the losses.
 """
 
 from __future__ import annotations
@@ -40,7 +42,7 @@ def batches(data: StatefulDataLoader):
         yield from data
 
 
-def main(root: pathlib.Path, mode: str) -> None:
+def run(root: pathlib.Path, mode: str) -> None:
     rank = ts.distributed.process_index()
     torch.manual_seed(0 if mode != "resume" else 1)
     model = torch.nn.Sequential(torch.nn.Linear(32, 64), torch.nn.ReLU(), torch.nn.Linear(64, 16))
@@ -58,6 +60,11 @@ def main(root: pathlib.Path, mode: str) -> None:
     if mode == "first":
         ts.save(root / "ckpt", trainer, data=data, background=True)  # interpreter exit waits for it
     (root / f"{mode}.rank{rank}.json").write_text(json.dumps({"seen": seen, "losses": losses}))
+
+
+def main(root: pathlib.Path, mode: str) -> None:
+    for each in ("resume", "full") if mode == "resume" else (mode,):
+        run(root, each)
 
 
 if __name__ == "__main__":

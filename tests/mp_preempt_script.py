@@ -1,10 +1,11 @@
 """Multi-process test script: a run preempted by SIGTERM saves at one agreed step and exits 0; a second run resumes.
 
 ``python -m torchshard.launch --nproc 2 --cpu-devices-per-proc 2 tests/mp_preempt_script.py ROOT MODE``:
-MODE ``full`` trains every step; ``preempt`` has process 1 send SIGTERM to the launcher (which forwards it to
-every process) after step 3, and every process saves in the background when `ts.distributed.preempted` says so,
-then exits; ``resume`` loads the latest step and trains the rest. Each process writes ``ROOT/MODE.rank{i}.json``:
-the losses by step and the steps it saw preempted.
+MODE ``preempt`` has process 1 send SIGTERM to the launcher (which forwards it to every process) after step 3, and
+every process saves in the background when `ts.distributed.preempted` says so, then exits; ``resume`` loads the
+latest step and trains the rest, then trains every step from scratch in a new Trainer (``full``: the uninterrupted
+run, in the same launch to spare one, after the resume so that the resume still runs in fresh processes). Each
+process writes ``ROOT/{preempt,resume,full}.rank{i}.json``: the losses by step and the steps it saw preempted.
 """
 
 from __future__ import annotations
@@ -31,7 +32,7 @@ def batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:
     return torch.randn(8, 32, generator=g), torch.randn(8, 16, generator=g)
 
 
-def main(root: pathlib.Path, mode: str) -> None:
+def run(root: pathlib.Path, mode: str) -> None:
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(32, 64), torch.nn.ReLU(), torch.nn.Linear(64, 16))
     plan = ts.plan(model, ts.make_mesh({"data": 4}), ts.presets.fsdp(min_size=0))
@@ -49,8 +50,14 @@ def main(root: pathlib.Path, mode: str) -> None:
             preempted_at = trainer.step_count
             ts.save(root / "ckpt", trainer, background=True)  # interpreter exit waits for it
             break
-        time.sleep(0.05)  # the signal arrives while training
+        if mode == "preempt":
+            time.sleep(0.05)  # the signal arrives while training
     (root / f"{mode}.rank{rank}.json").write_text(json.dumps({"losses": losses, "preempted_at": preempted_at}))
+
+
+def main(root: pathlib.Path, mode: str) -> None:
+    for each in ("resume", "full") if mode == "resume" else (mode,):
+        run(root, each)
 
 
 if __name__ == "__main__":

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib.util
 import io
 import json
 import os
@@ -397,14 +398,17 @@ def _launch(
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory) -> dict[str, list[dict]]:
-    """The training script as 1 process × 8 devices and as 2 processes × 4 devices: each rank's JSON."""
-    out = {}
-    for nproc, cpus in ((1, 8), (2, 4)):
-        folder = tmp_path_factory.mktemp(f"run{nproc}x{cpus}")
-        result, _ = _launch(nproc, cpus, "mp_train_script.py", str(folder), timeout=240)
-        assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-4000:]
-        out[f"{nproc}x{cpus}"] = [json.loads((folder / f"rank{r}.json").read_text()) for r in range(nproc)]
-    return out
+    """The training script as 1 process × 8 devices (this one: a launch would spend its time importing torch and
+    JAX) and as 2 processes × 4 devices under the launcher: each rank's JSON."""
+    one, two = tmp_path_factory.mktemp("run1x8"), tmp_path_factory.mktemp("run2x4")
+    spec = importlib.util.spec_from_file_location("mp_train_script", TESTS / "mp_train_script.py")
+    script = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(script)  # its initialize() is single-process here, as in any test
+    script.main(str(one))
+    result, _ = _launch(2, 4, "mp_train_script.py", str(two), timeout=240)
+    assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-4000:]
+    return {"1x8": [json.loads((one / "rank0.json").read_text())],
+            "2x4": [json.loads((two / f"rank{r}.json").read_text()) for r in range(2)]}  # fmt: skip
 
 
 @pytest.mark.slow
@@ -497,20 +501,22 @@ def test_a_hung_run_prints_each_workers_stack_and_stops():
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("failing", [0, 1, 2])
-def test_a_save_that_fails_on_one_process_ends_on_every_process(tmp_path, failing):
+def test_a_save_that_fails_on_one_process_ends_on_every_process(tmp_path):
     """Without agreeing on failures, the other process would wait at the save's barrier until the hang timeout.
 
-    ``failing=2`` names no process: the save succeeds (one device per process: the Trainer's replicated RNG key
-    was once an array whose shards could not be listed, and every such save failed).
+    One launch runs three cases in turn (see the script): ``failing=2`` names no process, and the save succeeds (one
+    device per process: the Trainer's replicated RNG key was once an array whose shards could not be listed, and
+    every such save failed); then process 0's saves fail, then process 1's.
     """
     command = [sys.executable, "-m", "torchshard.launch", "--nproc", "2", "--cpu-devices-per-proc", "1"]
-    command += ["--hang-timeout", "60", str(TESTS / "mp_save_script.py"), str(tmp_path), str(failing)]
+    command += ["--hang-timeout", "60", str(TESTS / "mp_save_script.py"), str(tmp_path)]
     result = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=180)
     assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-4000:]
-    for rank in (0, 1):
-        said = [line.split("] ", 1)[1] for line in result.stdout.splitlines() if line.startswith(f"[rank {rank}]")]
+    for failing, rank in ((f, r) for f in (2, 0, 1) for r in (0, 1)):
+        prefix = f"[rank {rank}] failing={failing} "
+        said = [line.removeprefix(prefix) for line in result.stdout.splitlines() if line.startswith(prefix)]
         lines = {line.split(":")[0]: line for line in said if line.split(":")[0] in ("save", "export", "after")}
+        assert list(lines) == ["save", "export", "after"], (failing, rank, said)
         if failing == 2:
             assert (lines["save"], lines["export"]) == ("save: saved", "export: saved"), said
             continue
@@ -526,7 +532,7 @@ def test_a_save_that_fails_on_one_process_ends_on_every_process(tmp_path, failin
 @pytest.mark.slow
 def test_a_preempted_run_saves_at_one_agreed_step_exits_0_and_resumes_with_the_uninterrupted_losses(tmp_path):
     """Process 1 sends SIGTERM to the launcher mid-run; every process stops at the same step, saves, exits 0."""
-    for mode in ("full", "preempt", "resume"):
+    for mode in ("preempt", "resume"):  # the resuming launch then runs the uninterrupted one ("full")
         result, _ = _launch(2, 2, "mp_preempt_script.py", str(tmp_path), mode, timeout=150)
         assert result.returncode == 0, (mode, result.stdout[-4000:] + result.stderr[-4000:])
     modes = ("full", "preempt", "resume")
@@ -545,7 +551,7 @@ def test_a_preempted_run_saves_at_one_agreed_step_exits_0_and_resumes_with_the_u
 def test_each_processs_data_loader_resumes_with_the_batches_and_losses_of_an_uninterrupted_run(tmp_path):
     """2 processes × 4 devices, each a StatefulDataLoader over its own rows; stopped mid-epoch, resumed anew."""
     modes = ("full", "first", "resume")
-    for mode in modes:
+    for mode in ("first", "resume"):  # the resuming launch then runs the uninterrupted one ("full")
         result, _ = _launch(2, 4, "mp_data_script.py", str(tmp_path), mode, timeout=150)
         assert result.returncode == 0, (mode, result.stdout[-4000:] + result.stderr[-4000:])
     runs = {m: [json.loads((tmp_path / f"{m}.rank{r}.json").read_text()) for r in (0, 1)] for m in modes}

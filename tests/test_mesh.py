@@ -1,10 +1,8 @@
 """Simulated CPU devices and Auto-axis meshes."""
 
-import subprocess
-import sys
-
 import jax
 import pytest
+from helpers import fresh_process
 from jax.sharding import AxisType
 
 import torchshard
@@ -28,10 +26,9 @@ def test_use_cpu_devices_rejects_non_positive_ints(n):
 
 
 def test_use_cpu_devices_before_the_backend_starts():
-    code = "import torchshard, jax\ntorchshard.use_cpu_devices(3)\nprint(jax.device_count(), jax.devices()[0].platform)"
-    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
-    assert done.returncode == 0, done.stderr
-    assert done.stdout.split() == ["3", "cpu"]
+    fresh = fresh_process()  # a fresh process: use_cpu_devices(3) right after import torchshard
+    assert fresh["returncode"] == 0, fresh["stderr"]
+    assert fresh["devices"] == [3, "cpu"]
 
 
 @pytest.mark.parametrize(

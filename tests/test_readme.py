@@ -95,7 +95,17 @@ def _hf_llama_stack() -> dict[str, Any]:
 
 
 def _context() -> dict[str, Any]:
-    return {**_hf_llama_stack(), "rules": ts.presets.fsdp("data", min_size=1024)}
+    import transformers
+
+    model = transformers.LlamaForCausalLM(_tiny_llama_config())  # 2 layers: each adds a ring attention to compile
+    loss_fn = lambda m, ids: m(input_ids=ids, labels=ids).loss  # noqa: E731
+    return {
+        "ts": ts,
+        "optax": optax,
+        "model": model,
+        "loss_fn": loss_fn,
+        "rules": ts.presets.fsdp("data", min_size=1024),
+    }
 
 
 def _pipeline_init() -> dict[str, Any]:

@@ -1,24 +1,22 @@
 """The torchax bridge: importing torchshard is silent and starts nothing; wrapping and host dtypes round-trip."""
 
-import subprocess
-import sys
-
 import jax.numpy as jnp
 import numpy as np
 import pytest
 import torch
 import torchax.interop
+from helpers import fresh_process
 
 from torchshard._bridge.env import env
 from torchshard._bridge.tensors import host_array, is_jax_tensor, jax_dtype, to_torch, unwrap, wrap
 
 
 def test_import_prints_nothing_and_leaves_the_backend_alone():
-    code = "import torchshard\nfrom jax._src import xla_bridge\nassert not xla_bridge._backends, xla_bridge._backends\n"
-    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
-    assert done.returncode == 0, done.stderr
-    assert done.stdout == ""
-    assert done.stderr == ""
+    fresh = fresh_process()
+    assert fresh["returncode"] == 0, fresh["stderr"]
+    assert fresh["backends_after_import"] == []
+    assert fresh["import_stdout"] == ""
+    assert fresh["import_stderr"] == ""
 
 
 @pytest.mark.parametrize(

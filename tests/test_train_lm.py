@@ -3,8 +3,6 @@
 import importlib.util
 import json
 import re
-import subprocess
-import sys
 from pathlib import Path
 
 import numpy as np
@@ -17,20 +15,11 @@ SCRIPT = Path(__file__).resolve().parent.parent / "examples" / "train_lm.py"
 TINY = ["--batch", "8", "--seq", "32", "--layers", "1", "--d-model", "64", "--heads", "2", "--sample-bytes", "24"]
 
 
-def _start(*args: str) -> subprocess.Popen:
-    return subprocess.Popen(
-        [sys.executable, str(SCRIPT), *TINY, *args],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-        cwd=SCRIPT.parent.parent,
-    )
-
-
-def _finish(proc: subprocess.Popen) -> str:
-    out, err = proc.communicate(timeout=300)
-    assert proc.returncode == 0, out + err
-    return out
+def _run(train_lm, capsys, *args: str) -> str:
+    """``python examples/train_lm.py TINY ARGS`` as its main() in this process (a fresh process would spend most
+    of its time importing torch and JAX again); returns what it printed."""
+    assert train_lm.main([*TINY, *args]) == 0
+    return capsys.readouterr().out
 
 
 def _metrics(out: Path) -> list[dict]:
@@ -56,11 +45,9 @@ def _usage_error(train_lm, capsys, args: list[str]) -> str:
 @pytest.mark.slow
 def test_train_lm_writes_its_outputs_and_resumes_with_the_same_losses(tmp_path, train_lm, capsys):
     stopped, whole = tmp_path / "stopped", tmp_path / "whole"
-    # the interrupted run is given the uninterrupted run's schedule length; the two run side by side
-    first = _start("--steps", "3", "--decay-steps", "5", "--out", str(stopped))
-    reference = _start("--steps", "5", "--out", str(whole))
-    out = _finish(first)
-    _finish(reference)
+    # the interrupted run is given the uninterrupted run's schedule length
+    out = _run(train_lm, capsys, "--steps", "3", "--decay-steps", "5", "--out", str(stopped))
+    _run(train_lm, capsys, "--steps", "5", "--out", str(whole))
 
     rows = _metrics(stopped)
     assert [r["step"] for r in rows] == [1, 2, 3]
@@ -71,7 +58,7 @@ def test_train_lm_writes_its_outputs_and_resumes_with_the_same_losses(tmp_path, 
     assert sample.startswith(b"def ") and len(sample) == 4 + 24 and "--- sample" in out
 
     # resumed with the sequence split over 2 devices (context parallelism): the same run, exactly
-    resumed = _finish(_start("--steps", "5", "--resume", "--context", "2", "--out", str(stopped)))
+    resumed = _run(train_lm, capsys, "--steps", "5", "--resume", "--context", "2", "--out", str(stopped))
     assert "resumed at step 3" in resumed
     assert ts.checkpoint_steps(stopped / "checkpoints") == [3, 5]
     got, expected = _metrics(stopped), _metrics(whole)
