@@ -119,11 +119,11 @@ started = sorted(xla_bridge._backends)
 print("-- imported --", flush=True)
 print("-- imported --", file=sys.stderr, flush=True)
 import jax, torch
-torchshard.use_cpu_devices(3)
-devices = [jax.device_count(), jax.devices()[0].platform]
-w = torch.nn.Parameter(torch.ones(3))
+w = torch.nn.Parameter(torch.ones(3))  # eager optimizers straight after the import, before JAX starts
 for opt in (torch.optim.Adam([w]), torch.optim.SGD([w], lr=0.1), torch.optim.AdamW([w])):
     w.sum().backward(); opt.step(); opt.zero_grad()
+torchshard.use_cpu_devices(3)
+devices = [jax.device_count(), jax.devices()[0].platform]
 print(json.dumps({"backends_after_import": started, "devices": devices, "optimizers_stepped": True}))
 """
 

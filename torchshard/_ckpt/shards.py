@@ -13,6 +13,7 @@ format (``state/_METADATA``) are read by orbax.
 from __future__ import annotations
 
 import concurrent.futures
+import contextlib
 import dataclasses
 import json
 import math
@@ -158,6 +159,7 @@ class _Stored:
         self.arrays: dict[str, dict[str, Any]] = {}
         self._maps: dict[str, np.ndarray] = {}
         self._fds: dict[str, int] = {}
+        self._mmaps: dict[str, mmap.mmap] = {}
         for file in sorted(directory.glob("process_*.json")):
             index = json.loads(file.read_text())
             if not isinstance(index, dict) or index.get("format") != FORMAT or index.get("version") != VERSION:
@@ -194,11 +196,19 @@ class _Stored:
                 raise _Damaged(f"{name}: empty, the index lists shards in it")
             self._fds[name] = os.open(path, os.O_RDONLY)
             with open(path, "rb") as f:
-                self._maps[name] = np.frombuffer(mmap.mmap(f.fileno(), 0, prot=mmap.PROT_READ), np.uint8)
+                self._mmaps[name] = mmap.mmap(f.fileno(), 0, prot=mmap.PROT_READ)
+            self._maps[name] = np.frombuffer(self._mmaps[name], np.uint8)
 
     def close(self) -> None:
+        """Closes the files and unmaps them (a traceback that keeps this object must not keep the mappings)."""
         for fd in self._fds.values():
             os.close(fd)
+        self._fds.clear()
+        self._maps.clear()
+        for mapped in self._mmaps.values():
+            with contextlib.suppress(BufferError):  # a view still held elsewhere: unmapped when it goes
+                mapped.close()
+        self._mmaps.clear()
 
     def piece(self, shard: dict[str, Any], dtype: np.dtype) -> np.ndarray:
         """One stored shard as an array over its mapped bytes."""
@@ -237,7 +247,9 @@ class _Stored:
         if whole and (span := _span(bounds, pieces[0][0]["index"])) is not None:
             shard, (start, _) = pieces[0][0], span
             self.piece(shard, dtype)  # checks that the shard fits the file
-            _read_into(self._fds[shard["file"]], out, int(shard["offset"]) + start * dtype.itemsize)
+            where = int(shard["offset"]) + start * dtype.itemsize
+            if not _read_into(self._fds[shard["file"]], out, where):
+                raise _Damaged(f"{key}: {shard['file']} ends before byte {where + out.nbytes}")
             return out  # one copy, from the page cache straight into the slice's buffer
         filled = 0
         for shard, have in pieces:
@@ -275,13 +287,15 @@ def _span(have: Bounds, origin: Any) -> tuple[int, int] | None:
     return first, math.prod(lengths)
 
 
-def _read_into(fd: int, out: np.ndarray, offset: int) -> None:
+def _read_into(fd: int, out: np.ndarray, offset: int) -> bool:
+    """Fills ``out`` from ``fd`` at ``offset``; False if the file ends first."""
     view = memoryview(out.reshape(-1).view(np.uint8).data)
     while view:
         done = os.preadv(fd, [view], offset)
         if done == 0:
-            raise _Damaged(f"the file ends before byte {offset + len(view)}")
+            return False
         view, offset = view[done:], offset + done
+    return True
 
 
 def _overlaps(entry: dict[str, Any], bounds: Bounds) -> Iterator[tuple[dict[str, Any], Bounds]]:

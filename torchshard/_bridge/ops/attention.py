@@ -61,7 +61,8 @@ def attention(reference: Callable[..., Any], call_jax: Callable[..., Any]) -> Ca
 
     def sdpa(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False, env=None):
         grouped = query.ndim == 4 and key.ndim == 4 and query.shape[1] % key.shape[1] == 0
-        if dropout_p > 0 or not grouped or (query.shape[1] != key.shape[1] and not enable_gqa):
+        empty = grouped and (query.shape[2] == 0 or key.shape[2] == 0)  # no tile to fold: torchax's own op
+        if dropout_p > 0 or not grouped or empty or (query.shape[1] != key.shape[1] and not enable_gqa):
             return reference(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa, env=env)
         return call_jax(attention_jax, query, key, value, attn_mask, is_causal, scale)
 

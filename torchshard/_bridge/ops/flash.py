@@ -39,6 +39,8 @@ def tile_size(length: int) -> int:
         >>> tile_size(8192), tile_size(2048), tile_size(256), tile_size(100)
         (512, 128, 64, 100)
     """
+    if length <= 0:
+        return 1  # nothing to tile (an empty sequence never reaches the kernel; this keeps the arithmetic defined)
     most = 64 if length <= 256 else max(128, min(512, length // 16))
     for n in range(-(-length // most), length // 64 + 1):
         if length % n == 0:
