@@ -144,6 +144,8 @@ def test_tile_pairs_skip_what_the_causal_mask_hides():
     assert flash.Tiling(32, 32, causal=False).pairs(64, 64) == (((0, 0), (0, 1), (1, 0), (1, 1)), ())
 
 
-@pytest.mark.parametrize(("length", "tile"), [(8192, 512), (4096, 256), (2048, 128), (256, 64), (100, 100), (6, 6), (0, 1)])
+@pytest.mark.parametrize(
+    ("length", "tile"), [(8192, 512), (4096, 256), (2048, 128), (256, 64), (100, 100), (6, 6), (0, 1)]
+)
 def test_tile_size(length, tile):
     assert flash.tile_size(length) == tile
