@@ -13,17 +13,19 @@ SCRIPT = Path(__file__).resolve().parent.parent / "benchmarks" / "collectives.py
 OPS = ("all_gather", "psum", "psum_scatter", "all_to_all", "ppermute")
 
 
+def run_benchmark(name: str, *args: str, timeout: int = 600) -> str:
+    """What ``benchmarks/NAME ARGS`` printed, run in a fresh Python (each benchmark starts its own devices)."""
+    done = subprocess.run([sys.executable, str(SCRIPT.parent / name), *args], capture_output=True, text=True,
+                          timeout=timeout)  # fmt: skip
+    assert done.returncode == 0, done.stderr  # non-zero also when a benchmark's own checks fail
+    return done.stdout
+
+
 @pytest.mark.slow
 def test_collectives_benchmark_runs(tmp_path):
     png = tmp_path / "bw.png"
-    done = subprocess.run(
-        [sys.executable, str(SCRIPT), "--sizes", "1K,4K", "--iters", "2", "--plot", str(png)],
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
-    assert done.returncode == 0, done.stderr
-    rows = [line.split("|")[1:-1] for line in done.stdout.splitlines() if line.startswith("| ") and "---" not in line]
+    stdout = run_benchmark("collectives.py", "--sizes", "1K,4K", "--iters", "2", "--plot", str(png), timeout=300)
+    rows = [line.split("|")[1:-1] for line in stdout.splitlines() if line.startswith("| ") and "---" not in line]
     header, body = [c.strip() for c in rows[0]], [[c.strip() for c in row] for row in rows[1:]]
     assert header == ["op", "devices", "size/device", "time (µs)", "algbw (GB/s)", "busbw (GB/s)"]
     assert [(r[0], r[2]) for r in body] == [(op, size) for op in OPS for size in ("1 KiB", "4 KiB")]
@@ -50,12 +52,9 @@ def _tables(stdout: str) -> list[list[list[str]]]:
 
 @pytest.mark.slow
 def test_step_time_benchmark_runs():
-    script = SCRIPT.parent / "step_time.py"
     args = ["--batch", "64", "--steps", "2", "--warmup", "1", "--configs", "tp,fsdp", "--tiny",
             "--llama-configs", "fsdp_tp"]  # fmt: skip
-    done = subprocess.run([sys.executable, str(script), *args], capture_output=True, text=True, timeout=300)
-    assert done.returncode == 0, done.stderr
-    llama, mlp = _tables(done.stdout)
+    llama, mlp = _tables(run_benchmark("step_time.py", *args, timeout=300))
     assert [r[0] for r in mlp[1:]] == ["tp", "fsdp"]
     assert "Trainer / hand-written JAX" in mlp[0][3]
     per_device = {r[0]: float(r[-1]) for r in mlp[1:]}
@@ -66,14 +65,12 @@ def test_step_time_benchmark_runs():
 
 @pytest.mark.slow
 def test_llama_train_benchmark_runs(tmp_path):
-    script = SCRIPT.parent / "llama_train.py"
     out = tmp_path / "llama.json"
     args = ["--preset", "tiny", "--layers", "2", "--variants", "fsdp_tp+bf16+scan+remat", "--steps", "1",
             "--warmup", "0", "--torch", "--compile-layers", "2,4", "--json", str(out)]  # fmt: skip
-    done = subprocess.run([sys.executable, str(script), *args], capture_output=True, text=True, timeout=600)
-    assert done.returncode == 0, done.stderr
-    assert "| fsdp_tp+bf16+scan+remat | data=4×model=2 |" in done.stdout
-    assert "eager torch (cpu, own process)" in done.stdout and "scanned first-step trace+compile" in done.stdout
+    stdout = run_benchmark("llama_train.py", *args)
+    assert "| fsdp_tp+bf16+scan+remat | data=4×model=2 |" in stdout
+    assert "eager torch (cpu, own process)" in stdout and "scanned first-step trace+compile" in stdout
     result = json.loads(out.read_text())
     (row,) = result["rows"]
     assert row["tokens_per_s"] > 0 and row["temp_mib"] > 0 and 0 < row["tflops"] < result["peak"][0]
@@ -83,10 +80,8 @@ def test_llama_train_benchmark_runs(tmp_path):
 @pytest.mark.slow
 def test_pipeline_benchmark_runs(tmp_path):
     out = tmp_path / "pipeline.json"
-    args = [str(SCRIPT.parent / "pipeline.py"), "--tiny", "--json", str(out)]
-    done = subprocess.run([sys.executable, *args], capture_output=True, text=True, timeout=600)
-    assert done.returncode == 0, done.stderr
-    assert "| gpipe S=4 | stage=4×data=2 |" in done.stdout and "| circular S=4 r=2 | stage=4 |" in done.stdout
+    stdout = run_benchmark("pipeline.py", "--tiny", "--json", str(out))
+    assert "| gpipe S=4 | stage=4×data=2 |" in stdout and "| circular S=4 r=2 | stage=4 |" in stdout
     result = json.loads(out.read_text())
     memory = {r["config"]: r for r in result["memory"]}
     assert list(memory) == ["unpipelined", "gpipe S=4", "circular S=2 r=2", "1f1b S=4"]  # --tiny's subset
@@ -100,9 +95,7 @@ def test_pipeline_benchmark_runs(tmp_path):
 @pytest.mark.slow
 def test_pipeline_memory_benchmark_runs(tmp_path):
     out = tmp_path / "pipeline_memory.json"
-    done = subprocess.run([sys.executable, str(SCRIPT.parent / "pipeline_memory.py"), "--tiny", "--json", str(out)],
-                          capture_output=True, text=True, timeout=600)  # fmt: skip
-    assert done.returncode == 0, done.stderr
+    run_benchmark("pipeline_memory.py", "--tiny", "--json", str(out))
     rows = json.loads(out.read_text())["rows"]
     assert [r["config"] for r in rows] == ["replicated data=8", "pipelined stage=4×data=2"]
     assert all(r["peak_rss_kib"] >= r["constructed_rss_kib"] >= r["model_built_rss_kib"] > 0 for r in rows)
@@ -112,9 +105,7 @@ def test_pipeline_memory_benchmark_runs(tmp_path):
 @pytest.mark.slow
 def test_moe_benchmark_runs(tmp_path):
     out = tmp_path / "moe.json"
-    done = subprocess.run([sys.executable, str(SCRIPT.parent / "moe.py"), "--tiny", "--json", str(out)],
-                          capture_output=True, text=True, timeout=600)  # fmt: skip
-    assert done.returncode == 0, done.stderr
+    run_benchmark("moe.py", "--tiny", "--json", str(out))
     rows = {r["dispatch"]: r for r in json.loads(out.read_text())["rows"]}
     assert list(rows) == ["gspmd", "all_to_all (dropless)", "all_to_all capacity 1.25"]
     # the same model and batch: dropless all-to-all computes gspmd's loss, and moves at most half its bytes
@@ -126,22 +117,18 @@ def test_moe_benchmark_runs(tmp_path):
 @pytest.mark.slow
 def test_evaluate_benchmark_runs(tmp_path):
     out = tmp_path / "evaluate.json"
-    done = subprocess.run([sys.executable, str(SCRIPT.parent / "evaluate.py"), "--tiny", "--json", str(out)],
-                          capture_output=True, text=True, timeout=600)  # fmt: skip
-    assert done.returncode == 0, done.stderr
+    stdout = run_benchmark("evaluate.py", "--tiny", "--json", str(out))
     result = json.loads(out.read_text())
     assert set(result["median_s"]) == {"eager loop", "evaluate"} and result["speedup"] > 0
-    losses = [line.split()[3::3] for line in done.stdout.splitlines() if line.startswith("batch:")]
+    losses = [line.split()[3::3] for line in stdout.splitlines() if line.startswith("batch:")]
     assert losses and all(eager == compiled for eager, compiled in losses)  # the same loss both ways
 
 
 @pytest.mark.slow
 def test_generate_benchmark_runs():
-    done = subprocess.run([sys.executable, str(SCRIPT.parent / "generate.py"), "--tiny"],
-                          capture_output=True, text=True, timeout=600)  # fmt: skip
-    assert done.returncode == 0, done.stderr  # non-zero when any way decodes other tokens
-    assert "same tokens every way: yes" in done.stdout
-    rows = [[c.strip() for c in line.split("|")[1:-1]] for line in done.stdout.splitlines() if line.startswith("| ")]
+    stdout = run_benchmark("generate.py", "--tiny")  # fails when any way decodes other tokens
+    assert "same tokens every way: yes" in stdout
+    rows = [[c.strip() for c in line.split("|")[1:-1]] for line in stdout.splitlines() if line.startswith("| ")]
     assert [r[0] for r in rows[1:]] == [
         "ts.generate, one jitted loop",
         "ts.generate, a compiled step per token",
@@ -154,10 +141,8 @@ def test_generate_benchmark_runs():
 @pytest.mark.slow
 def test_pretrained_benchmark_runs(tmp_path):
     out = tmp_path / "pretrained.json"
-    args = [str(SCRIPT.parent / "pretrained.py"), "--tiny", "--repeats", "1", "--json", str(out)]
-    done = subprocess.run([sys.executable, *args], capture_output=True, text=True, timeout=600)
-    assert done.returncode == 0, done.stderr
-    assert "| from_pretrained + shard |" in done.stdout and "| load_safetensors (meta + plan) |" in done.stdout
+    stdout = run_benchmark("pretrained.py", "--tiny", "--repeats", "1", "--json", str(out))
+    assert "| from_pretrained + shard |" in stdout and "| load_safetensors (meta + plan) |" in stdout
     result = json.loads(out.read_text())
     # 2 processes × 4 devices: each asks for the slices its own devices hold, about half of every sharded tensor
     assert len(result["fractions"]) == 2 and all(0.4 <= f <= 0.6 for f in result["fractions"])
@@ -168,10 +153,8 @@ def test_pretrained_benchmark_runs(tmp_path):
 @pytest.mark.slow
 def test_checkpoint_benchmark_runs(tmp_path):
     out = tmp_path / "checkpoint.json"
-    args = [str(SCRIPT.parent / "checkpoint.py"), "--tiny", "--dir", str(tmp_path), "--json", str(out)]
-    done = subprocess.run([sys.executable, *args], capture_output=True, text=True, timeout=600)
-    assert done.returncode == 0, done.stderr
-    assert "| ts.save |" in done.stdout and "| background |" in done.stdout
+    stdout = run_benchmark("checkpoint.py", "--tiny", "--dir", str(tmp_path), "--json", str(out))
+    assert "| ts.save |" in stdout and "| background |" in stdout
     result = json.loads(out.read_text())
     assert result["bytes"] > 0 and result["save_vs_disk"] > 0 and result["load_vs_disk"] > 0
     assert set(result["stall"]) == {"step_s", "sync", "background"}
@@ -180,11 +163,9 @@ def test_checkpoint_benchmark_runs(tmp_path):
 
 @pytest.mark.slow
 def test_attention_benchmark_runs():
-    done = subprocess.run([sys.executable, str(SCRIPT.parent / "attention.py"), "--tiny"], capture_output=True,
-                          text=True, timeout=300)  # fmt: skip
-    assert done.returncode == 0, done.stderr
-    expected_flops = float(done.stdout.split("the tiling's FLOPs: ")[1].split(" G")[0])
-    rows = [[c.strip() for c in line.split("|")[1:-1]] for line in done.stdout.splitlines() if line.startswith("| ")]
+    stdout = run_benchmark("attention.py", "--tiny", timeout=300)
+    expected_flops = float(stdout.split("the tiling's FLOPs: ")[1].split(" G")[0])
+    rows = [[c.strip() for c in line.split("|")[1:-1]] for line in stdout.splitlines() if line.startswith("| ")]
     memory = {(r[0], r[1]): r for r in rows if r[1] in ("none", "dots_saveable")}
     for remat in ("none", "dots_saveable"):  # the former lowering saved the scores, the tiled one never does
         tiled, before = memory["tiled (flash)", remat], memory["materialised (before)", remat]

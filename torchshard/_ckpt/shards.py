@@ -210,14 +210,19 @@ class _Stored:
                 mapped.close()
         self._mmaps.clear()
 
-    def piece(self, shard: dict[str, Any], dtype: np.dtype) -> np.ndarray:
-        """One stored shard as an array over its mapped bytes."""
+    def _checked(self, shard: dict[str, Any], dtype: np.dtype) -> tuple[int, tuple[int, ...]]:
+        """A stored shard's byte offset and shape, once its index entry is known to fit its file."""
         name = shard["file"]
         shape = tuple(b - a for a, b in shard["index"])
         offset, nbytes = int(shard["offset"]), int(shard["nbytes"])
         if nbytes != math.prod(shape) * dtype.itemsize or offset + nbytes > self._maps[name].size:
             raise _Damaged(f"{name}: a shard of {shape} {dtype} at byte {offset} does not fit the file")
-        return self._maps[name][offset : offset + nbytes].view(dtype).reshape(shape)
+        return offset, shape
+
+    def piece(self, shard: dict[str, Any], dtype: np.dtype) -> np.ndarray:
+        """One stored shard as an array over its mapped bytes."""
+        offset, shape = self._checked(shard, dtype)
+        return self._maps[shard["file"]][offset : offset + math.prod(shape) * dtype.itemsize].view(dtype).reshape(shape)
 
     def read(self, request: _Request) -> tuple[jax.Array, Sums]:
         """The array in ``request``'s sharding, each device's slice built from the shards it overlaps, and its sums."""
@@ -244,10 +249,9 @@ class _Stored:
         over it would fault if the file were truncated, and would keep a deleted step's disk space)."""
         out = _aligned(tuple(b - a for a, b in bounds), dtype)
         whole = len(pieces) == 1 and pieces[0][1] == bounds  # one stored shard holds the slice
-        if whole and (span := _span(bounds, pieces[0][0]["index"])) is not None:
-            shard, (start, _) = pieces[0][0], span
-            self.piece(shard, dtype)  # checks that the shard fits the file
-            where = int(shard["offset"]) + start * dtype.itemsize
+        if whole and (start := _first(bounds, pieces[0][0]["index"])) is not None:
+            shard = pieces[0][0]
+            where = self._checked(shard, dtype)[0] + start * dtype.itemsize
             if not _read_into(self._fds[shard["file"]], out, where):
                 raise _Damaged(f"{key}: {shard['file']} ends before byte {where + out.nbytes}")
             return out  # one copy, from the page cache straight into the slice's buffer
@@ -268,12 +272,12 @@ def _aligned(shape: tuple[int, ...], dtype: np.dtype) -> np.ndarray:
     return raw[start : start + nbytes].view(dtype).reshape(shape)
 
 
-def _span(have: Bounds, origin: Any) -> tuple[int, int] | None:
-    """``have`` as one run of the row-major block at ``origin``: (first element, count), or None if it is not one.
+def _first(have: Bounds, origin: Any) -> int | None:
+    """Where ``have`` starts in the row-major block at ``origin`` (an element index), if it is one run of it.
 
     Example:
-        >>> _span(((1, 2), (2, 5)), [[0, 4], [0, 8]]), _span(((0, 4), (0, 4)), [[0, 4], [0, 8]])
-        ((10, 3), None)
+        >>> _first(((1, 2), (2, 5)), [[0, 4], [0, 8]]), _first(((0, 4), (0, 4)), [[0, 4], [0, 8]])
+        (10, None)
     """
     sizes = [b - a for a, b in origin]
     lengths = [b - a for a, b in have]
@@ -284,7 +288,7 @@ def _span(have: Bounds, origin: Any) -> tuple[int, int] | None:
     for d in reversed(range(len(sizes))):
         first += (have[d][0] - origin[d][0]) * stride
         stride *= sizes[d]
-    return first, math.prod(lengths)
+    return first
 
 
 def _read_into(fd: int, out: np.ndarray, offset: int) -> bool:
