@@ -8,7 +8,8 @@ import numpy as np
 import optax
 import pytest
 import torch
-from helpers import torch_losses
+from families import DENSE, build
+from helpers import assert_close, torch_losses
 from models import tiny_llama
 
 import torchshard as ts
@@ -181,3 +182,31 @@ def test_a_scanned_stack_missing_a_layer_keeps_that_layers_values(pretrained):
     state, expected = ts.to_torch_state_dict(trainer), reference(pretrained).state_dict()
     assert torch.equal(state.pop(name), own)
     assert_state_equal(state, {k: v for k, v in expected.items() if k != name})
+
+
+def _logits(model: torch.nn.Module):
+    """The model's logits as one jitted function of the input ids."""
+    import torchax.interop
+
+    params = dict(model.named_parameters()) | dict(model.named_buffers())
+    forward = torchax.interop.jax_jit(lambda p, x: torch.func.functional_call(model, p, (x,)).logits)
+    return lambda ids: forward(params, ids)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("model_type", ["gemma2", "gemma3_text"])
+def test_a_meta_built_model_with_a_scaled_embedding_loads_and_runs_like_eager(tmp_path, model_type):
+    """Gemma's embedding holds its parameter and a computed, non-persistent ``embed_scale``: computed, not read."""
+    family = next(f for f in DENSE if f.model_type == model_type)
+    source = build(family, seed=1).eval()
+    source.save_pretrained(tmp_path)
+    with torch.device("meta"):
+        model = build(family, seed=2)
+    plan = ts.plan(model, ts.make_mesh(MESH_DM), presets.hf_rules(model))
+    ts.load_safetensors(tmp_path, model, plan)
+    for name, buffer in source.named_buffers():
+        np.testing.assert_array_equal(np.asarray(model.get_buffer(name).jax()), buffer.numpy(), err_msg=name)
+    ids = torch.randint(0, 128, (4, 12), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        expected = source(input_ids=ids).logits
+    assert_close(_logits(model)(ts.shard_batch(ids, plan.mesh)), expected)

@@ -202,9 +202,11 @@ class _Build:
 
 
 def _computed_buffers(model: torch.nn.Module) -> dict[str, torch.Tensor]:
-    """Non-persistent buffers on meta that a transformers model's ``_init_weights`` computes (rotary frequencies).
+    """Non-persistent buffers on meta that a transformers model's ``_init_weights`` computes (rotary frequencies,
+    Gemma's ``embed_scale``).
 
-    Each is computed on a CPU copy of its (parameter-free) module, so the model itself is untouched.
+    Each is computed on a copy of its module whose parameters and other buffers are on meta, so
+    the model itself is untouched and the copy costs no memory whatever the module holds.
     """
     init = getattr(model, "_init_weights", None)
     found: dict[str, torch.Tensor] = {}
@@ -213,9 +215,9 @@ def _computed_buffers(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     for prefix, module in model.named_modules():
         meta = {n: b for n, b in module._buffers.items() if b is not None and b.device.type == "meta"}
         floats = all(b.is_floating_point() for b in meta.values())
-        if not meta or not floats or set(meta) - module._non_persistent_buffers_set or any(module.parameters()):
+        if not meta or not floats or set(meta) - module._non_persistent_buffers_set:
             continue
-        copy = copy_module(module)
+        copy = _meta_copy(module)
         for name, buffer in meta.items():  # NaN until computed: a buffer init leaves alone is not taken
             copy._buffers[name] = torch.full(buffer.shape, torch.nan, dtype=buffer.dtype)
         with contextlib.suppress(Exception):  # a module init cannot compute stays without values (named later)
@@ -223,6 +225,20 @@ def _computed_buffers(model: torch.nn.Module) -> dict[str, torch.Tensor]:
         values = {n: copy._buffers[n] for n in meta}
         found |= {f"{prefix}.{n}" if prefix else n: v for n, v in values.items() if not v.isnan().any()}
     return found
+
+
+def _meta_copy(module: torch.nn.Module) -> torch.nn.Module:
+    """A deep copy of ``module`` whose every parameter and buffer is a meta tensor of its shape and dtype."""
+    memo: dict[int, Any] = {}
+    for p in module.parameters():
+        memo[id(p)] = torch.nn.Parameter(_on_meta(p), requires_grad=p.requires_grad)
+    for b in module.buffers():
+        memo[id(b)] = _on_meta(b)
+    return copy_module(module, memo)
+
+
+def _on_meta(tensor: torch.Tensor) -> torch.Tensor:
+    return torch.empty(tensor.shape, dtype=tensor.dtype, device="meta")  # not empty_like: a jax tensor stays put
 
 
 def _own_arrays(target: Target, model: torch.nn.Module, dest: Destination) -> dict[str, Any]:
