@@ -222,8 +222,8 @@ def _computed_buffers(model: torch.nn.Module) -> dict[str, torch.Tensor]:
             copy._buffers[name] = torch.full(buffer.shape, torch.nan, dtype=buffer.dtype)
         with contextlib.suppress(Exception):  # a module init cannot compute stays without values (named later)
             init(copy)
-        values = {n: copy._buffers[n] for n in meta}
-        found |= {f"{prefix}.{n}" if prefix else n: v for n, v in values.items() if not v.isnan().any()}
+        values = {n: v for n in meta if (v := copy._buffers[n]) is not None and not v.isnan().any()}
+        found |= {f"{prefix}.{n}" if prefix else n: v for n, v in values.items()}
     return found
 
 
