@@ -202,6 +202,19 @@ def test_search_cli_errors_name_the_fix(capsys):
     assert "--mesh (or use --search)" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize(
+    ("flag", "value", "message"),
+    [("--devices", "0", "0 is out of range"), ("--devices", "-4", "-4 is out of range"),
+     ("--devices", "four", "'four' is not an integer"), ("--hosts", "0", "0 is out of range")],
+)  # fmt: skip
+def test_search_counts_below_one_are_usage_errors_naming_the_flag(capsys, flag, value, message):
+    flags = {"--devices": "4", "--hosts": "1"} | {flag: value}
+    with pytest.raises(SystemExit, match="2"):
+        main(["plan", "tests.models:tiny_llama", "--search", "--batch", "8x16", *(x for f in flags.items() for x in f)])
+    err = capsys.readouterr().err
+    assert f"argument {flag}: {message}; give a count >= 1" in err and "use_cpu_devices" not in err
+
+
 def test_at_depth_rebuilds_a_transformers_model_on_meta():
     shallow = at_depth(tiny_llama(layers=4, meta=True), 1)
     assert shallow.config.num_hidden_layers == 1 and next(shallow.parameters()).device == torch.device("meta")

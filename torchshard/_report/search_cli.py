@@ -29,15 +29,27 @@ def add_search_arguments(parser: argparse.ArgumentParser) -> None:
     """The ``--search`` flags of ``plan``."""
     s = parser.add_argument_group("plan search (see below)")
     s.add_argument("--search", action="store_true", help="search meshes and options (needs --devices, --batch)")
-    s.add_argument("--devices", type=int, help="devices to search meshes for, e.g. 64")
+    s.add_argument("--devices", type=positive_int, help="devices to search meshes for (>= 1), e.g. 64")
     s.add_argument("--hardware", default="h100", help=f"profile: {', '.join(PROFILES)} (default: h100)")
     s.add_argument("--hardware-file", metavar="FILE.json", help="more profiles: a list of Hardware fields")
-    s.add_argument("--hosts", type=int, help="hosts the devices span (default: the profile's devices per host)")
+    s.add_argument("--hosts", type=positive_int, help="hosts the devices span (>= 1; default: the profile's devices "
+                   "per host)")  # fmt: skip
     s.add_argument("--max-compiles", type=int, default=20, help="compile at most this many layouts (default: 20)")
     s.add_argument("--remat-policies", default="none,nothing_saveable,dots_saveable", help="remat values to try")
     s.add_argument("--microbatches", default="1,2,4", help="grad accumulation / micro-batches per stage to try")
     s.add_argument("--precisions", default="bf16,fp32", help="precisions to try")
     s.add_argument("--scans", default="true,false", help="scan_layers values to try")
+
+
+def positive_int(text: str) -> int:
+    """An argparse type: an integer >= 1 (argparse names the flag in its usage error, exit 2)."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not an integer; give a count >= 1, e.g. 8") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"{value} is out of range; give a count >= 1, e.g. 8")
+    return value
 
 
 def _values(text: str, flag: str, convert: Any, allowed: Any = None) -> tuple[Any, ...]:
