@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import errno
+
 import jax
 import numpy as np
 import optax
@@ -152,3 +154,43 @@ def test_cli_preset_hf_lays_out_a_peft_model(capsys):
     assert specs[PREFIX + "q_proj.lora_B.default.weight"] == str(P("model", None))
     assert specs[PREFIX + "o_proj.lora_A.default.weight"] == str(P(None, "model"))
     assert specs[PREFIX + "o_proj.base_layer.weight"] == str(P("data", "model"))
+
+
+@pytest.mark.parametrize("merged", ["no", 0, None])
+def test_save_adapters_takes_merged_as_a_bool_only(trained, tmp_path, merged):
+    with pytest.raises(ts.ArgumentError, match=rf"merged must be True or False, got {type(merged).__name__}"):
+        ts.save_adapters(tmp_path / "out", trained, merged=merged)
+    assert not (tmp_path / "out").exists()
+
+
+def _disk_full_after(written: list, real):
+    """A file writer that writes the file, then fails as a full disk does (the file half there)."""
+
+    def write(tensors, filename, *args, **kwargs):
+        real(tensors, filename, *args, **kwargs)
+        written.append(filename)
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    return write
+
+
+@pytest.mark.parametrize("existing", [False, True], ids=["new", "over_an_export"])
+@pytest.mark.parametrize("merged", [False, True], ids=["adapters", "merged"])
+def test_a_full_disk_leaves_nothing_behind(trained, tmp_path, monkeypatch, merged, existing):
+    import safetensors.torch
+    from peft import peft_model
+
+    out = tmp_path / "out"
+    if existing:
+        out.mkdir()
+        (out / "README.md").write_text("mine")
+        (out / "adapter_model.safetensors").write_bytes(b"old")
+    before = {p.name: p.read_bytes() for p in out.iterdir()} if existing else None
+    written: list = []
+    monkeypatch.setattr(peft_model, "safe_save_file", _disk_full_after(written, safetensors.torch.save_file))
+    monkeypatch.setattr(safetensors.torch, "save_file", _disk_full_after(written, safetensors.torch.save_file))
+    with pytest.raises(ts.CheckpointError, match=r"out: the disk is full \(No space left on device\); the previous"):
+        ts.save_adapters(out, trained, merged=merged)
+    assert written  # the fault struck midway, after a file was written
+    assert ({p.name: p.read_bytes() for p in out.iterdir()} if out.exists() else None) == before
+    assert sorted(p.name for p in tmp_path.iterdir()) == (["out"] if existing else [])  # no staging left

@@ -9,14 +9,13 @@ from typing import Any
 import jax
 import torch
 
-from torchshard._base.errors import CheckpointError
 from torchshard._base.validate import instance_problems, int_problems, raise_for_arguments
 from torchshard._bridge.env import env
 from torchshard._bridge.module_tensors import canonical_names, state_dict_names
 from torchshard._bridge.tensors import unwrap
-from torchshard._ckpt.checkpoint import primary, together
+from torchshard._ckpt.checkpoint import together
 from torchshard._ckpt.export import torch_tensor
-from torchshard._ckpt.safetensors import export_arrays_as
+from torchshard._ckpt.safetensors import export_arrays_as, staged_write
 from torchshard._ckpt.state import Target, export_arrays, model_of, torch_dtypes
 from torchshard._ckpt.stepdir import path_problems
 from torchshard._train.trainer import Trainer
@@ -25,8 +24,10 @@ PathLike = str | os.PathLike[str]
 _PEFT_PREFIX = "base_model.model."
 
 
-def _check_args(path: Any, target: Any, max_shard_bytes: Any) -> torch.nn.Module:
+def _check_args(path: Any, target: Any, merged: Any, max_shard_bytes: Any) -> torch.nn.Module:
     problems = path_problems("path", path) + int_problems("max_shard_bytes", max_shard_bytes, minimum=1)
+    if not isinstance(merged, bool):  # a string such as "no" would count as true
+        problems.append(f"merged must be True or False, got {type(merged).__name__} {merged!r:.40}")
     problems += instance_problems("target", target, (Trainer, torch.nn.Module), "a Trainer or a sharded module")
     model = model_of(target) if not problems else None
     if model is not None and not (hasattr(model, "peft_config") and hasattr(model, "save_pretrained")):
@@ -94,7 +95,9 @@ def save_adapters(
     tensor under the base model's names, each LoRA layer's ``B @ A × scaling`` added to its weight
     on the devices, written as `save_safetensors` writes a model (plus the base model's
     ``config.json``), so ``from_pretrained(path)`` loads the fine-tuned model without peft.
-    Only process 0 writes; every process must call it.
+    Only process 0 writes; every process must call it. The export is atomic as `save_safetensors`'s
+    is: written beside ``path`` and renamed into place, other files in ``path`` kept; on any
+    failure ``path`` is as it was.
 
     Args:
         path: the output directory.
@@ -107,7 +110,7 @@ def save_adapters(
 
     Raises:
         ArgumentError: bad arguments, or a target that is not a peft model.
-        CheckpointError: the files cannot be written.
+        CheckpointError: the files cannot be written (full disk, no permission); nothing is left behind.
 
     Example:
         >>> import tempfile, peft
@@ -117,21 +120,18 @@ def save_adapters(
         >>> save_adapters(tempfile.mkdtemp(), model).name
         'adapter_model.safetensors'
     """
-    model = _check_args(path, target, max_shard_bytes)
+    model = _check_args(path, target, merged, max_shard_bytes)
+    out = pathlib.Path(os.path.abspath(path))
     if merged:
         arrays, dtypes = _merged(target, model)
-        index = export_arrays_as(path, arrays, dtypes, max_shard_bytes=max_shard_bytes)
         config: Any = getattr(model, "config", None)
-        if primary() and hasattr(config, "save_pretrained"):
-            config.save_pretrained(path)
-        return index
+        also = config.save_pretrained if hasattr(config, "save_pretrained") else None
+        return export_arrays_as(path, arrays, dtypes, max_shard_bytes=max_shard_bytes, also=also)
     state = _adapters(target, model)
 
-    def write() -> None:
-        try:
-            model.save_pretrained(os.fspath(path), state_dict=state, is_main_process=primary())  # type: ignore[operator]
-        except OSError as e:
-            raise CheckpointError(f"save_adapters(): writing {path} failed ({type(e).__name__}: {e})") from e
+    def write(staging: pathlib.Path | None) -> None:  # peft writes README.md first: into the staging folder too
+        if staging is not None:
+            model.save_pretrained(os.fspath(staging), state_dict=state, is_main_process=True)  # type: ignore[operator]
 
-    together("torchshard-adapters-end", write)
+    together("torchshard-adapters-end", lambda: staged_write(out, write, replaced=lambda name: False))
     return pathlib.Path(path) / "adapter_model.safetensors"

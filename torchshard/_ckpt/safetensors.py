@@ -9,12 +9,11 @@ import os
 import pathlib
 import re
 import shutil
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
 import torch
 
-from torchshard._base.errors import CheckpointError
 from torchshard._base.validate import instance_problems, int_problems, raise_for_arguments
 from torchshard._bridge.module_tensors import canonical_names, custom_state_dict, state_dict_names
 from torchshard._ckpt.checkpoint import primary, together
@@ -68,17 +67,58 @@ def _carry(item: pathlib.Path, destination: pathlib.Path) -> None:
 
 
 def _begin(out: pathlib.Path) -> pathlib.Path:
-    """A fresh hidden directory next to ``out`` holding (as links) every file of ``out`` the export does not replace."""
+    """A fresh, empty hidden directory next to ``out`` (a previous export cut between its renames put right first)."""
     if os.path.lexists(out) and not out.is_dir():
         raise FileExistsError(errno.EEXIST, f"{out} is a file")
     os.makedirs(out.parent, exist_ok=True)
     settle(out, complete=os.path.lexists)  # a previous export cut between its renames is renamed back
     staging = out.with_name(TMP + out.name)
     os.mkdir(staging)
-    for item in sorted(out.iterdir()) if out.is_dir() else []:
-        if not (_SHARD_FILE.fullmatch(item.name) or item.name == _INDEX):  # config.json, tokenizer files...
-            _carry(item, staging / item.name)
     return staging
+
+
+def _carry_rest(out: pathlib.Path, staging: pathlib.Path, replaced: Callable[[str], bool]) -> None:
+    """Links into ``staging`` every entry of ``out`` the new export neither wrote nor replaces (config.json, ...).
+
+    After the write, so that no file is written through a link into the previous export's copy.
+    """
+    for item in sorted(out.iterdir()) if out.is_dir() else []:
+        if not (os.path.lexists(staging / item.name) or replaced(item.name)):
+            _carry(item, staging / item.name)
+
+
+def _replaced_by_export(name: str) -> bool:
+    return bool(_SHARD_FILE.fullmatch(name)) or name == _INDEX
+
+
+def staged_write(
+    out: pathlib.Path, write: Callable[[pathlib.Path | None], None], *, replaced: Callable[[str], bool]
+) -> None:
+    """Runs ``write(staging)`` into a hidden directory beside ``out`` (``write(None)`` on the other processes,
+    which must still run any collective the write needs), then puts it in place of ``out`` by renames.
+
+    The other entries of ``out`` are kept (linked, not copied) unless ``replaced(name)``. On any
+    failure the staging directory is removed and ``out`` is as it was (absent if it was absent).
+
+    Raises:
+        CheckpointError: the write failed (full disk, no permission, a file in the way), naming ``out``.
+    """
+    import safetensors
+
+    staging = None
+    try:
+        staging = _begin(out) if primary() else None
+        write(staging)
+        if staging is not None:
+            _carry_rest(out, staging, replaced)
+            _swap(staging, out)
+    except Exception as e:  # whatever error stopped the write (a library's own too), nothing is left behind
+        if staging is not None:
+            with contextlib.suppress(OSError):
+                discard(staging)
+        if isinstance(e, OSError | safetensors.SafetensorError):
+            raise write_failure(out, e, cleanup="the previous export is intact") from e
+        raise  # a CheckpointError (a tensor torch cannot hold) names itself
 
 
 Files = Iterator[tuple[str, dict[str, torch.Tensor]]]
@@ -141,22 +181,13 @@ def _swap(staging: pathlib.Path, out: pathlib.Path) -> None:
     discard(old)
 
 
-def _export_files(out: pathlib.Path, files: Any, index: Any) -> None:
-    import safetensors
-
-    staging = None
-    try:
-        staging = _begin(out) if primary() else None
+def _export_files(out: pathlib.Path, files: Files, index: str, also: Callable[[pathlib.Path], None] | None) -> None:
+    def write(staging: pathlib.Path | None) -> None:
         _write(staging, files, index)
-        if staging is not None:
-            _swap(staging, out)
-    except (OSError, safetensors.SafetensorError, CheckpointError) as e:
-        if staging is not None:
-            with contextlib.suppress(OSError):
-                discard(staging)
-        if isinstance(e, CheckpointError):  # a tensor torch cannot hold: its own error names it
-            raise
-        raise write_failure(out, e, cleanup="the previous export is intact") from e
+        if staging is not None and also is not None:
+            also(staging)
+
+    staged_write(out, write, replaced=_replaced_by_export)
 
 
 def save_safetensors(path: PathLike, target: Target, *, max_shard_bytes: int = 5 * 10**9) -> pathlib.Path:
@@ -198,17 +229,19 @@ def save_safetensors(path: PathLike, target: Target, *, max_shard_bytes: int = 5
     _check_args(path, target, max_shard_bytes)
     files, index = _export(target, max_shard_bytes)
     out = pathlib.Path(os.path.abspath(path))
-    together("torchshard-safetensors-end", lambda: _export_files(out, files, index))
+    together("torchshard-safetensors-end", lambda: _export_files(out, files, index, None))
     return pathlib.Path(path) / _INDEX
 
 
 def export_arrays_as(
-    path: PathLike, arrays: Mapping[str, Any], dtypes: Mapping[str, torch.dtype], *, max_shard_bytes: int
-) -> pathlib.Path:
-    """Writes ``name → placed array`` (gathered a file at a time, in ``dtypes``) as `save_safetensors` writes one."""
+    path: PathLike, arrays: Mapping[str, Any], dtypes: Mapping[str, torch.dtype], *, max_shard_bytes: int,
+    also: Callable[[pathlib.Path], None] | None = None,
+) -> pathlib.Path:  # fmt: skip
+    """Writes ``name → placed array`` (gathered a file at a time, in ``dtypes``) as `save_safetensors` writes one;
+    ``also(folder)`` writes more files into the export before it is put in place (process 0 only)."""
     sizes = {n: arrays[n].size * dtypes[n].itemsize for n in arrays}
     pairs = _files(sizes, max_shard_bytes)
     files = ((f, {n: torch_tensor(arrays[n], dtypes[n], name=n).contiguous() for n in s}) for f, s in pairs)
     out = pathlib.Path(os.path.abspath(path))
-    together("torchshard-safetensors-end", lambda: _export_files(out, files, _index(sizes, pairs)))
+    together("torchshard-safetensors-end", lambda: _export_files(out, files, _index(sizes, pairs), also))
     return pathlib.Path(path) / _INDEX
