@@ -66,8 +66,11 @@ def test_document_mask_is_causal_within_each_document():
         (torch.tensor([[0, 1, -1, 0]]), r"row 0 has negative positions"),
         (torch.tensor([[0.0, 1.0]]), r"position_ids \(1, 2\) torch.float32: needs integer positions"),
         (torch.zeros(1, 1, 4, dtype=torch.long), r"needs integer positions of shape \[batch, seq\] or \[seq\]"),
+        ([[0, 1, 0]], r"must be an integer torch.Tensor .* got list \[\[0, 1, 0\]\]; pass torch.as_tensor"),
+        (np.array([[0, 1, 0]]), r"must be an integer torch.Tensor .* got ndarray array\(\[\[0, 1, 0\]\]\); pass"),
+        (torch.zeros(1, 0, dtype=torch.long), r"position_ids \(1, 0\) torch.int64: a row needs at least one token"),
     ],
-    ids=["jump", "negative", "float", "rank-3"],
+    ids=["jump", "negative", "float", "rank-3", "list", "numpy", "no_tokens"],
 )
 def test_document_mask_refuses_positions_that_are_not_restarts(positions, match):
     with pytest.raises(ArgumentError, match=match):

@@ -37,9 +37,15 @@ def _is_concrete(x: torch.Tensor) -> bool:
 
 
 def _position_problems(position_ids: torch.Tensor) -> list[str]:
+    if not isinstance(position_ids, torch.Tensor):
+        return [f"position_ids must be an integer torch.Tensor of shape [batch, seq] or [seq], got "
+                f"{type(position_ids).__name__} {' '.join(repr(position_ids).split()):.60}; pass "
+                f"torch.as_tensor(position_ids)"]  # fmt: skip
     where = f"position_ids {tuple(position_ids.shape)} {position_ids.dtype}"
     if position_ids.ndim not in (1, 2) or position_ids.dtype.is_floating_point or position_ids.dtype == torch.bool:
         return [f"{where}: needs integer positions of shape [batch, seq] or [seq]"]
+    if position_ids.shape[-1] == 0:
+        return [f"{where}: a row needs at least one token (seq is 0)"]
     if not _is_concrete(position_ids):
         return []  # traced: the values are checked where they are known (eagerly, or the batch before the step)
     values = np.asarray(position_ids.jax() if hasattr(position_ids, "jax") else position_ids.cpu()).reshape(
@@ -90,8 +96,9 @@ def document_mask(position_ids: torch.Tensor) -> torch.Tensor:
         The mask (``True``: attend), broadcastable over the heads.
 
     Raises:
-        ArgumentError: positions that are not integers of rank 1 or 2, negative, or that jump to
-            anything but 0 (checked where the values are known, not inside a traced step).
+        ArgumentError: positions that are not an integer tensor of rank 1 or 2 (a list or numpy
+            array included), an empty sequence, negative positions, or positions that jump to
+            anything but 0 (values checked where they are known, not inside a traced step).
 
     Example:
         >>> mask = document_mask(torch.tensor([[0, 1, 0, 1]]))
