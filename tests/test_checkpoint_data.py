@@ -183,6 +183,19 @@ def test_a_state_json_cannot_hold_fails_the_save_before_anything_is_written(tmp_
     assert not tmp_path.exists() or not list(tmp_path.iterdir())
 
 
+@pytest.mark.parametrize("background", [False, True], ids=["sync", "background"])
+def test_a_meta_tensor_in_the_state_fails_the_save_naming_where_before_anything_is_written(
+    tmp_path, mesh_dm, background
+):
+    model = ts.shard(torch.nn.Linear(4, 2), ts.plan(torch.nn.Linear(4, 2), mesh_dm))
+    cursor = Cursor()
+    cursor.state_dict = lambda: {"sampler": [1, torch.empty(3, 2, device="meta")]}  # type: ignore[method-assign]
+    want = r"data=Cursor\.state_dict\(\) holds a meta tensor \(3, 2\) float32 at state\['sampler'\]\[1\], which has no"
+    with pytest.raises(ts.CheckpointError, match=want):
+        ts.save(tmp_path, model, data=cursor, background=background)
+    assert not tmp_path.exists() or not list(tmp_path.iterdir())
+
+
 def test_loading_data_from_a_checkpoint_without_it_is_a_checkpoint_error_that_changes_nothing(tmp_path, mesh_dm):
     trainer = _trainer(mesh_dm)
     ts.save(tmp_path, trainer, step=3)

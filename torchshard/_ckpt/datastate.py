@@ -77,6 +77,10 @@ def _b64(raw: bytes) -> str:
     return base64.b64encode(raw).decode("ascii")
 
 
+class _NoValues(Exception):
+    """A tensor in the state that holds no values (on the meta device)."""
+
+
 def _encode(value: Any, where: str) -> Any:
     if isinstance(value, _PLAIN):
         return value
@@ -89,6 +93,8 @@ def _encode(value: Any, where: str) -> Any:
         items = [_encode(v, f"{where}[{i}]") for i, v in enumerate(value)]
         return items if isinstance(value, list) else {TAG: "tuple", "items": items}
     if isinstance(value, torch.Tensor):
+        if value.device.type == "meta":
+            raise _NoValues(f"a meta tensor {tuple(value.shape)} {str(value.dtype).removeprefix('torch.')} at {where}")
         return _tensor(value)
     if isinstance(value, bytes):
         return {TAG: "bytes", "data": _b64(value)}
@@ -102,6 +108,7 @@ def encode(state: Any, *, what: str = "state") -> bytes:
 
     Raises:
         ArgumentError: a value of another type, naming where it is and the fix.
+        CheckpointError: a tensor on the meta device (no values to save), naming where it is.
 
     Example:
         >>> encode({"epoch": 1, "seen": (3, 4)})
@@ -114,6 +121,11 @@ def encode(state: Any, *, what: str = "state") -> bytes:
             f"{what} holds {e.args[0]}, which a checkpoint stores only as pickle-free JSON: ints, floats, strings, "
             f"bools, None, lists, tuples, dicts, bytes, torch tensors and numpy arrays; have state_dict() return "
             f"those (e.g. a torch.Generator as generator.get_state())"
+        ) from None
+    except _NoValues as e:
+        raise CheckpointError(
+            f"{what} holds {e.args[0]}, which has no values to save; have state_dict() return tensors that hold "
+            f"their values (e.g. on the CPU)"
         ) from None
     except RecursionError:  # a container that holds itself
         raise ArgumentError(f"{what} holds itself; have state_dict() return a tree of plain values") from None
