@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 
 import jax
 import numpy as np
@@ -213,6 +214,40 @@ def test_search_counts_below_one_are_usage_errors_naming_the_flag(capsys, flag, 
         main(["plan", "tests.models:tiny_llama", "--search", "--batch", "8x16", *(x for f in flags.items() for x in f)])
     err = capsys.readouterr().err
     assert f"argument {flag}: {message}; give a count >= 1" in err and "use_cpu_devices" not in err
+
+
+FAULTY = {"microbatches": (1, 2, 4), "remat": (None,), "scan": (True,), "precision": ("bf16",)}
+
+
+def _assert_failures_recorded(found, *, abort: str, raised: str) -> None:
+    notes = {c.layout.microbatches: c.note for c in found}
+    assert notes[2].startswith(abort) and notes[4] == raised, notes  # 4 after the abort: a fresh compiling process
+    assert found[0].layout.microbatches == 1 and found[0].fits and found[0].step_seconds > 0
+
+
+@pytest.mark.slow
+def test_the_search_records_candidates_that_raise_or_abort_as_failed_and_ranks_the_rest(caplog):
+    from search_faults import faulty_llama
+
+    with torch.device("meta"):
+        model = faulty_llama()
+    found = ts.inspect.search(model, devices=2, batch=(8, 15), max_compiles=4, **FAULTY)
+    _assert_failures_recorded(found, abort="failed: the compiling process was killed by SIGABRT",
+                              raised="failed: RuntimeError: injected failure at 2 rows")  # fmt: skip
+    assert "plan search: data=2 accum=2 scan bf16 failed to compile: the compiling process was killed" in caplog.text
+
+
+@pytest.mark.slow
+def test_plan_search_survives_candidates_that_fail_to_compile_and_exits_0(capsys):
+    argv = ["plan", "tests.search_faults:faulty_llama", "--search", "--devices", "2", "--batch", "8x15",
+            "--microbatches", "1,2,4", "--remat-policies", "none", "--scans", "true", "--precisions", "bf16",
+            "--max-compiles", "4"]  # fmt: skip
+    assert main(argv) == 0
+    out = capsys.readouterr().out
+    assert re.search(r"3 configurations .* 1 compiled, 2 failed", out), out
+    assert re.search(r"^  1 .* yes .*\n  2 .* failed: .*\n  3 .* failed: ", out, re.MULTILINE), out
+    assert "failed: the compiling process was killed by SIGABRT" in out
+    assert "failed: RuntimeError: injected failure at 2 rows" in out
 
 
 def test_at_depth_rebuilds_a_transformers_model_on_meta():

@@ -2,50 +2,37 @@
 
 from __future__ import annotations
 
-import copy
 import dataclasses
 import logging
 import math
-import re
-import warnings
 from collections.abc import Callable, Sequence
 from typing import Any
 
-import jax
-import optax
 import torch
 
 from torchshard._base.errors import ShardingError
 from torchshard._base.format import fmt_bytes
-from torchshard._parallel.context import ContextParallel
-from torchshard._parallel.pipeline import Pipeline
-from torchshard._presets.hf import hf_rules
-from torchshard._presets.tables import common_tensor_parallel, fsdp
-from torchshard._report.compiled import CompiledMemory
-from torchshard._report.costs import StepCosts, step_costs
+from torchshard._report.compile_worker import CompileFailed, Compiler
+from torchshard._report.costs import StepCosts
 from torchshard._report.estimate import estimate
 from torchshard._report.fit import lm_loss, simulated_devices
 from torchshard._report.hardware import Hardware, hardware
-from torchshard._report.hlo import axes_of
 from torchshard._report.memory import training_memory
+from torchshard._report.search_compile import (  # noqa: F401  (re-exported: tests and benchmarks use them)
+    FAST_COMPILE,
+    Problem,
+    _options,
+    _plan,
+    at_depth,
+    cache_clear,
+    compile_layout,
+    measure,
+)
 from torchshard._report.space import Layout, ModelDims, analytic_seconds, layouts
-from torchshard._sharding.mesh import make_mesh
-from torchshard._sharding.plan import ShardingPlan, plan
-from torchshard._train.abstract import AbstractTrainer
-from torchshard._train.precision import MixedPrecision
-from torchshard._train.remat import Remat
 
 log = logging.getLogger(__name__)
 REMATS = (None, "nothing_saveable", "dots_saveable")
-Compiled = tuple[int, StepCosts]  # peak bytes per device, costs
 Progress = Callable[[int, int, str], None]
-_CACHE: dict[tuple[Any, ...], Compiled] = {}  # one compile per program, reused across searches in a process
-# The search reads a compiled step's HLO and buffer assignment, never runs it: without LLVM's
-# optimisation XLA emits the same optimised HLO, the same buffers and the same peak (the same text,
-# byte for byte: tests/test_search.py) and compiles 1.3-2x faster (8B at 64 devices: 7.5 -> 5.9 s,
-# data=16,context=4: 18.8 -> 8.8 s). XLA's older CPU fusion emitters would compile faster still
-# but fuse differently, which changes the bytes accessed the estimate reads (50x on 8B), so not those.
-FAST_COMPILE: dict[str, Any] = {"xla_backend_optimization_level": 0}  # jax types it str | bool; XLA takes ints
 
 
 @dataclasses.dataclass(frozen=True)
@@ -91,101 +78,6 @@ class Candidate:
         return {"mesh": self.mesh, "options": self.options, "peak_bytes": self.peak_bytes, "fits": self.fits,
                 "step_seconds": self.step_seconds, "tokens_per_second": self.tokens_per_second, "mfu": self.mfu,
                 "dominant": self.dominant, "parts": self.parts, "note": self.note}  # fmt: skip
-
-
-@dataclasses.dataclass(frozen=True)
-class Problem:
-    """What the search is for: the model (built on meta), the batch, the devices and the hardware."""
-
-    model: torch.nn.Module
-    batch: tuple[int, int]
-    devices: int
-    hw: Hardware
-    device_memory: int
-    devices_per_host: int
-    loss_fn: Callable[..., Any]
-
-    @property
-    def tokens(self) -> int:
-        return self.batch[0] * self.batch[1]
-
-
-def _stack_name(model: torch.nn.Module) -> str:
-    lists = [(len(m), n) for n, m in model.named_modules() if isinstance(m, torch.nn.ModuleList) and n]
-    if not lists:
-        raise ShardingError(f"{type(model).__name__} has no ModuleList of layers to remat, scan or pipeline")
-    return max(lists)[1]
-
-
-def at_depth(model: torch.nn.Module, layers: int) -> torch.nn.Module:
-    """The same transformers model with ``layers`` decoder layers, built on ``meta``."""
-    config: Any = copy.deepcopy(model.config)
-    config.num_hidden_layers = layers
-    if isinstance(getattr(config, "layer_types", None), list):
-        config.layer_types = (config.layer_types * layers)[:layers]
-    with torch.device("meta"):
-        return type(model)(config)
-
-
-def _rules(model: torch.nn.Module, layout: Layout) -> Any:
-    tp = "model" if layout.degree("model") > 1 else None
-    if getattr(model, "config", None) is not None:
-        experts = "expert" if layout.degree("expert") > 1 else None
-        return hf_rules(model, axis=tp, expert_axis=experts, fsdp_axis="data")
-    return (common_tensor_parallel(axis="model") + fsdp("data")) if tp else fsdp("data")
-
-
-def _options(model: torch.nn.Module, layout: Layout) -> dict[str, Any]:
-    stages, context = layout.degree("stage"), layout.degree("context")
-    rows: Any = ("data", "expert") if layout.degree("expert") > 1 else "data"
-    return {
-        "batch_spec": (rows, "context") if context > 1 else (rows,),
-        "grad_accum_steps": 1 if stages > 1 else layout.microbatches,
-        "pipeline": Pipeline(microbatches=layout.microbatches) if stages > 1 else None,
-        "context": ContextParallel() if context > 1 else None,
-        "remat": Remat(rf"{re.escape(_stack_name(model))}\.\d+", policy=layout.remat) if layout.remat else None,
-        "scan_layers": layout.scan,
-        "precision": MixedPrecision(torch.bfloat16) if layout.precision != "fp32" else None,
-    }
-
-
-def _mesh(layout: Layout, devices: list[Any]) -> Any:
-    axes = {a: n for a, n in layout.mesh if n > 1 or a == "data"}
-    return make_mesh(axes, devices=devices[: math.prod(axes.values())])
-
-
-def _plan(model: torch.nn.Module, layout: Layout, devices: list[Any]) -> ShardingPlan:
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")  # unused tp_plan entries: the plan is still the model's
-        return plan(model, _mesh(layout, devices), _rules(model, layout))
-
-
-def compile_layout(problem: Problem, layout: Layout, model: torch.nn.Module, devices: list[Any]) -> Compiled:
-    """Compiles ``model``'s step under ``layout``; its peak bytes per device and its costs (cached)."""
-    key = (id(problem.model), layout, sum(1 for _ in model.parameters()), problem.batch, problem.loss_fn)
-    if key in _CACHE:
-        return _CACHE[key]
-    planned = _plan(model, layout, devices)
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        trainer = AbstractTrainer(model, problem.loss_fn, optax.adamw(1e-4), planned, **_options(model, layout))
-        batch = torch.empty(problem.batch, dtype=torch.int64, device="meta")
-        compiled = trainer.lower(batch).compile(FAST_COMPILE)
-    costs = step_costs(str(compiled.as_text()))
-    mesh = planned.mesh
-    ops = tuple((dataclasses.replace(op, axes=axes_of(op, mesh)), n) for op, n in costs.collectives)  # type: ignore[arg-type]
-    _CACHE[key] = (CompiledMemory.of(compiled).peak_bytes, dataclasses.replace(costs, collectives=ops))
-    return _CACHE[key]
-
-
-def measure(problem: Problem, layout: Layout, devices: list[Any]) -> Compiled:
-    """Peak and costs at full depth: compiled at full depth when scanned or pipelined (compile time does not
-    grow with depth), else at 1 and 2 layers and extrapolated linearly (every layer costs the same)."""
-    model, layers = problem.model, ModelDims.of(problem.model).layers
-    if layout.scan or layers is None or layers <= 2 or getattr(model, "config", None) is None:
-        return compile_layout(problem, layout, model, devices)
-    (p1, c1), (p2, c2) = (compile_layout(problem, layout, at_depth(model, n), devices) for n in (1, 2))
-    return round(p1 + (layers - 1) * (p2 - p1)), c1.scaled(c2, layers - 1)
 
 
 def model_flops(model: torch.nn.Module, tokens: int, seq: int) -> float:
@@ -242,21 +134,25 @@ def _first(values: Sequence[Any], wanted: Any) -> Any:
 
 
 class _Runner:
-    """Compiles layouts within a budget, remembering each verdict."""
+    """Compiles layouts within a budget, remembering each verdict (a failed compile is one, the search goes on)."""
 
-    def __init__(self, problem: Problem, budget: int, progress: Progress | None) -> None:
-        self.problem, self.budget, self.progress = problem, budget, progress
-        self.devices = simulated_devices(problem.devices)
+    def __init__(self, problem: Problem, budget: int, progress: Progress | None, compiler: Compiler) -> None:
+        self.problem, self.budget, self.progress, self.compiler = problem, budget, progress, compiler
+        self.devices = compiler.devices
         self.done: dict[Layout, Candidate] = {}
+        self.notes: dict[Layout, str] = {}  # why a mesh's first layout was not compiled
 
     def __call__(self, layout: Layout) -> Candidate:
         if layout not in self.done:
             if self.progress is not None:
                 self.progress(len(self.done), self.budget, layout.label())
             try:
-                self.done[layout] = rate(self.problem, layout, *measure(self.problem, layout, self.devices))
+                self.done[layout] = rate(self.problem, layout, *self.compiler.measure(layout))
             except ShardingError as err:
                 self.done[layout] = Candidate(layout, note=f"cannot compile: {str(err).splitlines()[0]}")
+            except CompileFailed as err:
+                log.warning("plan search: %s failed to compile: %s", layout.label(), err)
+                self.done[layout] = Candidate(layout, note=f"failed: {err}")
         return self.done[layout]
 
     @property
@@ -287,24 +183,29 @@ def run_search(
     """Every layout, ranked: meshes first compiled once each (in order of a rough estimate, half the budget),
     then the best ``refine_meshes`` that fit refined option by option; fitting ones by estimated time first."""
     found = layouts(problem.devices, ModelDims.of(problem.model), problem.batch, **options)
-    run = _Runner(problem, max_compiles, progress)
+    with Compiler(problem, simulated_devices(problem.devices)) as compiler:
+        run = _Runner(problem, max_compiles, progress, compiler)
+        _explore(run, found, options, refine_meshes)
+    if progress is not None:
+        progress(run.budget, run.budget, "done")
+    rest = [Candidate(lay, note=run.notes.get(lay) or "not compiled: its mesh ranked below the ones explored")
+            for lay in found if lay not in run.done]  # fmt: skip
+    return sorted([*run.done.values(), *rest], key=_rank)
+
+
+def _explore(run: _Runner, found: list[Layout], options: dict[str, Any], refine_meshes: int) -> None:
+    problem, max_compiles = run.problem, run.budget
     groups: dict[tuple[tuple[str, int], ...], list[Layout]] = {}
     for layout in found:
         groups.setdefault(layout.mesh, []).append(layout)
     bases = sorted((_base(g, options) for g in groups.values()), key=lambda lay: _rough(problem, lay))
-    notes: dict[Layout, str] = {}
     for layout in bases:
-        notes[layout] = _state_note(problem, layout, run.devices)
-        if not notes[layout] and len(run.done) < max(max_compiles // 2, 1):
+        run.notes[layout] = _state_note(problem, layout, run.devices)
+        if not run.notes[layout] and len(run.done) < max(max_compiles // 2, 1):
             run(layout)
     fitting = sorted((c for c in run.done.values() if c.fits), key=_rank)[:refine_meshes]
     for start in fitting:
         refine(run, groups[start.layout.mesh], start)
-    if progress is not None:
-        progress(run.budget, run.budget, "done")
-    rest = [Candidate(lay, note=notes.get(lay) or "not compiled: its mesh ranked below the ones explored")
-            for lay in found if lay not in run.done]  # fmt: skip
-    return sorted([*run.done.values(), *rest], key=_rank)
 
 
 def _rank(c: Candidate) -> tuple[int, float]:
@@ -382,9 +283,3 @@ def search(
                       loss_fn or lm_loss)  # fmt: skip
     options = {"microbatches": microbatches, "remat": remat, "scan": scan, "precision": precision}
     return run_search(problem, options, max_compiles=max_compiles, refine_meshes=refine_meshes, progress=progress)
-
-
-def cache_clear() -> None:
-    """Forgets every compiled program (tests)."""
-    _CACHE.clear()
-    jax.clear_caches()

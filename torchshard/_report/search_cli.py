@@ -115,8 +115,9 @@ def run_search(args: argparse.Namespace, load: Any, build: Any) -> tuple[str, bo
     if args.format == "json":
         return json.dumps([c.to_json() for c in top], indent=2), fits
     seconds = time.perf_counter() - begun
+    failed = sum(c.note.startswith("failed:") for c in found)
     head = (f"{len(found)} configurations of {args.devices} x {hw.name}, {sum(c.peak_bytes is not None for c in found)}"
-            f" compiled in {seconds:.0f} s; the best {len(top)}:")  # fmt: skip
+            f" compiled{f', {failed} failed' if failed else ''} in {seconds:.0f} s; the best {len(top)}:")  # fmt: skip
     return "\n".join([head, *table(top)]), fits
 
 
