@@ -40,7 +40,7 @@ def layer_kinds(model: torch.nn.Module) -> tuple[tuple[str, ...], list[str]]:
     name = f"{type(model).__name__} ({getattr(model.config, 'model_type', '?')})"
     try:
         layers = StaticCache(config=model.config, max_cache_len=1).layers
-    except Exception as err:  # noqa: BLE001  # any config transformers cannot lay a static cache out for
+    except Exception as err:  # any config transformers cannot lay a static cache out for
         return (), [f"{name}: transformers cannot lay out a static KV cache for its config ({err})"]
     kinds = {StaticLayer: FULL, StaticSlidingWindowLayer: SLIDING, DummyLayer: NONE}
     found = tuple(kinds.get(type(layer), type(layer).__name__) for layer in layers)

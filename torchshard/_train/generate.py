@@ -207,11 +207,13 @@ def generate(
 ) -> torch.Tensor:
     """Continues each prompt by ``max_new_tokens`` tokens, compiled on the mesh the model's tensors are on.
 
-    A transformers causal LM decodes over a static KV cache (``transformers.StaticCache``) whose keys
-    and values are sharded like the attention heads: the prompt is prefilled once, then each step
-    feeds one token. Any other module mapping ids [B, T] to logits [B, T, V] (a tensor, or an output
-    with ``.logits``) reruns the whole window of ``T + max_new_tokens`` ids each step, which a causal
-    model's earlier positions do not see past. Greedy output equals transformers'
+    A transformers causal LM decodes over a static KV cache whose keys and values are sharded like
+    the attention heads: the prompt is prefilled once, then each step feeds one token. Full-attention,
+    sliding-window and hybrid (both kinds of layer) caches are supported; caches holding other state
+    (linear attention, sparse-attention indexers, compressed or shared keys) are refused. Any other
+    module mapping ids [B, T] to logits [B, T, V] (a tensor, or an output with ``.logits``) reruns
+    the whole window of ``T + max_new_tokens`` ids each step, which a causal model's earlier
+    positions do not see past. Greedy output equals transformers'
     ``model.generate(do_sample=False)`` token for token. The model runs in eval mode.
 
     Args:
@@ -235,9 +237,9 @@ def generate(
 
     Raises:
         ArgumentError: names every bad argument: ``max_new_tokens`` ≤ 0, ids that are not an integer
-            [batch, seq] tensor, a prompt and ``max_new_tokens`` longer than the model's positions,
-            a mask that is not left padding, a target not placed on a mesh, a model whose output is
-            not logits.
+            [batch, seq] tensor or lie outside the vocabulary, a prompt and ``max_new_tokens`` longer
+            than the model's positions, a mask that is not left padding, a target not placed on a
+            mesh, a model that is not a causal LM, whose cache is refused or whose output is not logits.
 
     Example:
         >>> model = torch.nn.Sequential(torch.nn.Embedding(32, 16), torch.nn.Linear(16, 32))

@@ -1,4 +1,4 @@
-"""What `generate` refuses before any work: bad settings, ids, masks and lengths, and models it cannot decode exactly."""
+"""What `generate` refuses before any work: bad settings, ids, masks, lengths, and models it cannot decode exactly."""
 
 from __future__ import annotations
 
