@@ -9,8 +9,10 @@ import pytest
 import torch
 from jax.sharding import PartitionSpec as P
 from models import TiedLM
+from packaging.version import Version
 
 import torchshard as ts
+from torchshard._train.decode_cache import cache_keyword
 from torchshard._train.generate import kv_sharding
 
 transformers = pytest.importorskip("transformers")
@@ -186,6 +188,12 @@ BAD = [
     ({"max_new_tokens": 2, "attention_mask": torch.ones(2, 4)}, r"attention_mask \[2, 4\] must be a tensor shaped"),
     ({"max_new_tokens": 2, "attention_mask": torch.tensor([[1, 1, 0], [1, 1, 1]])}, r"rows \[0\] are not left-pad"),
     ({"max_new_tokens": 2, "attention_mask": torch.full((2, 3), 2)}, r"values other than 0 and 1"),
+    # eager nn.Embedding raises for ids outside its rows: so does generate, naming them and the vocabulary
+    (
+        {"max_new_tokens": 2, "input_ids": torch.tensor([[1, 64, 3], [-1, 0, 64]])},
+        r"input_ids holds 3 id\(s\) outside the vocabulary \[0, 64\): \[-1, 64\] \(first at row 0, position 1\); "
+        r"the input embedding Embedding has 64 rows",
+    ),
 ]
 
 
@@ -220,8 +228,40 @@ def test_targets_that_cannot_generate_are_named(placed):
 def test_a_model_that_does_not_return_logits_is_named():
     model = torch.nn.Embedding(16, 4)  # [B, T] → [B, T, 4] embeddings: fine; a 2-D output is not logits
     model = ts.shard(model, ts.plan(model, ts.make_mesh({"data": 8})))
-    with pytest.raises(ts.ArgumentError, match=r"could not decode with Sequential: .*logits \[batch, seq, vocab\]"):
+    with pytest.raises(ts.ArgumentError, match=r"could not decode with Sequential: it is not a causal LM .*logits \["):
         ts.generate(torch.nn.Sequential(model, torch.nn.Flatten()), IDS, max_new_tokens=2)
+
+
+def _placed(model: torch.nn.Module) -> torch.nn.Module:
+    return ts.shard(model, ts.plan(model, ts.make_mesh({"data": 8})))
+
+
+def test_a_model_that_is_not_a_causal_lm_is_named_not_its_batch():
+    """A float model once blamed the batch's dtype; a transformers model that is not a causal LM
+    (a base model, a classifier, a masked LM that would silently see the padding) is refused up front."""
+    mlp = _placed(torch.nn.Sequential(torch.nn.Linear(16, 16), torch.nn.ReLU(), torch.nn.Linear(16, 4)))
+    accepts = r"generate takes a transformers causal LM \(an AutoModelForCausalLM class\) or a module mapping"
+    with pytest.raises(ts.ArgumentError, match=r"decode with Sequential: it is not a causal LM .*" + accepts):
+        ts.generate(mlp, IDS, max_new_tokens=2)
+    sizes = {"hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 1, "num_attention_heads": 2}
+    for model in (transformers.LlamaModel(transformers.LlamaConfig(**sizes, vocab_size=64)),
+                  transformers.BertForMaskedLM(transformers.BertConfig(**sizes, vocab_size=64))):  # fmt: skip
+        name = type(model).__name__
+        with pytest.raises(ts.ArgumentError, match=rf"{name} is not a causal LM \(a transformers .*" + accepts):
+            ts.generate(_placed(model), IDS, max_new_tokens=2)
+        assert not model.__dict__.get("_torchshard_generate")  # refused before anything was compiled
+
+
+def test_the_cache_goes_in_under_the_name_the_models_forward_takes():
+    """transformers 5.24 renamed forward's past_key_values to cache (and warns for the old name)."""
+
+    class Renamed(torch.nn.Module):
+        def forward(self, input_ids, cache=None):
+            return input_ids
+
+    renamed = Version(transformers.__version__) >= Version("5.24")
+    assert cache_keyword(_llama()) == ("cache" if renamed else "past_key_values")
+    assert cache_keyword(Renamed()) == "cache"
 
 
 def test_a_trainer_with_stacked_layers_is_refused_with_the_option_named():

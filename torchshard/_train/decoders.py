@@ -15,6 +15,7 @@ from jax.sharding import NamedSharding
 
 from torchshard._bridge.env import env
 from torchshard._bridge.tensors import bound, unwrap, wrap
+from torchshard._train.decode_cache import KV, array_cache, cache_keyword, held
 
 Arrays = dict[str, jax.Array]
 
@@ -92,37 +93,38 @@ class Window:
 
 @dataclasses.dataclass(frozen=True)
 class Cached:
-    """A transformers causal LM over a ``StaticCache`` of ``length`` positions: prefill once, then one token a step.
+    """A transformers causal LM over a KV cache of ``length`` positions: prefill once, then one token a step.
 
-    ``tokens`` and ``mask`` span all ``length`` positions, the prompt's ``prompt`` first.
-    The cache's keys and values ([batch, kv heads, length, head dim]) are constrained to ``kv_sharding``.
-    Positions follow transformers' ``generate``: the prompt's are its attention mask's running count
-    (left padding gets 0), each new token's the last one's plus one.
+    ``tokens`` and ``mask`` span all ``length`` positions, the prompt's ``prompt`` first. ``kinds`` are
+    the layers' cache kinds (`decode_cache.layer_kinds`): every attention layer, full or sliding,
+    holds every position, and the model's mask picks each layer's window. The keys and values
+    ([batch, kv heads, length, head dim]) are constrained to ``kv_sharding``. Positions follow
+    transformers' ``generate``: the prompt's are its attention mask's running count (left padding
+    gets 0), each new token's the last one's plus one.
     """
 
     model: torch.nn.Module
     prompt: int
     length: int
+    kinds: tuple[str, ...]
     kv_sharding: NamedSharding | None = None
 
-    def _cache(self) -> Any:
-        from transformers import StaticCache
-
-        config: Any = self.model.config
-        return StaticCache(config=config, max_cache_len=self.length)
-
-    def _kv(self, cache: Any) -> list[tuple[jax.Array, jax.Array]]:
+    def _kv(self, cache: Any) -> list[KV]:
         pin = (lambda a: jax.lax.with_sharding_constraint(a, self.kv_sharding)) if self.kv_sharding else (lambda a: a)
-        return [(pin(unwrap(layer.keys)), pin(unwrap(layer.values))) for layer in cache.layers]
+        return [None if kv is None else (pin(kv[0]), pin(kv[1])) for kv in held(cache)]
+
+    def _forward(self, cache: Any, ids: jax.Array, mask: jax.Array, positions: jax.Array) -> Any:
+        keyword = cache_keyword(self.model)  # transformers 5.24 renamed past_key_values to cache
+        return self.model(input_ids=wrap(ids), attention_mask=wrap(mask), position_ids=wrap(positions),
+                          use_cache=True, **{keyword: cache})  # fmt: skip
 
     def prefill(self, arrays: Arrays, tokens: jax.Array, mask: jax.Array) -> tuple[jax.Array, Any]:
         """Logits that choose the first new token, and the carry: (keys and values, last prompt positions)."""
         prompt = mask[:, : self.prompt]
         positions = jnp.where(prompt == 0, 0, jnp.cumsum(prompt, axis=-1) - 1)
         with _traced(self.model, arrays):
-            cache = self._cache()
-            out = self.model(input_ids=wrap(tokens[:, : self.prompt]), attention_mask=wrap(mask),
-                             position_ids=wrap(positions), past_key_values=cache, use_cache=True)  # fmt: skip
+            cache = array_cache(self.kinds, self.length, jnp.int32(0))
+            out = self._forward(cache, tokens[:, : self.prompt], mask, positions)
             kv = self._kv(cache)
         return _logits(out)[:, -1], (kv, positions[:, -1])
 
@@ -132,12 +134,7 @@ class Cached:
         token = jax.lax.dynamic_slice_in_dim(tokens, at, 1, axis=1)
         position = (last + (at - self.prompt + 1))[:, None]
         with _traced(self.model, arrays):
-            cache = self._cache()
-            for layer, (keys, values) in zip(cache.layers, kv, strict=True):
-                layer.lazy_initialization(wrap(keys), wrap(values))  # sets shapes and dtypes; arrays replaced next
-                layer.keys, layer.values = wrap(keys), wrap(values)
-                layer.cumulative_length = wrap(jnp.asarray(at, jnp.int32))
-            out = self.model(input_ids=wrap(token), attention_mask=wrap(mask), position_ids=wrap(position),
-                             past_key_values=cache, use_cache=True)  # fmt: skip
+            cache = array_cache(self.kinds, self.length, jnp.asarray(at, jnp.int32), kv)
+            out = self._forward(cache, token, mask, position)
             kv = self._kv(cache)
         return _logits(out)[:, -1], (kv, last)

@@ -19,7 +19,15 @@ from torchshard._base.errors import ArgumentError, raise_if_any
 from torchshard._bridge.layer_view import LayerView
 from torchshard._bridge.module_tensors import canonical_names, named_tensors
 from torchshard._bridge.tensors import is_jax_tensor, unwrap
-from torchshard._train.decoders import Cached, Window, is_hf_causal_lm, max_positions, text_config
+from torchshard._train.decoders import Cached, Window, is_hf_causal_lm, text_config
+from torchshard._train.generate_checks import (
+    ACCEPTS,
+    id_problems,
+    kind_problems,
+    length_problems,
+    setting_problems,
+    vocab_problems,
+)
 from torchshard._train.sampling import Sampling, choose, finish
 from torchshard._train.trainer import Trainer
 
@@ -141,69 +149,6 @@ def _pad(model: torch.nn.Module, pad_token_id: int | None, eos: tuple[int, ...])
     return int(pad_token_id)
 
 
-def _is_int(value: Any) -> bool:
-    return isinstance(value, int | np.integer) and not isinstance(value, bool)
-
-
-def _is_number(value: Any) -> bool:
-    return isinstance(value, int | float) and not isinstance(value, bool)
-
-
-def _setting_problems(max_new_tokens: Any, temperature: Any, top_k: Any, top_p: Any, eos: Any, seed: Any) -> list[str]:
-    problems = []
-    if not _is_int(max_new_tokens) or max_new_tokens <= 0:
-        problems.append(f"max_new_tokens={max_new_tokens!r}: generate at least one token (a positive int)")
-    if not _is_number(temperature) or not temperature >= 0:
-        problems.append(f"temperature={temperature!r}: 0 for greedy decoding, or a positive float to sample")
-    if top_k is not None and (not _is_int(top_k) or top_k < 1):
-        problems.append(f"top_k={top_k!r}: keep the k ≥ 1 most likely tokens, or None")
-    if top_p is not None and (not _is_number(top_p) or not 0 < top_p <= 1):
-        problems.append(f"top_p={top_p!r}: a probability in (0, 1], or None")
-    ints = [eos] if _is_int(eos) else eos if isinstance(eos, Sequence) and not isinstance(eos, str) else None
-    if eos is not None and (ints is None or not all(_is_int(e) for e in ints)):
-        problems.append(f"eos_token_id={eos!r}: a token id, a list of them, or None")
-    if not _is_int(seed):
-        problems.append(f"seed={seed!r}: an int")
-    return problems
-
-
-def _id_problems(input_ids: Any, attention_mask: Any) -> list[str]:
-    if not isinstance(input_ids, torch.Tensor) or input_ids.ndim != 2 or input_ids.dtype.is_floating_point:
-        shape = list(getattr(input_ids, "shape", []))
-        return [f"input_ids is {type(input_ids).__name__} {shape}: pass integer token ids [batch, seq] as a tensor"]
-    if input_ids.shape[0] == 0 or input_ids.shape[1] == 0:
-        return [f"input_ids has shape {list(input_ids.shape)}: pass at least one row of at least one token"]
-    if attention_mask is None:
-        return []
-    if not isinstance(attention_mask, torch.Tensor) or tuple(attention_mask.shape) != tuple(input_ids.shape):
-        shape = list(getattr(attention_mask, "shape", []))
-        return [f"attention_mask {shape} must be a tensor shaped like input_ids {list(input_ids.shape)}"]
-    mask = attention_mask.detach().cpu().to(torch.int64)
-    if not bool(((mask == 0) | (mask == 1)).all()):
-        return ["attention_mask holds values other than 0 and 1"]
-    rows = [r for r in range(mask.shape[0]) if bool((mask[r, 1:] < mask[r, :-1]).any()) or not bool(mask[r, -1])]
-    if rows:
-        return [f"attention_mask rows {rows[:8]} are not left-padded (zeros only before the tokens, a token last); "
-                f"pad prompts on the left (tokenizer.padding_side = 'left')"]  # fmt: skip
-    return []
-
-
-def _length_problems(model: torch.nn.Module, hf: bool, prompt: int, new: Any, attention_mask: Any) -> list[str]:
-    problems = []
-    limit = max_positions(model) if hf else None
-    if limit is not None and _is_int(new) and prompt + new > limit:
-        problems.append(
-            f"the prompt ({prompt} tokens) and max_new_tokens={new} need {prompt + new} positions; the model and "
-            f"its KV cache hold {limit} (config.max_position_embeddings): shorten the prompt or generate fewer"
-        )
-    if not hf and attention_mask is not None:
-        problems.append(
-            f"attention_mask: {type(model).__name__} is not a transformers causal LM, so generate feeds it ids "
-            f"alone; pass unpadded prompts of one length"
-        )
-    return problems
-
-
 def _kv_heads(model: torch.nn.Module) -> int | None:
     text = text_config(model)
     for field in ("num_key_value_heads", "num_attention_heads", "n_head"):
@@ -240,9 +185,9 @@ def kv_sharding(model: torch.nn.Module, mesh: Mesh | None, rows: int) -> NamedSh
     return NamedSharding(mesh, PartitionSpec(batch, heads, None, None))
 
 
-def _decoder(model: torch.nn.Module, mesh: Mesh | None, hf: bool, rows: int, prompt: int, length: int):
-    if hf:
-        return Cached(model, prompt, length, kv_sharding(model, mesh, rows))
+def _decoder(model: torch.nn.Module, mesh: Mesh | None, kinds: tuple[str, ...], rows: int, prompt: int, length: int):
+    if kinds:
+        return Cached(model, prompt, length, kinds, kv_sharding(model, mesh, rows))
     return Window(model, prompt)
 
 
@@ -262,11 +207,13 @@ def generate(
 ) -> torch.Tensor:
     """Continues each prompt by ``max_new_tokens`` tokens, compiled on the mesh the model's tensors are on.
 
-    A transformers causal LM decodes over a static KV cache (``transformers.StaticCache``) whose keys
-    and values are sharded like the attention heads: the prompt is prefilled once, then each step
-    feeds one token. Any other module mapping ids [B, T] to logits [B, T, V] (a tensor, or an output
-    with ``.logits``) reruns the whole window of ``T + max_new_tokens`` ids each step, which a causal
-    model's earlier positions do not see past. Greedy output equals transformers'
+    A transformers causal LM decodes over a static KV cache whose keys and values are sharded like
+    the attention heads: the prompt is prefilled once, then each step feeds one token. Full-attention,
+    sliding-window and hybrid (both kinds of layer) caches are supported; caches holding other state
+    (linear attention, sparse-attention indexers, compressed or shared keys) are refused. Any other
+    module mapping ids [B, T] to logits [B, T, V] (a tensor, or an output with ``.logits``) reruns
+    the whole window of ``T + max_new_tokens`` ids each step, which a causal model's earlier
+    positions do not see past. Greedy output equals transformers'
     ``model.generate(do_sample=False)`` token for token. The model runs in eval mode.
 
     Args:
@@ -290,9 +237,9 @@ def generate(
 
     Raises:
         ArgumentError: names every bad argument: ``max_new_tokens`` ≤ 0, ids that are not an integer
-            [batch, seq] tensor, a prompt and ``max_new_tokens`` longer than the model's positions,
-            a mask that is not left padding, a target not placed on a mesh, a model whose output is
-            not logits.
+            [batch, seq] tensor or lie outside the vocabulary, a prompt and ``max_new_tokens`` longer
+            than the model's positions, a mask that is not left padding, a target not placed on a
+            mesh, a model that is not a causal LM, whose cache is refused or whose output is not logits.
 
     Example:
         >>> model = torch.nn.Sequential(torch.nn.Embedding(32, 16), torch.nn.Linear(16, 32))
@@ -300,15 +247,13 @@ def generate(
         >>> ts.generate(model, torch.tensor([[1, 2, 3]]), max_new_tokens=4).shape
         torch.Size([1, 7])
     """
-    problems = _setting_problems(max_new_tokens, temperature, top_k, top_p, eos_token_id, seed)
-    problems += _id_problems(input_ids, attention_mask)
+    found, kinds, problems = _checked(target, input_ids, max_new_tokens, attention_mask)
+    problems = setting_problems(max_new_tokens, temperature, top_k, top_p, eos_token_id, seed) + problems
     if loop not in ("fused", "stepped"):
         problems.append(f"loop={loop!r}: 'fused' or 'stepped'")
     raise_if_any(problems, header=f"generate: {len(problems)} bad argument(s)", error=ArgumentError)
-    found = _target(target)
-    model, hf, (rows, prompt) = found.model, is_hf_causal_lm(found.model), tuple(input_ids.shape)
-    problems = _length_problems(model, hf, prompt, max_new_tokens, attention_mask)
-    raise_if_any(problems, header=f"generate: {len(problems)} bad argument(s)", error=ArgumentError)
+    assert found is not None  # a target that was not found is a problem raised above
+    model, (rows, prompt) = found.model, tuple(input_ids.shape)
     eos = _eos(model, eos_token_id)
     sampling = Sampling(float(temperature), top_k, top_p, eos, _pad(model, pad_token_id, eos))
     length = prompt + max_new_tokens
@@ -320,13 +265,30 @@ def generate(
         _refuse_stacked(tensors)
         canonical = canonical_names(model)
         arrays = {n: unwrap(t) for n, t in tensors.items() if canonical[n] == n}
-        decoder = _decoder(model, found.mesh, hf, rows, prompt, length)
+        decoder = _decoder(model, found.mesh, kinds, rows, prompt, length)
         program = Program(decoder, prompt, max_new_tokens, sampling)
         jitted = _compiled_for(model, program, lambda: _jitted(program))
         inputs = _placed(found.mesh, input_ids.detach().cpu().to(torch.int32).numpy(), mask.numpy(), seed)
-        tokens, made = _traced_run(model, lambda: _run(jitted, program, loop, arrays, *inputs))
+        tokens, made = _traced_run(model, not kinds, lambda: _run(jitted, program, loop, arrays, *inputs))
         out = np.asarray(jax.device_get(tokens))
     return torch.from_numpy(out[:, : prompt + made].astype(np.int64))
+
+
+def _checked(target: Any, input_ids: Any, new: Any, attention_mask: Any):
+    """The target, its layers' cache kinds (none for a model decoded over a window) and every problem
+    with it and its inputs."""
+    problems = id_problems(input_ids, attention_mask)
+    try:
+        found = _target(target)
+    except ArgumentError as err:
+        return None, (), [*problems, *err.problems]
+    model = found.model
+    kinds, refused = kind_problems(model)
+    problems += refused
+    if not id_problems(input_ids, None):  # an integer [batch, seq] tensor: its values can be checked
+        problems += vocab_problems(model, input_ids)
+        problems += length_problems(model, is_hf_causal_lm(model), int(input_ids.shape[1]), new, attention_mask)
+    return found, kinds, problems
 
 
 def _refuse_stacked(tensors: dict[str, torch.Tensor]) -> None:
@@ -346,14 +308,22 @@ def _placed(mesh: Mesh | None, ids: np.ndarray, mask: np.ndarray, seed: int) -> 
     return tuple(jax.device_put(x, replicated) for x in (ids, mask, key))
 
 
-def _traced_run(model: torch.nn.Module, run: Callable[[], Any]) -> Any:
-    """``run()``, with the errors tracing the model raises said as what to change."""
+def _traced_run(model: torch.nn.Module, windowed: bool, run: Callable[[], Any]) -> Any:
+    """``run()``, with the errors tracing the model raises said as what to change.
+
+    A module decoded over a window is only known to be an LM once it is called on token ids: what
+    tracing it raises (before anything runs) says it is not one.
+    """
     try:
         return run()
-    except TypeError as err:
-        if isinstance(err, ArgumentError):
+    except ArgumentError:
+        raise
+    except jax.errors.JaxRuntimeError:
+        raise  # the device's, not the model's: running, not tracing, failed
+    except (TypeError, ValueError, RuntimeError, AttributeError, IndexError, NotImplementedError) as err:
+        if not windowed and not isinstance(err, TypeError):
             raise
         raise ArgumentError(
-            f"generate could not decode with {type(model).__name__}: {err}; it needs a model mapping ids "
-            f"[batch, seq] to logits [batch, seq, vocab]"
+            f"generate could not decode with {type(model).__name__}: it is not a causal LM generate can decode "
+            f"(called on token ids it raised {type(err).__name__}: {err}); {ACCEPTS}"
         ) from err
