@@ -11,7 +11,7 @@ from jax.sharding import PartitionSpec as P
 from models import TiedLM
 
 import torchshard as ts
-from torchshard._train.generate import kv_sharding
+from torchshard._generate.generate import kv_sharding
 
 transformers = pytest.importorskip("transformers")
 

@@ -84,8 +84,17 @@ class Pipeline:
 
     def bubble(self, *, stages: int) -> float:
         """The idle fraction of the schedule on ``stages`` stages: ``(S-1)/(repeats*M + S-1)``."""
-        microbatches = self.microbatches or stages
-        return (stages - 1) / (self.repeats * microbatches + stages - 1)
+        return bubble_fraction(stages, self.microbatches or stages, self.repeats)
+
+
+def bubble_fraction(stages: int, microbatches: int, repeats: int = 1) -> float:
+    """The idle fraction of a loop of ``repeats·M + S - 1`` iterations: ``(S-1)/(repeats*M + S-1)``; 0 for one stage.
+
+    Examples:
+        >>> bubble_fraction(4, 8), bubble_fraction(1, 8)
+        (0.2727272727272727, 0.0)
+    """
+    return (stages - 1) / (repeats * microbatches + stages - 1)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -112,7 +121,7 @@ class Stages:
 
     @property
     def bubble(self) -> float:
-        return (self.stages - 1) / self.iterations
+        return bubble_fraction(self.stages, self.microbatches, self.repeats)
 
     def order(self) -> tuple[int, ...]:
         """Storage position → layer index: stage ``s``'s ``repeats`` chunks are contiguous, chunk ``j`` on ``j mod S``.

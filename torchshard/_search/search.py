@@ -18,17 +18,17 @@ import torch
 from torchshard._base.errors import ShardingError
 from torchshard._base.format import fmt_bytes
 from torchshard._parallel.context import ContextParallel
-from torchshard._parallel.pipeline import Pipeline
+from torchshard._parallel.pipeline import Pipeline, bubble_fraction
 from torchshard._presets.hf import hf_rules
 from torchshard._presets.tables import common_tensor_parallel, fsdp
 from torchshard._report.compiled import CompiledMemory
 from torchshard._report.costs import StepCosts, step_costs
-from torchshard._report.estimate import estimate
 from torchshard._report.fit import lm_loss, simulated_devices
 from torchshard._report.hardware import Hardware, hardware
 from torchshard._report.hlo import axes_of
 from torchshard._report.memory import training_memory
-from torchshard._report.space import Layout, ModelDims, analytic_seconds, layouts
+from torchshard._search.estimate import estimate
+from torchshard._search.space import ModelDims, SearchLayout, analytic_seconds, layouts
 from torchshard._sharding.mesh import make_mesh
 from torchshard._sharding.plan import ShardingPlan, plan
 from torchshard._train.abstract import AbstractTrainer
@@ -62,7 +62,7 @@ class Candidate:
         note: why it was not compiled or failed, if so.
     """
 
-    layout: Layout
+    layout: SearchLayout
     peak_bytes: int | None = None
     fits: bool | None = None
     step_seconds: float | None = None
@@ -127,7 +127,7 @@ def at_depth(model: torch.nn.Module, layers: int) -> torch.nn.Module:
         return type(model)(config)
 
 
-def _rules(model: torch.nn.Module, layout: Layout) -> Any:
+def _rules(model: torch.nn.Module, layout: SearchLayout) -> Any:
     tp = "model" if layout.degree("model") > 1 else None
     if getattr(model, "config", None) is not None:
         experts = "expert" if layout.degree("expert") > 1 else None
@@ -135,7 +135,7 @@ def _rules(model: torch.nn.Module, layout: Layout) -> Any:
     return (common_tensor_parallel(axis="model") + fsdp("data")) if tp else fsdp("data")
 
 
-def _options(model: torch.nn.Module, layout: Layout) -> dict[str, Any]:
+def _options(model: torch.nn.Module, layout: SearchLayout) -> dict[str, Any]:
     stages, context = layout.degree("stage"), layout.degree("context")
     rows: Any = ("data", "expert") if layout.degree("expert") > 1 else "data"
     return {
@@ -149,18 +149,18 @@ def _options(model: torch.nn.Module, layout: Layout) -> dict[str, Any]:
     }
 
 
-def _mesh(layout: Layout, devices: list[Any]) -> Any:
+def _mesh(layout: SearchLayout, devices: list[Any]) -> Any:
     axes = {a: n for a, n in layout.mesh if n > 1 or a == "data"}
     return make_mesh(axes, devices=devices[: math.prod(axes.values())])
 
 
-def _plan(model: torch.nn.Module, layout: Layout, devices: list[Any]) -> ShardingPlan:
+def _plan(model: torch.nn.Module, layout: SearchLayout, devices: list[Any]) -> ShardingPlan:
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # unused tp_plan entries: the plan is still the model's
         return plan(model, _mesh(layout, devices), _rules(model, layout))
 
 
-def compile_layout(problem: Problem, layout: Layout, model: torch.nn.Module, devices: list[Any]) -> Compiled:
+def compile_layout(problem: Problem, layout: SearchLayout, model: torch.nn.Module, devices: list[Any]) -> Compiled:
     """Compiles ``model``'s step under ``layout``; its peak bytes per device and its costs (cached)."""
     key = (id(problem.model), layout, sum(1 for _ in model.parameters()), problem.batch, problem.loss_fn)
     if key in _CACHE:
@@ -178,7 +178,7 @@ def compile_layout(problem: Problem, layout: Layout, model: torch.nn.Module, dev
     return _CACHE[key]
 
 
-def measure(problem: Problem, layout: Layout, devices: list[Any]) -> Compiled:
+def measure(problem: Problem, layout: SearchLayout, devices: list[Any]) -> Compiled:
     """Peak and costs at full depth: compiled at full depth when scanned or pipelined (compile time does not
     grow with depth), else at 1 and 2 layers and extrapolated linearly (every layer costs the same)."""
     model, layers = problem.model, ModelDims.of(problem.model).layers
@@ -198,10 +198,10 @@ def model_flops(model: torch.nn.Module, tokens: int, seq: int) -> float:
     return float((6 * params + attention) * tokens)
 
 
-def rate(problem: Problem, layout: Layout, peak: int, costs: StepCosts) -> Candidate:
+def rate(problem: Problem, layout: SearchLayout, peak: int, costs: StepCosts) -> Candidate:
     """The candidate's verdict and speed on the problem's hardware."""
     stages = layout.degree("stage")
-    bubble = (stages - 1) / (layout.microbatches + stages - 1) if stages > 1 else 0.0
+    bubble = bubble_fraction(stages, layout.microbatches)
     est = estimate(costs, problem.hw, precision=layout.precision, devices_per_host=problem.devices_per_host,
                    bubble=bubble)  # fmt: skip
     flops = model_flops(problem.model, problem.tokens, problem.batch[1])
@@ -210,14 +210,14 @@ def rate(problem: Problem, layout: Layout, peak: int, costs: StepCosts) -> Candi
                      est.dominant, {k: round(v, 6) for k, v in est.parts.items()})  # fmt: skip
 
 
-def _rough(problem: Problem, layout: Layout) -> float:
+def _rough(problem: Problem, layout: SearchLayout) -> float:
     params = sum(p.numel() for p in problem.model.parameters())
     hw = problem.hw
     return analytic_seconds(layout, ModelDims.of(problem.model), params, problem.batch, hw.bf16_flops,
                             hw.intra_host_bandwidth)  # fmt: skip
 
 
-def _state_note(problem: Problem, layout: Layout, devices: list[Any]) -> str:
+def _state_note(problem: Problem, layout: SearchLayout, devices: list[Any]) -> str:
     try:
         planned = _plan(problem.model, layout, devices)
     except ShardingError as err:
@@ -227,11 +227,11 @@ def _state_note(problem: Problem, layout: Layout, devices: list[Any]) -> str:
     return f"params + grads + AdamW alone need {fmt_bytes(state)}" if state > problem.device_memory else ""
 
 
-def _base(group: list[Layout], options: dict[str, Any]) -> Layout:
+def _base(group: list[SearchLayout], options: dict[str, Any]) -> SearchLayout:
     """A mesh's first layout to compile: full remat, scanned, bf16, the fewest micro-batches (what fits most)."""
     remat, precision = _first(options["remat"], "nothing_saveable"), _first(options["precision"], "bf16")
 
-    def prefer(lay: Layout) -> tuple[bool, bool, bool, int]:
+    def prefer(lay: SearchLayout) -> tuple[bool, bool, bool, int]:
         return lay.remat != remat, not lay.scan, lay.precision != precision, lay.microbatches
 
     return min(group, key=prefer)
@@ -247,9 +247,9 @@ class _Runner:
     def __init__(self, problem: Problem, budget: int, progress: Progress | None) -> None:
         self.problem, self.budget, self.progress = problem, budget, progress
         self.devices = simulated_devices(problem.devices)
-        self.done: dict[Layout, Candidate] = {}
+        self.done: dict[SearchLayout, Candidate] = {}
 
-    def __call__(self, layout: Layout) -> Candidate:
+    def __call__(self, layout: SearchLayout) -> Candidate:
         if layout not in self.done:
             if self.progress is not None:
                 self.progress(len(self.done), self.budget, layout.label())
@@ -268,7 +268,7 @@ def _better(a: Candidate, b: Candidate | None) -> bool:
     return b is None or _rank(a) < _rank(b)
 
 
-def refine(run: _Runner, group: list[Layout], start: Candidate) -> None:
+def refine(run: _Runner, group: list[SearchLayout], start: Candidate) -> None:
     """Coordinate search from ``start``: each option in turn (remat, micro-batches, precision, scan) tried at
     every value with the others at the best so far."""
     best = start
@@ -288,11 +288,11 @@ def run_search(
     then the best ``refine_meshes`` that fit refined option by option; fitting ones by estimated time first."""
     found = layouts(problem.devices, ModelDims.of(problem.model), problem.batch, **options)
     run = _Runner(problem, max_compiles, progress)
-    groups: dict[tuple[tuple[str, int], ...], list[Layout]] = {}
+    groups: dict[tuple[tuple[str, int], ...], list[SearchLayout]] = {}
     for layout in found:
         groups.setdefault(layout.mesh, []).append(layout)
     bases = sorted((_base(g, options) for g in groups.values()), key=lambda lay: _rough(problem, lay))
-    notes: dict[Layout, str] = {}
+    notes: dict[SearchLayout, str] = {}
     for layout in bases:
         notes[layout] = _state_note(problem, layout, run.devices)
         if not notes[layout] and len(run.done) < max(max_compiles // 2, 1):

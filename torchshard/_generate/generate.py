@@ -19,8 +19,8 @@ from torchshard._base.errors import ArgumentError, raise_if_any
 from torchshard._bridge.layer_view import LayerView
 from torchshard._bridge.module_tensors import canonical_names, named_tensors
 from torchshard._bridge.tensors import is_jax_tensor, unwrap
-from torchshard._train.decoders import Cached, Window, is_hf_causal_lm, max_positions, text_config
-from torchshard._train.sampling import Sampling, choose, finish
+from torchshard._generate.decoders import Cached, Window, is_hf_causal_lm, max_positions, text_config
+from torchshard._generate.sampling import Sampling, choose, finish
 from torchshard._train.trainer import Trainer
 
 Loop = Literal["fused", "stepped"]
