@@ -22,6 +22,7 @@ import jax.numpy as jnp
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from torchshard._base.errors import ShardingError
+from torchshard._base.schedule import bubble_fraction
 from torchshard._base.validate import describe_mesh, int_problems, raise_for_arguments, regex_problem
 from torchshard._parallel.vmapped import vmapped_over
 
@@ -85,16 +86,6 @@ class Pipeline:
     def bubble(self, *, stages: int) -> float:
         """The idle fraction of the schedule on ``stages`` stages: ``(S-1)/(repeats*M + S-1)``."""
         return bubble_fraction(stages, self.microbatches or stages, self.repeats)
-
-
-def bubble_fraction(stages: int, microbatches: int, repeats: int = 1) -> float:
-    """The idle fraction of a loop of ``repeats·M + S - 1`` iterations: ``(S-1)/(repeats*M + S-1)``; 0 for one stage.
-
-    Examples:
-        >>> bubble_fraction(4, 8), bubble_fraction(1, 8)
-        (0.2727272727272727, 0.0)
-    """
-    return (stages - 1) / (repeats * microbatches + stages - 1)
 
 
 @dataclasses.dataclass(frozen=True)

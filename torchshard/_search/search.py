@@ -17,8 +17,9 @@ import torch
 
 from torchshard._base.errors import ShardingError
 from torchshard._base.format import fmt_bytes
+from torchshard._base.schedule import bubble_fraction
 from torchshard._parallel.context import ContextParallel
-from torchshard._parallel.pipeline import Pipeline, bubble_fraction
+from torchshard._parallel.pipeline import Pipeline
 from torchshard._presets.hf import hf_rules
 from torchshard._presets.tables import common_tensor_parallel, fsdp
 from torchshard._report.compiled import CompiledMemory

@@ -9,7 +9,7 @@ from collections.abc import Iterator, Sequence
 import torch
 
 from torchshard._base.errors import ShardingError
-from torchshard._parallel.pipeline import bubble_fraction
+from torchshard._base.schedule import bubble_fraction
 
 # mesh order: the last axes vary fastest over the device list, so they stay inside a host (fast links)
 AXES = ("stage", "data", "context", "expert", "model")
