@@ -28,7 +28,7 @@ import torchshard as ts
 from torchshard._report import search as engine
 from torchshard._report.fit import lm_loss, simulated_devices
 from torchshard._report.hardware import hardware
-from torchshard._report.space import AXES, Layout
+from torchshard._search.space import AXES, SearchLayout
 
 MODELS = {  # Llama 3 8B / 70B and Llama 2 70B, as their Hugging Face configs give them
     "llama3-8b": dict(vocab_size=128256, hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
@@ -54,11 +54,11 @@ def tiny() -> transformers.LlamaForCausalLM:
     return transformers.LlamaForCausalLM(config)
 
 
-def published_layout(text: str) -> Layout:
+def published_layout(text: str) -> SearchLayout:
     """``data=8,model=2:dots_saveable`` as a scanned bf16 layout without accumulation."""
     mesh, _, remat = text.partition(":")
     axes = {k: int(v) for k, v in (p.split("=") for p in mesh.split(","))}
-    return Layout(tuple((a, axes.get(a, 1)) for a in AXES), 1, remat or "nothing_saveable", True, "bf16")
+    return SearchLayout(tuple((a, axes.get(a, 1)) for a in AXES), 1, remat or "nothing_saveable", True, "bf16")
 
 
 def row(c: engine.Candidate, devices: int) -> str:

@@ -325,7 +325,7 @@ def same(a: dict[str, np.ndarray] | None, b: dict[str, np.ndarray]) -> bool:
 
 def inject_export(monkeypatch, faults: Faults) -> None:
     inject(monkeypatch, faults)
-    from torchshard._ckpt import safetensors as _safetensors
+    from torchshard._interop import safetensors as _safetensors
 
     counted = {name: faults.counting(name, getattr(os, name)) for name in ("mkdir", "makedirs", "link")}
     monkeypatch.setattr(_safetensors, "os", _Namespace(os, **counted))

@@ -12,8 +12,8 @@ from models import TiedLM
 from packaging.version import Version
 
 import torchshard as ts
-from torchshard._train.decode_cache import cache_keyword
-from torchshard._train.generate import kv_sharding
+from torchshard._generate.decode_cache import cache_keyword
+from torchshard._generate.generate import kv_sharding
 
 transformers = pytest.importorskip("transformers")
 

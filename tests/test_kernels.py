@@ -26,7 +26,7 @@ from torchshard import ShardingError
 from torchshard._bridge.env import env
 from torchshard._parallel import experts, pipeline
 from torchshard._parallel.ring_attention import context_attention
-from torchshard._parallel.ring_layout import Layout
+from torchshard._parallel.ring_layout import SequenceLayout
 
 
 def _close_trees(got, want) -> None:
@@ -130,7 +130,7 @@ def test_balanced_layout_gives_every_device_equal_causal_work():
         rows = [int(s) + i for s in layout.starts(device) for i in range(layout.run)]
         return sum(r + 1 for r in rows)  # causal: row r sees keys 0..r
 
-    natural, balanced = Layout(64, 4, balanced=False), Layout(64, 4, balanced=True)
+    natural, balanced = SequenceLayout(64, 4, balanced=False), SequenceLayout(64, 4, balanced=True)
     assert len({visible_pairs(balanced, d) for d in range(4)}) == 1
     assert [visible_pairs(natural, d) for d in range(4)] == [136, 392, 648, 904]
 

@@ -15,11 +15,11 @@ import torchshard as ts
 from torchshard.__main__ import main
 from torchshard._base.errors import ArgumentError, ShardingError
 from torchshard._report.costs import StepCosts, step_costs
-from torchshard._report.estimate import crosses_hosts, estimate, moved_bytes
 from torchshard._report.hardware import hardware, load_profiles
 from torchshard._report.hlo import Collective
-from torchshard._report.search import FAST_COMPILE, Problem, _options, _plan, at_depth, compile_layout, measure
-from torchshard._report.space import Layout, ModelDims, layouts
+from torchshard._search.estimate import crosses_hosts, estimate, moved_bytes
+from torchshard._search.search import FAST_COMPILE, Problem, _options, _plan, at_depth, compile_layout, measure
+from torchshard._search.space import ModelDims, SearchLayout, layouts
 
 F32 = np.float32
 
@@ -134,7 +134,7 @@ def tiny_problem():
 
 @pytest.mark.slow
 def test_unscanned_costs_from_two_shallow_compiles_match_the_full_compile(tiny_problem):
-    layout = Layout((("stage", 1), ("data", 2), ("context", 1), ("expert", 1), ("model", 2)), scan=False)
+    layout = SearchLayout((("stage", 1), ("data", 2), ("context", 1), ("expert", 1), ("model", 2)), scan=False)
     devices = jax.devices()[:4]
     peak, costs = measure(tiny_problem, layout, devices)
     full_peak, full = compile_layout(tiny_problem, layout, at_depth(tiny_problem.model, 4), devices)
@@ -152,7 +152,7 @@ def test_gradient_accumulation_with_context_parallelism_counts_every_micro_batch
     (XLA recomputes one more projection under the micro-batch loop here: 2.6% more, never fewer.)
     """
     mesh = (("stage", 1), ("data", 2), ("context", 2), ("expert", 1), ("model", 1))
-    one, four = (compile_layout(tiny_problem, Layout(mesh, k, "nothing_saveable"), tiny_problem.model,
+    one, four = (compile_layout(tiny_problem, SearchLayout(mesh, k, "nothing_saveable"), tiny_problem.model,
                                 jax.devices()[:4])[1] for k in (1, 4))  # fmt: skip
     assert one.flops <= four.flops < 1.05 * one.flops
 
@@ -180,7 +180,9 @@ def test_the_search_compiles_without_llvm_optimisation_to_the_same_program_and_m
 
     from torchshard._train.abstract import AbstractTrainer
 
-    layout = Layout((("stage", 1), ("data", 2), ("context", 1), ("expert", 1), ("model", 2)), remat="dots_saveable")
+    layout = SearchLayout(
+        (("stage", 1), ("data", 2), ("context", 1), ("expert", 1), ("model", 2)), remat="dots_saveable"
+    )
     model = tiny_problem.model
     trainer = AbstractTrainer(model, tiny_problem.loss_fn, optax.adamw(1e-4), _plan(model, layout, jax.devices()[:4]),
                               **_options(model, layout))  # fmt: skip

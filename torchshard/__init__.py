@@ -3,12 +3,13 @@
 from torchshard import collectives, distributed, presets
 from torchshard import inspect as inspect
 from torchshard._base.errors import ArgumentError, CheckpointError, ShardingError, UnusedRuleWarning
-from torchshard._ckpt.adapters import save_adapters
 from torchshard._ckpt.checkpoint import load, save
-from torchshard._ckpt.export import from_torch_state_dict, to_torch_state_dict
-from torchshard._ckpt.pretrained import load_safetensors
-from torchshard._ckpt.safetensors import save_safetensors
 from torchshard._ckpt.stepdir import checkpoint_steps
+from torchshard._generate.generate import generate
+from torchshard._interop.adapters import save_adapters
+from torchshard._interop.export import from_torch_state_dict, to_torch_state_dict
+from torchshard._interop.pretrained import load_safetensors
+from torchshard._interop.safetensors import save_safetensors
 from torchshard._parallel.context import ContextParallel
 from torchshard._parallel.documents import document_mask
 from torchshard._parallel.experts import ExpertDispatch, ExpertDispatchWarning
@@ -18,7 +19,6 @@ from torchshard._sharding.mesh import make_mesh, use_cpu_devices
 from torchshard._sharding.placement import constrain, shard, shard_batch
 from torchshard._sharding.plan import PlanEntry, ShardingPlan, plan
 from torchshard._sharding.rules import Rule, Rules, TensorInfo
-from torchshard._train.generate import generate
 from torchshard._train.precision import MixedPrecision
 from torchshard._train.prefetch import prefetch
 from torchshard._train.remat import Remat

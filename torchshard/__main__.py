@@ -16,7 +16,7 @@ from pathlib import Path
 from torchshard._base.errors import ShardingError
 from torchshard._report.cli import PRESET_HELP, PRESETS, UsageError, build_on_meta, load_factory, run_plan
 from torchshard._report.fit import EXIT_DOES_NOT_FIT, OPTIMIZERS, PRECISIONS
-from torchshard._report.search_cli import SEARCH_HELP, add_search_arguments, run_search
+from torchshard._search.search_cli import SEARCH_HELP, add_search_arguments, search_command
 from torchshard._train.remat import POLICIES
 
 EXIT_OK, EXIT_INVALID_PLAN, EXIT_USAGE = 0, 1, 2
@@ -85,7 +85,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if not args.search and args.mesh is None:
         build_parser().error("the following arguments are required: --mesh (or use --search)")
     try:
-        text, fits = run_search(args, load_factory, build_on_meta) if args.search else run_plan(args)
+        text, fits = search_command(args, load_factory, build_on_meta) if args.search else run_plan(args)
     except ShardingError as err:
         print(f"error: invalid sharding plan\n{err}", file=sys.stderr)
         return EXIT_INVALID_PLAN

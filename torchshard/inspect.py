@@ -4,7 +4,7 @@ from torchshard._report.compiled import CompiledMemory, memory
 from torchshard._report.hardware import PROFILES, Hardware, hardware
 from torchshard._report.hlo import KINDS, Collective, axes_of, parse_hlo
 from torchshard._report.inspection import CollectiveStats, collectives
-from torchshard._report.search import Candidate, search
+from torchshard._search.search import Candidate, search
 from torchshard._train.abstract import AbstractTrainer
 
 __all__ = [

@@ -1,4 +1,4 @@
-"""Checkpoints and exports: save/load, crash-consistent step directories, orbax, checksums, torch exports.
+"""The native checkpoint: save/load, crash-consistent step directories, orbax, shard files, checksums.
 
-May import _train and everything below it.
+May import _generate and everything below it.
 """

@@ -22,6 +22,7 @@ import jax.numpy as jnp
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from torchshard._base.errors import ShardingError
+from torchshard._base.schedule import bubble_fraction
 from torchshard._base.validate import describe_mesh, int_problems, raise_for_arguments, regex_problem
 from torchshard._parallel.vmapped import vmapped_over
 
@@ -84,8 +85,7 @@ class Pipeline:
 
     def bubble(self, *, stages: int) -> float:
         """The idle fraction of the schedule on ``stages`` stages: ``(S-1)/(repeats*M + S-1)``."""
-        microbatches = self.microbatches or stages
-        return (stages - 1) / (self.repeats * microbatches + stages - 1)
+        return bubble_fraction(stages, self.microbatches or stages, self.repeats)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -112,7 +112,7 @@ class Stages:
 
     @property
     def bubble(self) -> float:
-        return (self.stages - 1) / self.iterations
+        return bubble_fraction(self.stages, self.microbatches, self.repeats)
 
     def order(self) -> tuple[int, ...]:
         """Storage position → layer index: stage ``s``'s ``repeats`` chunks are contiguous, chunk ``j`` on ``j mod S``.

@@ -23,8 +23,9 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import Mesh, PartitionSpec
 
+from torchshard._bridge.ops import online_softmax
 from torchshard._bridge.ops.flash import TILE_SCOPE
-from torchshard._parallel.ring_layout import Layout, from_zigzag, to_zigzag
+from torchshard._parallel.ring_layout import SequenceLayout, from_zigzag, to_zigzag
 from torchshard._parallel.vmapped import vmapped_axes
 
 Stats = tuple[jax.Array, jax.Array, jax.Array]  # running max, running sum, running weighted values (all f32)
@@ -39,7 +40,7 @@ class Ring:
     """The static description of one context-parallel attention call."""
 
     axis: str
-    layout: Layout
+    layout: SequenceLayout
     causal: bool
     gathered: bool  # K/V arrive all-gathered (attention="all_gather") instead of passed by ppermute
     key_tile: int = KEY_TILE
@@ -129,14 +130,7 @@ def _untiled(x: jax.Array) -> jax.Array:
 def _update(stats: Stats, q: jax.Array, k: jax.Array, v: jax.Array, q_start: jax.Array, k_start: jax.Array,
             causal: bool, q_seg: Seg, k_seg: Seg) -> Stats:  # fmt: skip
     """One key block folded into the running (max, sum, weighted values) of a query run."""
-    m, total, acc = stats
-    s = _logits(q, k, q_start, k_start, causal, q_seg, k_seg)
-    m_new = jnp.maximum(m, s.max(-1))
-    shift = jnp.where(m_new == -jnp.inf, 0.0, m_new)  # a row that has seen no key yet stays at zero weight
-    p = jnp.exp(s - shift[..., None])
-    alpha = jnp.exp(m - shift)[..., None]
-    pv = jnp.einsum("bkgqs,bksh->bkgqh", p.astype(v.dtype), v, preferred_element_type=jnp.float32)
-    return m_new, alpha[..., 0] * total + p.sum(-1), alpha * acc + pv
+    return online_softmax.fold(stats, _logits(q, k, q_start, k_start, causal, q_seg, k_seg), v)
 
 
 def _fold(stats: Stats, q: jax.Array, q_start: jax.Array, q_seg: Seg, block: Keys, k_start: jax.Array,
@@ -216,13 +210,8 @@ def _grads(q: jax.Array, k: jax.Array, v: jax.Array, do: jax.Array, lse: jax.Arr
            q_start: jax.Array, k_start: jax.Array, causal: bool, q_seg: Seg,
            k_seg: Seg) -> tuple[jax.Array, jax.Array, jax.Array]:  # fmt: skip
     """(dq, dk, dv) of one (query run, key run) pair, recomputing its probabilities from the saved lse."""
-    p = jnp.exp(_logits(q, k, q_start, k_start, causal, q_seg, k_seg) - lse[..., None])
-    dv = jnp.einsum("bkgqs,bkgqh->bksh", p.astype(do.dtype), do, preferred_element_type=jnp.float32)
-    dp = jnp.einsum("bkgqh,bksh->bkgqs", do, v, preferred_element_type=jnp.float32)
-    ds = p * (dp - delta[..., None])
-    dq = jnp.einsum("bkgqs,bksh->bkgqh", ds.astype(k.dtype), k, preferred_element_type=jnp.float32)
-    dk = jnp.einsum("bkgqs,bkgqh->bksh", ds.astype(q.dtype), q, preferred_element_type=jnp.float32)
-    return dq, dk, dv
+    s = _logits(q, k, q_start, k_start, causal, q_seg, k_seg)
+    return online_softmax.unfold(s, lse, delta, q, k, v, do)[:3]
 
 
 def _backward_step(ring: Ring, me: jax.Array, saved: tuple[list, ...], dqs: list[jax.Array], block: Keys,
@@ -388,7 +377,7 @@ def context_attention(
     scale = d**-0.5 if scale is None else scale
     q = (query * jnp.asarray(scale, query.dtype)).reshape(b, kv_heads, heads // kv_heads, s, d)
     rows = _manual_rows(mesh, rows, b) if segments is not None else ()
-    layout = Layout(s, mesh.shape[axis], balanced and causal)
+    layout = SequenceLayout(s, mesh.shape[axis], balanced and causal)
     ring = Ring(axis, layout, causal, gathered, key_tile, vmapped_axes(), rows)
     batch = rows or None
     q_spec, kv_spec = PartitionSpec(batch, None, None, axis, None), PartitionSpec(batch, None, axis, None)

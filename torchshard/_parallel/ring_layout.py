@@ -9,7 +9,7 @@ import jax.numpy as jnp
 
 
 @dataclasses.dataclass(frozen=True)
-class Layout:
+class SequenceLayout:
     """Which sequence positions a device's local rows hold: ``parts`` runs of ``run`` consecutive positions.
 
     Natural: device ``i`` holds ``[i·run, (i+1)·run)``. Balanced (zig-zag): the sequence is cut into
@@ -17,7 +17,7 @@ class Layout:
     device has the same number of visible (query, key) pairs.
 
     Example:
-        >>> [int(s) for s in Layout(seq=16, devices=4, balanced=True).starts(1)]
+        >>> [int(s) for s in SequenceLayout(seq=16, devices=4, balanced=True).starts(1)]
         [2, 12]
     """
 

@@ -8,7 +8,7 @@ from typing import Any
 
 from torchshard._base.errors import raise_if_any
 from torchshard._base.validate import compiled
-from torchshard._presets.tables import PEFT_BASE, AxisName, Layout, lora_rules
+from torchshard._presets.tables import PEFT_BASE, AxisName, TensorLayout, lora_rules
 from torchshard._sharding.rules import Rule, Rules
 
 # transformers 4.x and 5.x style names → the weight layout (GSPMD places activations). Packed
@@ -99,7 +99,7 @@ def from_hf_tp_plan(
     for key, style in tp_plan.items():
         kind = _HF_STYLES.get(style)
         if kind is not None:
-            rows.append(Rule(_tensor_pattern(key), Layout(kind, axis, "tensor"), f"tp:{style}"))
+            rows.append(Rule(_tensor_pattern(key), TensorLayout(kind, axis, "tensor"), f"tp:{style}"))
             rows += lora_rules(hf_pattern(key), kind, axis)
         elif style not in _HF_NO_LAYOUT and not replicate_unsupported:
             problems.append(

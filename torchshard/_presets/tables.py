@@ -179,7 +179,7 @@ def is_conv1d(module_type: type | None) -> bool:
 
 
 @dataclasses.dataclass(frozen=True)
-class Layout:
+class TensorLayout:
     """Shape-aware TP spec: ``colwise`` shards outputs, ``rowwise`` inputs, in the owner's layout.
 
     ``param`` is ``"weight"``, ``"bias"`` or ``"tensor"`` (a bare parameter such as stacked expert
@@ -222,7 +222,7 @@ def lora_rules(head: str, style: str, axis: AxisName) -> list[Rule]:
     """
     split, whole = _PEFT_FACTORS[style]
     return [
-        Rule(head + split, Layout(style, axis, "weight"), f"tp:{style} (LoRA)", warn_unused=False),
+        Rule(head + split, TensorLayout(style, axis, "weight"), f"tp:{style} (LoRA)", warn_unused=False),
         Rule(head + whole, PartitionSpec(), f"tp:{style} (LoRA, replicated)", warn_unused=False),
     ]
 
@@ -253,9 +253,9 @@ def tensor_parallel(colwise: Sequence[str] = (), rowwise: Sequence[str] = (), *,
         for pattern in patterns:
             Rules([(pattern, ())])  # validates the regex with a clear error
             head = f"(?:{pattern})"
-            rows.append(Rule(head + PEFT_BASE + r"\.weight", Layout(style, axis, "weight"), f"tp:{style}"))
+            rows.append(Rule(head + PEFT_BASE + r"\.weight", TensorLayout(style, axis, "weight"), f"tp:{style}"))
             rows.append(
-                Rule(head + PEFT_BASE + r"\.bias", Layout(style, axis, "bias"), f"tp:{style}", warn_unused=False)
+                Rule(head + PEFT_BASE + r"\.bias", TensorLayout(style, axis, "bias"), f"tp:{style}", warn_unused=False)
             )
             rows += lora_rules(head, style, axis)
     return Rules(rows)

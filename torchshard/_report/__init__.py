@@ -1,4 +1,4 @@
 """Reading plans and steps: the plan CLI, memory figures, visualisation, collectives counted from the compiled HLO.
 
-May import _ckpt and everything below it.
+May import _interop and everything below it.
 """

@@ -384,7 +384,7 @@ def layer_slices(group: ScanGroup, stacked: Mapping[str, jax.Array]) -> dict[str
 
 
 @dataclasses.dataclass(frozen=True)
-class Layout:
+class StateLayout:
     """How a train state stores a module's tensors: under their torch names, or stacked per scanned group."""
 
     groups: tuple[ScanGroup, ...] = ()

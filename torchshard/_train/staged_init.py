@@ -15,7 +15,7 @@ from torchshard._sharding import init as sharded
 from torchshard._sharding.placement import assign
 from torchshard._sharding.rules import Rules
 from torchshard._train.pipelined import bind
-from torchshard._train.scan import Layout
+from torchshard._train.scan import StateLayout
 from torchshard._train.state import tensor_structs
 from torchshard._train.strategy import Setting
 
@@ -82,7 +82,7 @@ def init_sharded(
         return assign(model, sharded.materialise(model_fn, plan, seed), plan)
     unpipelined = Setting(model, plan, PartitionSpec())
     setting = bind(pipeline, unpipelined).rewrite(unpipelined)
-    layout = Layout(setting.groups)
+    layout = StateLayout(setting.groups)
     stacks = layout.stacks()
     dtypes = {n: e.dtype for n, e in plan.entries.items()}
     structs = tensor_structs(setting.plan, layout, [n for names in stacks.values() for n in names], dtypes)

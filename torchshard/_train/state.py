@@ -14,7 +14,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 from torchshard._bridge.module_tensors import named_tensors
 from torchshard._bridge.tensors import jax_dtype
 from torchshard._sharding.plan import ShardingPlan
-from torchshard._train.scan import Layout, ScanGroup
+from torchshard._train.scan import ScanGroup, StateLayout
 
 Arrays = dict[str, jax.Array]
 Structs = dict[str, jax.ShapeDtypeStruct]
@@ -58,7 +58,7 @@ def stack_problems(groups: Sequence[ScanGroup], plan: ShardingPlan) -> list[str]
 
 
 def tensor_structs(
-    plan: ShardingPlan, layout: Layout, names: Sequence[str], dtypes: Mapping[str, torch.dtype]
+    plan: ShardingPlan, layout: StateLayout, names: Sequence[str], dtypes: Mapping[str, torch.dtype]
 ) -> Structs:
     """Train-state key → shape, stored dtype and sharding for the tensors ``names``.
 

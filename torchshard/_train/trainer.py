@@ -28,7 +28,7 @@ from torchshard._train.checks import batch_type_problems, check_trainer_args
 from torchshard._train.evaluate import Compiled, evaluating, structure, structure_problems
 from torchshard._train.precision import MixedPrecision, store_params, stored_dtypes
 from torchshard._train.remat import RematLike, as_remat, remat_targets, scan_remat
-from torchshard._train.scan import Layout, ScanLike, find_groups
+from torchshard._train.scan import ScanLike, StateLayout, find_groups
 from torchshard._train.state import (
     Arrays,
     Structs,
@@ -128,7 +128,7 @@ class Trainer:
         targets = remat_targets(model, remat_) if remat_ is not None else []
         body_policies, targets = scan_remat(setting.groups, targets, remat_)
         raise_if_any(stack_problems(setting.groups, plan), header="scan_layers cannot stack this plan")
-        self.layout = Layout(setting.groups)
+        self.layout = StateLayout(setting.groups)
         self._batch = BatchLayout(self.mesh, self.batch_spec)
         self._lock = threading.RLock()
         self._model = self._own(model)

@@ -18,6 +18,8 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
+from torchshard._bridge.ops import online_softmax
+
 Stats = tuple[jax.Array, jax.Array, jax.Array]  # running max, running sum, running weighted values (all f32)
 Grads = tuple[jax.Array, jax.Array, jax.Array, jax.Array | None]  # dq, dk, dv, dbias (f32)
 Index = jax.Array | int
@@ -113,17 +115,11 @@ def _fold(tiling: Tiling, masked: bool, tensors: tuple, stats: Stats, i: Index, 
     """Key tile ``j`` folded into query block ``i``'s running (max, sum, weighted values)."""
     q, k, v, mask, bias = tensors
     rows, cols = (i * tiling.rows, tiling.rows, 3), (j * tiling.keys, tiling.keys, 2)
-    m, total, acc = stats
-    m, total, acc = _slice(m, *rows), _slice(total, *rows), _slice(acc, *rows)
-    vj = _slice(v, *cols)
+    sliced = tuple(_slice(x, *rows) for x in stats)
     s = _scores(tiling, masked, i, j, _slice(q, *rows), _slice(k, *cols), mask, bias)
-    m_new = jnp.maximum(m, s.max(-1))
-    shift = jnp.where(m_new == -jnp.inf, 0.0, m_new)  # a row that has seen no key yet stays at zero weight
-    p = jnp.exp(s - shift[..., None])
-    alpha = jnp.exp(m - shift)
-    pv = jnp.einsum("bkgqs,bksh->bkgqh", p.astype(vj.dtype), vj, preferred_element_type=jnp.float32)
+    m, total, acc = online_softmax.fold(sliced, s, _slice(v, *cols))  # type: ignore[arg-type]
     put = functools.partial(jax.lax.dynamic_update_slice_in_dim, start_index=rows[0], axis=3)
-    return put(stats[0], m_new), put(stats[1], alpha * total + p.sum(-1)), put(stats[2], alpha[..., None] * acc + pv)
+    return put(stats[0], m), put(stats[1], total), put(stats[2], acc)
 
 
 def _forward(tiling: Tiling, q, k, v, mask, bias) -> tuple[jax.Array, jax.Array]:
@@ -168,13 +164,9 @@ def _unfold(tiling: Tiling, masked: bool, tensors: tuple, grads: Grads, i: Index
     dq, dk, dv, dbias = grads
     rows, cols = (i * tiling.rows, tiling.rows, 3), (j * tiling.keys, tiling.keys, 2)
     qi, doi, kj, vj = _slice(q, *rows), _slice(do, *rows), _slice(k, *cols), _slice(v, *cols)
-    p = jnp.exp(_scores(tiling, masked, i, j, qi, kj, mask, bias) - _slice(lse, *rows)[..., None])
-    dp = jnp.einsum("bkgqh,bksh->bkgqs", doi, vj, preferred_element_type=jnp.float32)
-    ds = p * (dp - _slice(delta, *rows)[..., None])
-    f32 = jnp.float32
-    dq = _add(dq, jnp.einsum("bkgqs,bksh->bkgqh", ds.astype(kj.dtype), kj, preferred_element_type=f32), rows[0], 3)
-    dk = _add(dk, jnp.einsum("bkgqs,bkgqh->bksh", ds.astype(qi.dtype), qi, preferred_element_type=f32), cols[0], 2)
-    dv = _add(dv, jnp.einsum("bkgqs,bkgqh->bksh", p.astype(doi.dtype), doi, preferred_element_type=f32), cols[0], 2)
+    s = _scores(tiling, masked, i, j, qi, kj, mask, bias)
+    dqi, dkj, dvj, ds = online_softmax.unfold(s, _slice(lse, *rows), _slice(delta, *rows), qi, kj, vj, doi)
+    dq, dk, dv = _add(dq, dqi, rows[0], 3), _add(dk, dkj, cols[0], 2), _add(dv, dvj, cols[0], 2)
     if dbias is not None:  # summed over the dims the bias broadcasts
         summed = tuple(d for d in range(5) if dbias.shape[d] == 1 < ds.shape[d])
         dbias = _bias_add(dbias, ds.sum(summed, keepdims=True), rows[0], cols[0])

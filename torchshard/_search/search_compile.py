@@ -23,7 +23,7 @@ from torchshard._report.compiled import CompiledMemory
 from torchshard._report.costs import StepCosts, step_costs
 from torchshard._report.hardware import Hardware
 from torchshard._report.hlo import axes_of
-from torchshard._report.space import Layout, ModelDims
+from torchshard._search.space import ModelDims, SearchLayout
 from torchshard._sharding.mesh import make_mesh
 from torchshard._sharding.plan import ShardingPlan, plan
 from torchshard._train.abstract import AbstractTrainer
@@ -74,7 +74,7 @@ def at_depth(model: torch.nn.Module, layers: int) -> torch.nn.Module:
         return type(model)(config)
 
 
-def _rules(model: torch.nn.Module, layout: Layout) -> Any:
+def _rules(model: torch.nn.Module, layout: SearchLayout) -> Any:
     tp = "model" if layout.degree("model") > 1 else None
     if getattr(model, "config", None) is not None:
         experts = "expert" if layout.degree("expert") > 1 else None
@@ -82,7 +82,7 @@ def _rules(model: torch.nn.Module, layout: Layout) -> Any:
     return (common_tensor_parallel(axis="model") + fsdp("data")) if tp else fsdp("data")
 
 
-def _options(model: torch.nn.Module, layout: Layout) -> dict[str, Any]:
+def _options(model: torch.nn.Module, layout: SearchLayout) -> dict[str, Any]:
     stages, context = layout.degree("stage"), layout.degree("context")
     rows: Any = ("data", "expert") if layout.degree("expert") > 1 else "data"
     return {
@@ -96,18 +96,18 @@ def _options(model: torch.nn.Module, layout: Layout) -> dict[str, Any]:
     }
 
 
-def _mesh(layout: Layout, devices: list[Any]) -> Any:
+def _mesh(layout: SearchLayout, devices: list[Any]) -> Any:
     axes = {a: n for a, n in layout.mesh if n > 1 or a == "data"}
     return make_mesh(axes, devices=devices[: math.prod(axes.values())])
 
 
-def _plan(model: torch.nn.Module, layout: Layout, devices: list[Any]) -> ShardingPlan:
+def _plan(model: torch.nn.Module, layout: SearchLayout, devices: list[Any]) -> ShardingPlan:
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # unused tp_plan entries: the plan is still the model's
         return plan(model, _mesh(layout, devices), _rules(model, layout))
 
 
-def compile_layout(problem: Problem, layout: Layout, model: torch.nn.Module, devices: list[Any]) -> Compiled:
+def compile_layout(problem: Problem, layout: SearchLayout, model: torch.nn.Module, devices: list[Any]) -> Compiled:
     """Compiles ``model``'s step under ``layout``; its peak bytes per device and its costs (cached)."""
     key = (id(problem.model), layout, sum(1 for _ in model.parameters()), problem.batch, problem.loss_fn)
     if key in _CACHE:
@@ -125,7 +125,7 @@ def compile_layout(problem: Problem, layout: Layout, model: torch.nn.Module, dev
     return _CACHE[key]
 
 
-def measure(problem: Problem, layout: Layout, devices: list[Any]) -> Compiled:
+def measure(problem: Problem, layout: SearchLayout, devices: list[Any]) -> Compiled:
     """Peak and costs at full depth: compiled at full depth when scanned or pipelined (compile time does not
     grow with depth), else at 1 and 2 layers and extrapolated linearly (every layer costs the same)."""
     model, layers = problem.model, ModelDims.of(problem.model).layers

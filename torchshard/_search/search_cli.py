@@ -12,8 +12,8 @@ from torchshard._base.errors import ArgumentError
 from torchshard._base.format import columns, fmt_bytes
 from torchshard._report.fit import parse_batch, parse_size, simulated_devices
 from torchshard._report.hardware import PROFILES, hardware, load_profiles
-from torchshard._report.search import REMATS, Candidate, search
 from torchshard._report.usage import UsageError
+from torchshard._search.search import REMATS, Candidate, search
 
 SEARCH_HELP = """\
 --search enumerates the meshes (stage x data/FSDP x context x expert x model degrees dividing the
@@ -93,7 +93,7 @@ class Bar:
             self.bar.close()
 
 
-def run_search(args: argparse.Namespace, load: Any, build: Any) -> tuple[str, bool]:
+def search_command(args: argparse.Namespace, load: Any, build: Any) -> tuple[str, bool]:
     """Runs the search the flags describe; returns the table (or JSON) and whether any configuration fits."""
     if args.devices is None or args.batch is None:
         raise UsageError("--search needs --devices N and --batch BxS, e.g. --devices 64 --batch 64x8192")

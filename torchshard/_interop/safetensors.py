@@ -17,9 +17,9 @@ import torch
 from torchshard._base.validate import instance_problems, int_problems, raise_for_arguments
 from torchshard._bridge.module_tensors import canonical_names, custom_state_dict, state_dict_names
 from torchshard._ckpt.checkpoint import primary, together
-from torchshard._ckpt.export import torch_state_dict, torch_tensor
 from torchshard._ckpt.state import Target, export_arrays, model_of, torch_dtypes
 from torchshard._ckpt.stepdir import TMP, commit, discard, path_problems, settle, write_failure
+from torchshard._interop.export import torch_state_dict, torch_tensor
 from torchshard._train.trainer import Trainer
 
 _INDEX = "model.safetensors.index.json"

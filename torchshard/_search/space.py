@@ -9,6 +9,7 @@ from collections.abc import Iterator, Sequence
 import torch
 
 from torchshard._base.errors import ShardingError
+from torchshard._base.schedule import bubble_fraction
 
 # mesh order: the last axes vary fastest over the device list, so they stay inside a host (fast links)
 AXES = ("stage", "data", "context", "expert", "model")
@@ -40,7 +41,7 @@ def _longest_stack(model: torch.nn.Module) -> int | None:
 
 
 @dataclasses.dataclass(frozen=True)
-class Layout:
+class SearchLayout:
     """One configuration: mesh degrees and Trainer options.
 
     ``microbatches`` is ``Pipeline(microbatches=...)`` when ``stage > 1``, else ``grad_accum_steps``.
@@ -112,7 +113,7 @@ def layouts(
     remat: Sequence[str | None],
     scan: Sequence[bool],
     precision: Sequence[str],
-) -> list[Layout]:
+) -> list[SearchLayout]:
     """Every valid layout, or a `ShardingError` naming the device counts or batch sizes that would have some."""
     rows, seq = batch
     found = list(meshes(devices, dims, seq))
@@ -128,7 +129,7 @@ def layouts(
             for r, sc, p in ((r, sc, p) for r in remat for sc in scan for p in precision):
                 if stages > 1 and not sc:
                     continue  # a pipeline stacks its layers: its program is the scanned one
-                result.append(Layout(tuple((a, axes[a]) for a in AXES), m, r, sc, p))
+                result.append(SearchLayout(tuple((a, axes[a]) for a in AXES), m, r, sc, p))
     if not result:
         raise ShardingError(_no_batch(rows, found, microbatches) + _other_devices(devices, dims, batch, microbatches))
     return result
@@ -165,7 +166,7 @@ def _no_batch(rows: int, found: list[dict[str, int]], microbatches: Sequence[int
 
 
 def analytic_seconds(
-    layout: Layout, dims: ModelDims, params: int, batch: tuple[int, int], peak: float, link: float
+    layout: SearchLayout, dims: ModelDims, params: int, batch: tuple[int, int], peak: float, link: float
 ) -> float:
     """A rough step time to order meshes before compiling: matmul work with remat's recompute and the
     pipeline bubble, FSDP's weight traffic, tensor parallelism's activations, the context ring's keys."""
@@ -173,7 +174,7 @@ def analytic_seconds(
     recompute = {None: 1.0, "nothing_saveable": 4 / 3}.get(layout.remat, 1.1)
     flops = 6 * params * tokens * recompute / math.prod(layout.axes.values())
     stages, m = layout.degree("stage"), layout.microbatches
-    bubble = (stages - 1) / (m + stages - 1) if stages > 1 else 0.0
+    bubble = bubble_fraction(stages, m)
     width = 2 if layout.precision != "fp32" else 4
     local = width * tokens / (layout.degree("data") * layout.degree("expert") * layout.degree("context"))
     layers = (dims.layers or 1) / stages

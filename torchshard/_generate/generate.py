@@ -19,8 +19,8 @@ from torchshard._base.errors import ArgumentError, raise_if_any
 from torchshard._bridge.layer_view import LayerView
 from torchshard._bridge.module_tensors import canonical_names, named_tensors
 from torchshard._bridge.tensors import is_jax_tensor, unwrap
-from torchshard._train.decoders import Cached, Window, is_hf_causal_lm, text_config
-from torchshard._train.generate_checks import (
+from torchshard._generate.decoders import Cached, Window, is_hf_causal_lm, text_config
+from torchshard._generate.generate_checks import (
     ACCEPTS,
     id_problems,
     kind_problems,
@@ -28,7 +28,7 @@ from torchshard._train.generate_checks import (
     setting_problems,
     vocab_problems,
 )
-from torchshard._train.sampling import Sampling, choose, finish
+from torchshard._generate.sampling import Sampling, choose, finish
 from torchshard._train.trainer import Trainer
 
 Loop = Literal["fused", "stepped"]

@@ -12,13 +12,14 @@ import torch
 
 from torchshard._base.errors import ShardingError
 from torchshard._base.format import fmt_bytes
-from torchshard._report.compile_worker import CompileFailed, Compiler
+from torchshard._base.schedule import bubble_fraction
 from torchshard._report.costs import StepCosts
-from torchshard._report.estimate import estimate
 from torchshard._report.fit import lm_loss, simulated_devices
 from torchshard._report.hardware import Hardware, hardware
 from torchshard._report.memory import training_memory
-from torchshard._report.search_compile import (  # noqa: F401  (re-exported: tests and benchmarks use them)
+from torchshard._search.compile_worker import CompileFailed, Compiler
+from torchshard._search.estimate import estimate
+from torchshard._search.search_compile import (  # noqa: F401  (re-exported: tests and benchmarks use them)
     FAST_COMPILE,
     Problem,
     _options,
@@ -28,7 +29,7 @@ from torchshard._report.search_compile import (  # noqa: F401  (re-exported: tes
     compile_layout,
     measure,
 )
-from torchshard._report.space import Layout, ModelDims, analytic_seconds, layouts
+from torchshard._search.space import ModelDims, SearchLayout, analytic_seconds, layouts
 
 log = logging.getLogger(__name__)
 REMATS = (None, "nothing_saveable", "dots_saveable")
@@ -49,7 +50,7 @@ class Candidate:
         note: why it was not compiled or failed, if so.
     """
 
-    layout: Layout
+    layout: SearchLayout
     peak_bytes: int | None = None
     fits: bool | None = None
     step_seconds: float | None = None
@@ -90,10 +91,10 @@ def model_flops(model: torch.nn.Module, tokens: int, seq: int) -> float:
     return float((6 * params + attention) * tokens)
 
 
-def rate(problem: Problem, layout: Layout, peak: int, costs: StepCosts) -> Candidate:
+def rate(problem: Problem, layout: SearchLayout, peak: int, costs: StepCosts) -> Candidate:
     """The candidate's verdict and speed on the problem's hardware."""
     stages = layout.degree("stage")
-    bubble = (stages - 1) / (layout.microbatches + stages - 1) if stages > 1 else 0.0
+    bubble = bubble_fraction(stages, layout.microbatches)
     est = estimate(costs, problem.hw, precision=layout.precision, devices_per_host=problem.devices_per_host,
                    bubble=bubble)  # fmt: skip
     flops = model_flops(problem.model, problem.tokens, problem.batch[1])
@@ -102,14 +103,14 @@ def rate(problem: Problem, layout: Layout, peak: int, costs: StepCosts) -> Candi
                      est.dominant, {k: round(v, 6) for k, v in est.parts.items()})  # fmt: skip
 
 
-def _rough(problem: Problem, layout: Layout) -> float:
+def _rough(problem: Problem, layout: SearchLayout) -> float:
     params = sum(p.numel() for p in problem.model.parameters())
     hw = problem.hw
     return analytic_seconds(layout, ModelDims.of(problem.model), params, problem.batch, hw.bf16_flops,
                             hw.intra_host_bandwidth)  # fmt: skip
 
 
-def _state_note(problem: Problem, layout: Layout, devices: list[Any]) -> str:
+def _state_note(problem: Problem, layout: SearchLayout, devices: list[Any]) -> str:
     try:
         planned = _plan(problem.model, layout, devices)
     except ShardingError as err:
@@ -119,11 +120,11 @@ def _state_note(problem: Problem, layout: Layout, devices: list[Any]) -> str:
     return f"params + grads + AdamW alone need {fmt_bytes(state)}" if state > problem.device_memory else ""
 
 
-def _base(group: list[Layout], options: dict[str, Any]) -> Layout:
+def _base(group: list[SearchLayout], options: dict[str, Any]) -> SearchLayout:
     """A mesh's first layout to compile: full remat, scanned, bf16, the fewest micro-batches (what fits most)."""
     remat, precision = _first(options["remat"], "nothing_saveable"), _first(options["precision"], "bf16")
 
-    def prefer(lay: Layout) -> tuple[bool, bool, bool, int]:
+    def prefer(lay: SearchLayout) -> tuple[bool, bool, bool, int]:
         return lay.remat != remat, not lay.scan, lay.precision != precision, lay.microbatches
 
     return min(group, key=prefer)
@@ -139,10 +140,10 @@ class _Runner:
     def __init__(self, problem: Problem, budget: int, progress: Progress | None, compiler: Compiler) -> None:
         self.problem, self.budget, self.progress, self.compiler = problem, budget, progress, compiler
         self.devices = compiler.devices
-        self.done: dict[Layout, Candidate] = {}
-        self.notes: dict[Layout, str] = {}  # why a mesh's first layout was not compiled
+        self.done: dict[SearchLayout, Candidate] = {}
+        self.notes: dict[SearchLayout, str] = {}  # why a mesh's first layout was not compiled
 
-    def __call__(self, layout: Layout) -> Candidate:
+    def __call__(self, layout: SearchLayout) -> Candidate:
         if layout not in self.done:
             if self.progress is not None:
                 self.progress(len(self.done), self.budget, layout.label())
@@ -164,7 +165,7 @@ def _better(a: Candidate, b: Candidate | None) -> bool:
     return b is None or _rank(a) < _rank(b)
 
 
-def refine(run: _Runner, group: list[Layout], start: Candidate) -> None:
+def refine(run: _Runner, group: list[SearchLayout], start: Candidate) -> None:
     """Coordinate search from ``start``: each option in turn (remat, micro-batches, precision, scan) tried at
     every value with the others at the best so far."""
     best = start
@@ -193,9 +194,9 @@ def run_search(
     return sorted([*run.done.values(), *rest], key=_rank)
 
 
-def _explore(run: _Runner, found: list[Layout], options: dict[str, Any], refine_meshes: int) -> None:
+def _explore(run: _Runner, found: list[SearchLayout], options: dict[str, Any], refine_meshes: int) -> None:
     problem, max_compiles = run.problem, run.budget
-    groups: dict[tuple[tuple[str, int], ...], list[Layout]] = {}
+    groups: dict[tuple[tuple[str, int], ...], list[SearchLayout]] = {}
     for layout in found:
         groups.setdefault(layout.mesh, []).append(layout)
     bases = sorted((_base(g, options) for g in groups.values()), key=lambda lay: _rough(problem, lay))

@@ -2,7 +2,7 @@
 
 XLA aborts the process on some internal checks (``F hlo_instruction.cc ...``); no Python handler
 runs. So the search hands each layout to one long-lived child (``python -m
-torchshard._report.compile_worker``), which starts JAX with the search's simulated CPU devices,
+torchshard._search.compile_worker``), which starts JAX with the search's simulated CPU devices,
 unpickles the problem once, and compiles layout after layout (its compile cache kept). A child
 that dies is replaced by a fresh one for the next layout; the layout it died on is a failure whose
 reason is the child's last fatal log line and the signal. Requests and replies are pickles on the
@@ -27,8 +27,8 @@ import traceback
 from typing import IO, Any
 
 from torchshard._base.errors import ShardingError
-from torchshard._report.search_compile import Compiled, Problem, measure
-from torchshard._report.space import Layout
+from torchshard._search.search_compile import Compiled, Problem, measure
+from torchshard._search.space import SearchLayout
 
 _log = logging.getLogger("torchshard")
 _SIZE = struct.Struct("<Q")
@@ -89,7 +89,7 @@ class Compiler:
     def __exit__(self, *_: Any) -> None:
         self.close()
 
-    def measure(self, layout: Layout) -> Compiled:
+    def measure(self, layout: SearchLayout) -> Compiled:
         """The layout's peak and costs (`measure`).
 
         Raises:
@@ -107,7 +107,7 @@ class Compiler:
             return self.measure(layout)  # in this process from now on
         return self._ask(layout)
 
-    def _ask(self, layout: Layout) -> Compiled:
+    def _ask(self, layout: SearchLayout) -> Compiled:
         assert self.child is not None and self.child.stdin is not None and self.child.stdout is not None
         try:
             _send(self.child.stdin, layout)
@@ -123,7 +123,7 @@ class Compiler:
     def _start(self) -> bool:
         """Starts a child and hands it the problem; False (and compiles stay here) where it cannot take it."""
         env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in sys.path if isinstance(p, str) and p))
-        command = [sys.executable, "-m", "torchshard._report.compile_worker"]
+        command = [sys.executable, "-m", "torchshard._search.compile_worker"]
         self.stderr.clear()
         self.child = subprocess.Popen(command, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                                       env=env)  # fmt: skip

@@ -15,7 +15,7 @@ from jax.sharding import NamedSharding
 
 from torchshard._bridge.env import env
 from torchshard._bridge.tensors import bound, unwrap, wrap
-from torchshard._train.decode_cache import KV, array_cache, cache_keyword, held
+from torchshard._generate.decode_cache import KV, array_cache, cache_keyword, held
 
 Arrays = dict[str, jax.Array]
 

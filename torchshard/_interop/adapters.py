@@ -14,10 +14,10 @@ from torchshard._bridge.env import env
 from torchshard._bridge.module_tensors import canonical_names, state_dict_names
 from torchshard._bridge.tensors import unwrap
 from torchshard._ckpt.checkpoint import together
-from torchshard._ckpt.export import torch_tensor
-from torchshard._ckpt.safetensors import export_arrays_as, staged_write
 from torchshard._ckpt.state import Target, export_arrays, model_of, torch_dtypes
 from torchshard._ckpt.stepdir import path_problems
+from torchshard._interop.export import torch_tensor
+from torchshard._interop.safetensors import export_arrays_as, staged_write
 from torchshard._train.trainer import Trainer
 
 PathLike = str | os.PathLike[str]

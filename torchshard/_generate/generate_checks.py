@@ -10,8 +10,8 @@ from typing import Any
 import numpy as np
 import torch
 
-from torchshard._train.decode_cache import layer_kinds
-from torchshard._train.decoders import is_hf_causal_lm, max_positions
+from torchshard._generate.decode_cache import layer_kinds
+from torchshard._generate.decoders import is_hf_causal_lm, max_positions
 
 ACCEPTS = (
     "generate takes a transformers causal LM (an AutoModelForCausalLM class) or a module mapping integer "

@@ -29,9 +29,9 @@ from torchshard._ckpt.restore import (
     plan_destination,
     trainer_destination,
 )
-from torchshard._ckpt.safetensors_files import DTYPES, Reader, checkpoint_files, index_of, normalized
 from torchshard._ckpt.state import Target, model_of, torch_dtypes
 from torchshard._ckpt.stepdir import path_problems
+from torchshard._interop.safetensors_files import DTYPES, Reader, checkpoint_files, index_of, normalized
 from torchshard._sharding.placement import assign, put, range_problems
 from torchshard._sharding.plan import ShardingPlan
 from torchshard._train.trainer import Trainer

@@ -1,0 +1,43 @@
+"""The online-softmax tile both attention kernels fold over: flash attention's key tiles and the context ring's
+key blocks (torchshard._parallel.ring_attention)."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+Stats = tuple[jax.Array, jax.Array, jax.Array]  # running max [..., q], sum [..., q], weighted values [..., q, h]
+F32 = jnp.float32
+
+
+def fold(stats: Stats, s: jax.Array, v: jax.Array) -> Stats:
+    """One tile's scores ``s`` [b, k, g, q, s] and values ``v`` [b, k, s, h] folded into the running ``stats``.
+
+    Examples:
+        >>> s, v = jnp.zeros((1, 1, 1, 2, 3)), jnp.ones((1, 1, 3, 4))
+        >>> start = (jnp.full((1, 1, 1, 2), -jnp.inf), jnp.zeros((1, 1, 1, 2)), jnp.zeros((1, 1, 1, 2, 4)))
+        >>> m, total, acc = fold(start, s, v)
+        >>> (acc / total[..., None])[0, 0, 0, 0].tolist()
+        [1.0, 1.0, 1.0, 1.0]
+    """
+    m, total, acc = stats
+    m_new = jnp.maximum(m, s.max(-1))
+    shift = jnp.where(m_new == -jnp.inf, 0.0, m_new)  # a row that has seen no key yet stays at zero weight
+    p = jnp.exp(s - shift[..., None])
+    alpha = jnp.exp(m - shift)
+    pv = jnp.einsum("bkgqs,bksh->bkgqh", p.astype(v.dtype), v, preferred_element_type=F32)
+    return m_new, alpha * total + p.sum(-1), alpha[..., None] * acc + pv
+
+
+def unfold(
+    s: jax.Array, lse: jax.Array, delta: jax.Array, q: jax.Array, k: jax.Array, v: jax.Array, do: jax.Array
+) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array]:
+    """(dq, dk, dv, dscores) of one tile from its recomputed scores ``s``, the saved log-sum-exp and
+    ``delta`` (the row sums of ``do · out``)."""
+    p = jnp.exp(s - lse[..., None])
+    dp = jnp.einsum("bkgqh,bksh->bkgqs", do, v, preferred_element_type=F32)
+    ds = p * (dp - delta[..., None])
+    dq = jnp.einsum("bkgqs,bksh->bkgqh", ds.astype(k.dtype), k, preferred_element_type=F32)
+    dk = jnp.einsum("bkgqs,bkgqh->bksh", ds.astype(q.dtype), q, preferred_element_type=F32)
+    dv = jnp.einsum("bkgqs,bkgqh->bksh", p.astype(do.dtype), do, preferred_element_type=F32)
+    return dq, dk, dv, ds
