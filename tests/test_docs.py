@@ -212,6 +212,8 @@ def _command_problems(command: str) -> list[str]:
     words = shlex.split(command)[1:]
     if words[:2] == ["dev.py", "run"]:  # python3 dev.py run SCRIPT ARGS: the script's own flags
         words = words[2:]
+        if words[0].isupper():  # the usage line itself: `python3 dev.py run SCRIPT [ARGS]`
+            return []
     flags = [w for w in words if w.startswith("--")]
     if words[0] == "dev.py":
         dev = runpy.run_path(str(ROOT / "dev.py"), run_name="readme_check")
