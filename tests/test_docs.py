@@ -32,7 +32,7 @@ import torchshard as ts
 from torchshard._multihost import preemption as _preemption
 
 ROOT = Path(__file__).resolve().parents[1]
-PAGES = {str(path.relative_to(ROOT)): path.read_text() for path in [ROOT / "README.md", *sorted(ROOT.glob("docs/**/*.md"))]}
+PAGES = {str(p.relative_to(ROOT)): p.read_text() for p in [ROOT / "README.md", *sorted(ROOT.glob("docs/**/*.md"))]}
 BLOCK = re.compile(r"(?:<!-- readme-test: setup=(?P<setup>\w+)[^>]*-->\n)?```(?P<lang>\w*)\n(?P<body>.*?)```", re.S)
 # (language, setup, body, "page:line") of every fenced block of every page
 BLOCKS = [
