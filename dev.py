@@ -1,5 +1,8 @@
 """Bootstrap: `python3 dev.py demo` runs the main example, `python3 dev.py test` the tests; both set up .venv first.
 
+`python3 dev.py run SCRIPT [ARGS]` runs any script (an example, a benchmark) in that environment, and
+`python3 dev.py docs` builds the docs site with `mkdocs build --strict` (a broken link fails it).
+
 `python3 dev.py compat` runs the quick suite on today's newest stack instead: a cached Python 3.12 venv
 (built once outside the clone) with whatever an unconstrained `pip install` picks, then once more with the
 newest torchax pre-release layered on top.
@@ -35,12 +38,17 @@ COMMANDS = {
     "quick": [*CHECKS, ["-m", "pytest", "-n", "2", "-m", "not slow"]],
     "lint": CHECKS,
     "bench": [["benchmarks/step_time.py"]],
+    # the docs site into build/site; strict: a broken link or a docstring the reference cannot read fails
+    "docs": [["-m", "mkdocs", "build", "--strict"]],
+    # any script with this clone's torchshard and .venv's packages: `python3 dev.py run examples/train_lm.py ...`
+    "run": [[]],
 }
 # the newest-stack job: outside the clone so every clone (and CI) reuses the multi-GB venv
 COMPAT_VENV = Path(os.environ.get("TORCHSHARD_COMPAT_VENV", Path.home() / ".cache" / "torchshard" / "compat-py312"))
 COMPAT_PYTHON = "3.12"
 COMPAT_PRE = COMPAT_VENV / "torchax-pre"  # the newest torchax pre-release, put first on the path for the second run
 COMPAT_EXTRAS = ("test", "examples", "hf")
+EXTRAS = (*COMPAT_EXTRAS, "docs")  # what .venv holds: the compat job needs no docs toolchain
 # the quick suite; the README's blocks are in it (tests/test_readme.py)
 COMPAT_TESTS = ["-m", "pytest", "-n", "2", "-m", "not slow", "-q"]
 ALL_COMMANDS = (*COMMANDS, "compat")
@@ -62,7 +70,7 @@ def ensure_venv() -> None:
         venv.create(VENV, with_pip=True)
     print("dev.py: installing pinned dependencies (first run only)", flush=True)
     pip = [str(PY), "-m", "pip", "install", "--disable-pip-version-check", "-q"]
-    subprocess.run([*pip, "-c", "constraints.txt", "-e", ".[test,examples,hf]"], cwd=ROOT, check=True)
+    subprocess.run([*pip, "-c", "constraints.txt", "-e", f".[{','.join(EXTRAS)}]"], cwd=ROOT, check=True)
     STAMP.write_text(_fingerprint())
 
 
@@ -136,17 +144,29 @@ def main(argv: list[str]) -> int:
     if not argv or argv[0] not in COMMANDS:
         print(f"usage: python3 dev.py {{{'|'.join(ALL_COMMANDS)}}} [extra args]", file=sys.stderr)
         return 2
+    if argv[0] == "run" and len(argv) < 2:
+        print("usage: python3 dev.py run SCRIPT [ARGS]  (e.g. examples/train_lm.py --steps 60)", file=sys.stderr)
+        return 2
     ensure_venv()
+    if argv[0] == "run":  # the caller's directory stays: the script's relative paths are theirs
+        return subprocess.call([str(PY), *argv[1:]], env=_env())
     os.chdir(ROOT)
     steps = COMMANDS[argv[0]]
     for i, step in enumerate(steps):
         last = i == len(steps) - 1
         cmd = [str(PY), *step, *(argv[1:] if last else [])]  # extra arguments go to the last step
         print(f"dev.py: {' '.join(step)}", flush=True)
-        code = subprocess.call(cmd)
+        code = subprocess.call(cmd, env=_env())
         if code:
             return code
     return 0
+
+
+def _env() -> dict[str, str]:
+    # this clone's torchshard first, whichever clone's .venv this is; mkdocs-material's banner about its
+    # successor is news, not a build problem
+    path = os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH", "")) if p)
+    return {**os.environ, "PYTHONPATH": path, "NO_MKDOCS_2_WARNING": "1"}
 
 
 if __name__ == "__main__":

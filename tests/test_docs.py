@@ -1,4 +1,4 @@
-"""README.md as written: every ```python block runs, and every command it shows exists with its flags.
+"""README.md and the docs pages as written: every ```python block runs, every command they show exists.
 
 A block that continues an earlier example (it uses a ``model`` or ``trainer`` it does not build)
 says so in an HTML comment right above it, ``<!-- readme-test: setup=NAME (what it provides) -->``,
@@ -7,7 +7,8 @@ block only builds something, ``THEN[NAME]`` uses it once. Every other block runs
 A ```py block shows code that needs what this machine lacks (a Hub snapshot of Llama-3-8B,
 accelerators): it is compiled, not run.
 Shell commands (``python3 dev.py test``, ``python -m torchshard plan ...``, benchmarks) take minutes, so
-they are not run: each command must exist and accept every flag the README gives it.
+they are not run here: each command must exist and accept every flag a page gives it (tests/test_fresh_clone.py
+runs the README's and the first-run page's in a fresh clone).
 """
 
 from __future__ import annotations
@@ -31,11 +32,16 @@ import torchshard as ts
 from torchshard._multihost import preemption as _preemption
 
 ROOT = Path(__file__).resolve().parents[1]
-README = (ROOT / "README.md").read_text()
+PAGES = {str(p.relative_to(ROOT)): p.read_text() for p in [ROOT / "README.md", *sorted(ROOT.glob("docs/**/*.md"))]}
 BLOCK = re.compile(r"(?:<!-- readme-test: setup=(?P<setup>\w+)[^>]*-->\n)?```(?P<lang>\w*)\n(?P<body>.*?)```", re.S)
-BLOCKS = [(m["lang"], m["setup"], m["body"], README[: m.start()].count("\n") + 1) for m in BLOCK.finditer(README)]
-PYTHON = [(setup, body, line) for lang, setup, body, line in BLOCKS if lang == "python"]
-SHOWN = [(body, line) for lang, _, body, line in BLOCKS if lang == "py"]
+# (language, setup, body, "page:line") of every fenced block of every page
+BLOCKS = [
+    (m["lang"], m["setup"], m["body"], f"{page}:{text[: m.start()].count(chr(10)) + 1}")
+    for page, text in PAGES.items()
+    for m in BLOCK.finditer(text)
+]
+PYTHON = [(setup, body, where) for lang, setup, body, where in BLOCKS if lang == "python"]
+SHOWN = [(body, where) for lang, _, body, where in BLOCKS if lang == "py"]
 
 
 def _ids(vocab: int = 128) -> torch.Tensor:
@@ -160,30 +166,31 @@ THEN: dict[str, Callable[[dict[str, Any]], None]] = {
 }
 
 
-def test_the_readme_has_python_blocks_and_each_setup_it_names_exists():
+def test_the_pages_have_python_blocks_and_each_setup_they_name_exists():
     assert len(PYTHON) >= 5
+    assert any(where.startswith("README.md:") for _, _, where in PYTHON)
     assert {setup for setup, _, _ in PYTHON if setup} <= set(SETUPS)
 
 
-@pytest.mark.parametrize(("setup", "body", "line"), PYTHON, ids=[f"line{line}" for _, _, line in PYTHON])
-def test_python_block_runs_as_written(setup, body, line, tmp_path, monkeypatch, capsys):
+@pytest.mark.parametrize(("setup", "body", "where"), PYTHON, ids=[where for _, _, where in PYTHON])
+def test_python_block_runs_as_written(setup, body, where, tmp_path, monkeypatch, capsys):
     monkeypatch.chdir(tmp_path)  # blocks write checkpoints and exports to relative paths
     ns = SETUPS[setup]() if setup else {}
-    exec(compile(body, f"README.md:{line}", "exec"), ns)
+    exec(compile(body, where, "exec"), ns)
     if setup in THEN:
         THEN[setup](ns)
 
 
-@pytest.mark.parametrize(("body", "line"), SHOWN, ids=[f"line{line}" for _, line in SHOWN])
-def test_shown_python_block_compiles(body, line):
-    compile(body, f"README.md:{line}", "exec")
+@pytest.mark.parametrize(("body", "where"), SHOWN, ids=[where for _, where in SHOWN])
+def test_shown_python_block_compiles(body, where):
+    compile(body, where, "exec")
 
 
 # --- commands: they exist and take the flags shown ------------------------------------------------
 
 
 def _commands() -> list[str]:
-    spans = re.findall(r"`(python3? [^`]+)`", README)
+    spans = [span for text in PAGES.values() for span in re.findall(r"`(python3? [^`]+)`", text)]
     lines = [ln.split("#")[0].strip() for lang, _, body, _ in BLOCKS if lang == "bash" for ln in body.splitlines()]
     return sorted({" ".join(c.split()) for c in spans + lines if c.startswith(("python ", "python3 "))})
 
@@ -203,6 +210,10 @@ def _launch_options() -> set[str]:
 
 def _command_problems(command: str) -> list[str]:
     words = shlex.split(command)[1:]
+    if words[:2] == ["dev.py", "run"]:  # python3 dev.py run SCRIPT ARGS: the script's own flags
+        words = words[2:]
+        if words[0].isupper():  # the usage line itself: `python3 dev.py run SCRIPT [ARGS]`
+            return []
     flags = [w for w in words if w.startswith("--")]
     if words[0] == "dev.py":
         dev = runpy.run_path(str(ROOT / "dev.py"), run_name="readme_check")
@@ -221,7 +232,7 @@ def _command_problems(command: str) -> list[str]:
     return [f"{command}: {words[0]} has no option {f}" for f in flags if f'"{f}"' not in source]
 
 
-def test_every_command_the_readme_shows_exists_with_its_flags():
+def test_every_command_the_pages_show_exists_with_its_flags():
     commands = _commands()
     assert any("dev.py test" in c for c in commands) and any("-m torchshard plan" in c for c in commands)
     assert [p for c in commands for p in _command_problems(c)] == []
