@@ -62,7 +62,7 @@ def preempted(trainer: Any) -> bool:
     Raises:
         ArgumentError: ``trainer`` is not a Trainer.
 
-    Example:
+    Examples:
         >>> import optax
         >>> model = torch.nn.Linear(16, 4)
         >>> trainer = ts.Trainer(model, lambda m, b: m(b).square().mean(), optax.sgd(0.1),

@@ -36,7 +36,7 @@ class UnusedRuleWarning(UserWarning):
 def raise_if_any(problems: Sequence[str], *, header: str, error: type[ShardingError] = ShardingError) -> None:
     """Raises one ``error`` listing every problem, or returns if there are none.
 
-    Example:
+    Examples:
         >>> raise_if_any([], header="nothing wrong")
         >>> raise_if_any(["a is bad; use b"], header="bad input")
         Traceback (most recent call last):

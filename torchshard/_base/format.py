@@ -8,7 +8,7 @@ from collections.abc import Sequence
 def fmt_bytes(n: float) -> str:
     """A byte count in binary units.
 
-    Example:
+    Examples:
         >>> fmt_bytes(512), fmt_bytes(3 * 2**20)
         ('512 B', '3.00 MiB')
     """
@@ -27,7 +27,7 @@ def fmt_shape(shape: Sequence[int]) -> str:
 def columns(rows: Sequence[Sequence[str]], *, indent: str = "") -> list[str]:
     """Rows of cells as left-aligned text columns, two spaces apart.
 
-    Example:
+    Examples:
         >>> print("\\n".join(columns([("name", "bytes"), ("fc.weight", "1 KiB")])))
         name       bytes
         fc.weight  1 KiB

@@ -14,7 +14,7 @@ _REPORTED: contextvars.ContextVar[dict[str, Any] | None] = contextvars.ContextVa
 def collecting() -> Iterator[dict[str, Any]]:
     """Inside the block, `report` adds to the dict it yields (values of one name are summed).
 
-    Example:
+    Examples:
         >>> with collecting() as metrics:
         ...     report("dropped_tokens", 2)
         ...     report("dropped_tokens", 3)

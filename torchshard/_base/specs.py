@@ -35,7 +35,7 @@ SPEC_HINT = "a PartitionSpec or a tuple of mesh-axis names / None / tuples of na
 def entry_axes(entry: str | Sequence[str] | None) -> tuple[str, ...]:
     """The mesh axes one spec entry shards over.
 
-    Example:
+    Examples:
         >>> entry_axes(None), entry_axes("data"), entry_axes(("data", "model"))
         ((), ('data',), ('data', 'model'))
     """
@@ -71,7 +71,7 @@ def parse_spec(spec: SpecLike) -> PartitionSpec | None:
 def as_spec(spec: SpecLike, *, what: str) -> PartitionSpec:
     """A concrete spec as a ``PartitionSpec``; anything else (a callable too) is a `TypeError` naming ``what``.
 
-    Example:
+    Examples:
         >>> as_spec(("data", None), what="batch_spec")
         P('data', None)
         >>> as_spec(3, what="batch_spec")

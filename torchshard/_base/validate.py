@@ -22,7 +22,7 @@ Shape = Sequence[int]
 def describe_mesh(mesh: AnyMesh) -> str:
     """``Mesh(data=4, model=2)``: the short form every message uses.
 
-    Example:
+    Examples:
         >>> describe_mesh(AbstractMesh((4, 2), ("data", "model")))
         'Mesh(data=4, model=2)'
     """
@@ -68,7 +68,7 @@ def spec_problems(
     Returns:
         One message per problem (rank, unknown or repeated axes, indivisible dims); empty if none.
 
-    Example:
+    Examples:
         >>> mesh = AbstractMesh((4, 2), ("data", "model"))
         >>> spec_problems("w", (6, 8), PartitionSpec("data"), mesh)
         ["w (6, 8) spec P('data',) on Mesh(data=4, model=2): dim 0 (size 6) is not divisible by data (size 4); ..."]
@@ -110,7 +110,7 @@ def mismatch_problems(
         found_in: what ``found`` describes, e.g. ``"checkpoint"``.
         what: a word before each name, e.g. ``"optimizer leaf "``.
 
-    Example:
+    Examples:
         >>> found = mismatch_problems({"a": (2,), "b": (3,)}, {"b": (4,), "c": ()}, expected_in="model",
         ...                           found_in="checkpoint")
         >>> print(*found, sep="\\n")
@@ -138,7 +138,7 @@ def mismatch_problems(
 def int_problems(name: str, value: Any, *, minimum: int, none: str | None = None) -> list[str]:
     """``value`` must be an int ≥ ``minimum`` (``bool`` is not an int here); None too if ``none`` says what it means.
 
-    Example:
+    Examples:
         >>> int_problems("grad_accum_steps", True, minimum=1)
         ['grad_accum_steps=True must be an int ≥ 1']
     """
@@ -153,7 +153,7 @@ def int_problems(name: str, value: Any, *, minimum: int, none: str | None = None
 def instance_problems(name: str, value: Any, kind: type | tuple[type, ...], expected: str) -> list[str]:
     """``value`` must be an instance of ``kind``; ``expected`` says what it should be and where it comes from.
 
-    Example:
+    Examples:
         >>> instance_problems("plan", {}, tuple, "a ShardingPlan from torchshard.plan()")
         ['plan must be a ShardingPlan from torchshard.plan(), got dict']
     """
@@ -188,7 +188,7 @@ def regex_problem(pattern: Any) -> str | None:
     filters) goes through this one check and `compiled`, so a bad one is always a
     `ShardingError` and never a warning or ``re.error`` from Python's ``re``.
 
-    Example:
+    Examples:
         >>> regex_problem(r"layers\\.\\d+") is None
         True
         >>> regex_problem("layers.(")
@@ -207,7 +207,7 @@ def compiled(pattern: str) -> re.Pattern[str]:
     Raises:
         ShardingError: the pattern is not a usable regex (callers check arguments first, to list every problem).
 
-    Example:
+    Examples:
         >>> compiled(r"fc\\d").fullmatch("fc1") is not None
         True
     """

@@ -18,7 +18,7 @@ def replaced_forwards() -> Iterator[Replace]:
     A module that had no instance-level forward gets its class's back; one that had (an earlier
     replacement, e.g. remat around an expert dispatch) gets that one, in reverse order.
 
-    Example:
+    Examples:
         >>> layer = torch.nn.Identity()
         >>> with replaced_forwards() as replace:
         ...     replace(layer, lambda x: x + 1)

@@ -24,7 +24,7 @@ def normal_(
 ) -> torch.Tensor:
     """``aten.normal_``: fills ``self`` in place with samples of N(``mean``, ``std``²).
 
-    Example:
+    Examples:
         >>> normal_(torch.empty(3), mean=5.0, std=0.0)
         tensor([5., 5., 5.])
     """
@@ -39,7 +39,7 @@ def is_meta(self: torch.Tensor) -> bool:
     under torchax they silently leave the tensor as it was. Register it only while ``init_sharded``
     builds the model: elsewhere torch may read ``is_meta`` to avoid touching storage.
 
-    Example:
+    Examples:
         >>> is_meta(torch.empty(2, device="meta"))
         False
     """
@@ -61,7 +61,7 @@ def trunc_normal_(
     distribution by inverting its CDF, from torchax's RNG (seeded like every other init). As in
     torch, the bounds are cast to the tensor's dtype, so every value lies within them there too.
 
-    Example:
+    Examples:
         >>> from torchshard._bridge.env import env
         >>> with env():
         ...     w = trunc_normal_(torch.empty(1000, device="jax"), std=2.0, a=-1.0, b=1.0)

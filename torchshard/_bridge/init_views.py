@@ -204,7 +204,7 @@ def aliasing_dispatch(env: Any, dispatch: Callable[..., Any]) -> Callable[..., A
 def aliasing(env: Any) -> Iterator[None]:
     """Inside the block, ``env`` gives torchax tensors torch's view semantics (see the module docstring).
 
-    Example:
+    Examples:
         >>> from torchshard._bridge.env import env
         >>> tx = env()
         >>> with tx, aliasing(tx):

@@ -62,7 +62,7 @@ def split(tree: Any) -> tuple[list[jax.Array], Split]:
 def argument_names(forward: Callable[..., Any], call: Split) -> tuple[str, ...]:
     """A name for each tensor of a ``(args, kwargs)`` call: its parameter in ``forward``'s signature, or its place.
 
-    Example:
+    Examples:
         >>> _, call = split(((1, {"x": 2}), {"mask": 3}))
         >>> argument_names(lambda h, extra, mask=None: h, dataclasses.replace(call, tensor_at=(0, 1, 2)))
         ('h', "extra['x']", 'mask')

@@ -24,7 +24,7 @@ class ModuleTensor:
 def model_tensors(model: torch.nn.Module) -> list[ModuleTensor]:
     """Params and buffers (persistent or not) under every name, tied names included.
 
-    Example:
+    Examples:
         >>> lin = torch.nn.Linear(2, 3)
         >>> [(t.name, t.kind) for t in model_tensors(lin)]
         [('weight', 'param'), ('bias', 'param')]
@@ -77,7 +77,7 @@ def state_dict_names(model: torch.nn.Module) -> list[str]:
     Read from the modules, not by calling ``state_dict()``: its hooks would run on whatever tensors
     the module holds (torchax tensors outside their environment). See `custom_state_dict`.
 
-    Example:
+    Examples:
         >>> model = torch.nn.BatchNorm1d(2)
         >>> model.register_buffer("cache", torch.zeros(2), persistent=False)
         >>> state_dict_names(model) == list(model.state_dict())

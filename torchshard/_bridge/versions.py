@@ -10,7 +10,7 @@ import re
 def version_tuple(text: str) -> tuple[int, ...]:
     """``"0.0.14.dev20260814"`` → ``(0, 0, 14)``.
 
-    Example:
+    Examples:
         >>> version_tuple("0.0.14.dev20260814")
         (0, 0, 14)
     """

@@ -296,7 +296,7 @@ def save(
             error; the partial save is removed and earlier steps are intact. Also the error of
             a failed background save, raised by the save after it (before it does anything).
 
-    Example:
+    Examples:
         >>> import tempfile, optax
         >>> root = tempfile.mkdtemp()
         >>> model = torch.nn.Linear(16, 4)
@@ -364,7 +364,7 @@ def load(
             with ``data=``: the step holds no data state, was saved by another number of
             processes, or ``data.load_state_dict`` rejects it.
 
-    Example:
+    Examples:
         >>> import tempfile, optax
         >>> root, model = tempfile.mkdtemp(), torch.nn.Linear(16, 4)
         >>> loss_fn = lambda m, b: m(b).square().mean()

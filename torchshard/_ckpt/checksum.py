@@ -67,7 +67,7 @@ def _host_words(a: np.ndarray) -> np.ndarray:
 def on_host(dtype: Any) -> bool:
     """Whether the host computes the checksum of a ``dtype`` array: whole-byte real dtypes of at most 32 bits.
 
-    Example:
+    Examples:
         >>> on_host(jnp.bfloat16), on_host(jnp.complex64)
         (True, False)
     """
@@ -152,7 +152,7 @@ def _everyones(local: list[list[int]]) -> list[list[list[int]]]:
 def checksums(tree: Any) -> Any:
     """The same tree with each array replaced by its two uint32 checksums (a list of two ints).
 
-    Example:
+    Examples:
         >>> checksums({"w": jnp.arange(4.0)})
         {'w': [3217031168, 3225419776]}
     """

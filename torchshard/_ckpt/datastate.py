@@ -33,7 +33,7 @@ _PLAIN = (str, int, float, bool, type(None))
 def data_file(process: int) -> str:
     """The step-directory-relative file of ``process``'s data state.
 
-    Example:
+    Examples:
         >>> data_file(3)
         'data/process_3.json'
     """
@@ -43,7 +43,7 @@ def data_file(process: int) -> str:
 def data_problems(data: Any) -> list[str]:
     """``data`` must have callable ``state_dict`` and ``load_state_dict`` methods (None: no data state).
 
-    Example:
+    Examples:
         >>> data_problems([1, 2])[0].split(";")[0]
         'data=[1, 2] (a list) has no state_dict() and no load_state_dict()'
         >>> data_problems(None)
@@ -110,7 +110,7 @@ def encode(state: Any, *, what: str = "state") -> bytes:
         ArgumentError: a value of another type, naming where it is and the fix.
         CheckpointError: a tensor on the meta device (no values to save), naming where it is.
 
-    Example:
+    Examples:
         >>> encode({"epoch": 1, "seen": (3, 4)})
         b'{"epoch": 1, "seen": {"__torchshard__": "tuple", "items": [3, 4]}}'
     """
@@ -173,7 +173,7 @@ def _hashable(key: Any) -> Any:
 def decode(raw: bytes) -> Any:
     """The state `encode` wrote, rebuilt exactly; a malformed file raises ``ValueError`` (or ``KeyError``).
 
-    Example:
+    Examples:
         >>> decode(encode({"epoch": 1, "seen": (3, 4)}))
         {'epoch': 1, 'seen': (3, 4)}
     """

@@ -40,7 +40,7 @@ _READERS = 3  # threads reading arrays: the device copies and checksums of one o
 def data_name(process: int) -> str:
     """The data file of one process.
 
-    Example:
+    Examples:
         >>> data_name(3)
         'process_00003.bin'
     """
@@ -275,7 +275,7 @@ def _aligned(shape: tuple[int, ...], dtype: np.dtype) -> np.ndarray:
 def _first(have: Bounds, origin: Any) -> int | None:
     """Where ``have`` starts in the row-major block at ``origin`` (an element index), if it is one run of it.
 
-    Example:
+    Examples:
         >>> _first(((1, 2), (2, 5)), [[0, 4], [0, 8]]), _first(((0, 4), (0, 4)), [[0, 4], [0, 8]])
         (10, None)
     """

@@ -41,7 +41,7 @@ logger = logging.getLogger(__name__)
 def step_name(step: int) -> str:
     """The directory name of ``step``.
 
-    Example:
+    Examples:
         >>> step_name(100)
         'step_00000100'
     """
@@ -51,7 +51,7 @@ def step_name(step: int) -> str:
 def path_problems(name: str, path: Any) -> list[str]:
     """``path`` must be a non-empty str or ``os.PathLike``.
 
-    Example:
+    Examples:
         >>> path_problems("path", None)
         ["path=None must be a directory path (a non-empty str or os.PathLike), got NoneType; pass e.g. 'checkpoints/'"]
     """
@@ -103,7 +103,7 @@ def recorded_sizes(meta: Any) -> dict[str, int]:
     Those are the arrays' files (``files``, relative to ``state/``) and each process's data state
     (``data.files``, absent from checkpoints saved without ``data=``).
 
-    Example:
+    Examples:
         >>> recorded_sizes({"files": {"manifest.ocdbt": 120}, "data": {"files": {"data/process_0.json": {"size": 9}}}})
         {'state/manifest.ocdbt': 120, 'data/process_0.json': 9}
     """
@@ -161,7 +161,7 @@ def checkpoint_steps(path: str | os.PathLike[str]) -> list[int]:
         ArgumentError: ``path`` is not a path.
         CheckpointError: ``path`` exists but cannot be read.
 
-    Example:
+    Examples:
         >>> checkpoint_steps("no/such/dir")
         []
     """
@@ -315,7 +315,7 @@ def write_failure(path: pathlib.Path, error: BaseException, *, cleanup: str) -> 
         error: the ``OSError`` (or a library's wrapper of one).
         cleanup: what was done about it, e.g. "the partial save was removed; earlier steps are intact".
 
-    Example:
+    Examples:
         >>> str(write_failure(pathlib.Path("ckpt"), OSError(errno.ENOSPC, "No space left on device"), cleanup="x"))
         'ckpt: the disk is full (No space left on device); x. Free space or write elsewhere, then save again'
     """

@@ -241,7 +241,7 @@ def generate(
             than the model's positions, a mask that is not left padding, a target not placed on a
             mesh, a model that is not a causal LM, whose cache is refused or whose output is not logits.
 
-    Example:
+    Examples:
         >>> model = torch.nn.Sequential(torch.nn.Embedding(32, 16), torch.nn.Linear(16, 32))
         >>> model = ts.shard(model, ts.plan(model, ts.make_mesh({"data": 8})))
         >>> ts.generate(model, torch.tensor([[1, 2, 3]]), max_new_tokens=4).shape

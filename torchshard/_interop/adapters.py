@@ -112,7 +112,7 @@ def save_adapters(
         ArgumentError: bad arguments, or a target that is not a peft model.
         CheckpointError: the files cannot be written (full disk, no permission); nothing is left behind.
 
-    Example:
+    Examples:
         >>> import tempfile, peft
         >>> base = torch.nn.Sequential(torch.nn.Linear(16, 16))
         >>> model = peft.get_peft_model(base, peft.LoraConfig(r=2, target_modules=["0"]))

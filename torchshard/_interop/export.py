@@ -67,7 +67,7 @@ def to_torch_state_dict(target: Target) -> dict[str, torch.Tensor]:
         ShardingError: the module's tensors are not placed.
         CheckpointError: a tensor whose dtype torch has none for.
 
-    Example:
+    Examples:
         >>> model = torch.nn.Linear(16, 4)
         >>> expected = {k: v.clone() for k, v in model.state_dict().items()}
         >>> ts.shard(model, ts.plan(model, ts.make_mesh({"data": 8}), [("weight", (None, "data"))]))
@@ -124,7 +124,7 @@ def from_torch_state_dict(
         ShardingError: every missing, unexpected, mis-shaped and meta tensor, or int64 values
             that 32 bits cannot hold (``jax_enable_x64`` off); ``model`` is left as it was.
 
-    Example:
+    Examples:
         >>> with torch.device("meta"):
         ...     model = torch.nn.Linear(16, 4)
         >>> state = torch.nn.Linear(16, 4).state_dict()

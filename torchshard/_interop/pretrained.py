@@ -360,7 +360,7 @@ def load_safetensors(
         CheckpointError: no such path, a folder without a checkpoint, a truncated or corrupted
             file, or an index naming a missing shard (each named).
 
-    Example:
+    Examples:
         >>> import tempfile
         >>> source = torch.nn.Linear(16, 4)
         >>> folder = tempfile.mkdtemp()

@@ -219,7 +219,7 @@ def save_safetensors(path: PathLike, target: Target, *, max_shard_bytes: int = 5
         CheckpointError: the disk is full, ``path`` is a file or not writable, or another OS
             error; the previous export is intact.
 
-    Example:
+    Examples:
         >>> import tempfile
         >>> model = torch.nn.Linear(16, 4)
         >>> _ = ts.shard(model, ts.plan(model, ts.make_mesh({"data": 8})))

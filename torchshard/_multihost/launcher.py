@@ -33,7 +33,7 @@ _DUMP_WAIT_S = 5.0
 def free_port(host: str = "127.0.0.1") -> int:
     """A TCP port that is free on ``host`` right now (for the coordinator of a local run).
 
-    Example:
+    Examples:
         >>> 0 < free_port() < 65536
         True
     """
@@ -236,7 +236,7 @@ def launch(
         0 if every process succeeded (after a SIGTERM too), else the first failing process's exit
         code (128 + signal).
 
-    Example:
+    Examples:
         >>> launch("train.py", ["--steps", "2"], nproc=2, cpu_devices_per_proc=4)  # doctest: +SKIP
         0
     """
@@ -270,7 +270,7 @@ def run_processes(
     Returns:
         As for `launch`.
 
-    Example:
+    Examples:
         >>> run_processes([sys.executable, "-c", "pass"], [dict(os.environ)] * 2)  # doctest: +SKIP
         0
     """

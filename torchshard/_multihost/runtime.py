@@ -60,7 +60,7 @@ def detect_cluster(environ: Mapping[str, str] | None = None) -> str | None:
     Returns:
         The cluster's name, or ``None`` for a plain single process.
 
-    Example:
+    Examples:
         >>> detect_cluster({"OMPI_MCA_orte_hnp_uri": "1.0;tcp://10.0.0.1:5000", "OMPI_COMM_WORLD_SIZE": "4"})
         'Open MPI'
     """
@@ -152,7 +152,7 @@ def resolve(
     Raises:
         ShardingError: a partial or invalid setup (every problem at once, each with its fix).
 
-    Example:
+    Examples:
         >>> resolve("10.0.0.1:1234", 2, 1, environ={}).source
         'arguments'
     """
@@ -232,7 +232,7 @@ def initialize(
         ShardingError: a partial or invalid setup, JAX already started, or a second call with a
             different setup.
 
-    Example:
+    Examples:
         >>> from torchshard import distributed
         >>> distributed.initialize()  # doctest: +SKIP
         >>> mesh = torchshard.make_mesh({"data": -1})  # doctest: +SKIP
@@ -264,7 +264,7 @@ def _check_same(current: ProcessGroup, group: ProcessGroup) -> None:
 def process_index() -> int:
     """This process's index (0 in a single-process run).
 
-    Example:
+    Examples:
         >>> process_index()  # doctest: +SKIP
         0
     """
@@ -274,7 +274,7 @@ def process_index() -> int:
 def process_count() -> int:
     """Number of processes in the run (1 in a single-process run).
 
-    Example:
+    Examples:
         >>> process_count()  # doctest: +SKIP
         1
     """
@@ -284,7 +284,7 @@ def process_count() -> int:
 def is_main_process() -> bool:
     """Whether this is process 0, the one that should log, print and write shared files.
 
-    Example:
+    Examples:
         >>> if is_main_process():  # doctest: +SKIP
         ...     print(float(metrics["loss"]))
     """

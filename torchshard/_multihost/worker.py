@@ -39,7 +39,7 @@ def heartbeat() -> None:
     the loop is stuck, which would hide the hang. It costs one ``utime`` at most every half
     second, and nothing outside a launched run.
 
-    Example:
+    Examples:
         >>> heartbeat()  # outside a launched run: does nothing
     """
     global _last_beat

@@ -53,7 +53,7 @@ class ContextParallel:
     Raises:
         ArgumentError: an argument of the wrong type or value (all listed).
 
-    Example:
+    Examples:
         >>> ContextParallel(attention="all_gather")
         ContextParallel(axis='context', attention='all_gather', load_balance=True)
     """

@@ -69,7 +69,7 @@ def segment_ids(position_ids: torch.Tensor) -> torch.Tensor:
     A token starts a new document where its position does not continue the previous one by 1
     (transformers' ``find_packed_sequence_indices``); the first token of a row starts document 0.
 
-    Example:
+    Examples:
         >>> segment_ids(torch.tensor([[0, 1, 2, 0, 1, 0]])).tolist()
         [[0, 0, 0, 1, 1, 2]]
     """
@@ -100,7 +100,7 @@ def document_mask(position_ids: torch.Tensor) -> torch.Tensor:
             array included), an empty sequence, negative positions, or positions that jump to
             anything but 0 (values checked where they are known, not inside a traced step).
 
-    Example:
+    Examples:
         >>> mask = document_mask(torch.tensor([[0, 1, 0, 1]]))
         >>> mask[0, 0].int().tolist()
         [[1, 0, 0, 0], [1, 1, 0, 0], [0, 0, 1, 0], [0, 0, 1, 1]]

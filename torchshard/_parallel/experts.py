@@ -58,7 +58,7 @@ class ExpertDispatch:
     Raises:
         ArgumentError: an unknown kind or a capacity factor that is not a finite number > 0.
 
-    Example:
+    Examples:
         >>> ExpertDispatch()
         ExpertDispatch(kind='all_to_all', capacity_factor=None)
         >>> ExpertDispatch("gspmd").kind

@@ -57,7 +57,7 @@ class Pipeline:
     Raises:
         ArgumentError: an argument of the wrong type or value (all listed).
 
-    Example:
+    Examples:
         >>> Pipeline(microbatches=8)
         Pipeline(axis='stage', microbatches=8, schedule='gpipe', repeats=1, layers=None)
         >>> Pipeline(microbatches=8, schedule="circular", repeats=2).bubble(stages=4)
@@ -117,7 +117,7 @@ class Stages:
     def order(self) -> tuple[int, ...]:
         """Storage position → layer index: stage ``s``'s ``repeats`` chunks are contiguous, chunk ``j`` on ``j mod S``.
 
-        Example:
+        Examples:
             >>> mesh = jax.sharding.AbstractMesh((2,), ("stage",))
             >>> Stages(mesh, "stage", stages=2, microbatches=2, repeats=2, layers=8).order()
             (0, 1, 4, 5, 2, 3, 6, 7)

@@ -363,7 +363,7 @@ def context_attention(
         rows: the mesh axes ``b`` is split over; with ``segments`` they are manual too, so each device
             skips the tiles its own rows do not see.
 
-    Example:
+    Examples:
         >>> auto = (jax.sharding.AxisType.Auto,)
         >>> mesh = jax.make_mesh((4,), ("context",), axis_types=auto, devices=jax.devices()[:4])
         >>> q = jnp.ones((1, 2, 16, 8))

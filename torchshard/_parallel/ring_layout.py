@@ -16,7 +16,7 @@ class SequenceLayout:
     ``2n`` chunks and device ``i`` holds chunks ``i`` and ``2n-1-i``, so under a causal mask every
     device has the same number of visible (query, key) pairs.
 
-    Example:
+    Examples:
         >>> [int(s) for s in SequenceLayout(seq=16, devices=4, balanced=True).starts(1)]
         [2, 12]
     """

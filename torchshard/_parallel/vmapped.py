@@ -27,7 +27,7 @@ def vmapped_over(axis: str) -> Iterator[None]:
 def vmapped_axes() -> frozenset[str]:
     """The axes of the enclosing `vmapped_over` blocks (none outside a pipeline).
 
-    Example:
+    Examples:
         >>> with vmapped_over("stage"):
         ...     sorted(vmapped_axes())
         ['stage']

@@ -77,7 +77,7 @@ def validate_hf_config(config: Any, mesh: Mesh | AbstractMesh, *, axis: AxisName
     Raises:
         ShardingError: each config field the axis size does not divide, with the sizes that would work.
 
-    Example:
+    Examples:
         >>> validate_hf_config(LlamaConfig(num_attention_heads=32, num_key_value_heads=8), mesh)  # doctest: +SKIP
     """
     raise_if_any(
@@ -194,7 +194,7 @@ def hf_rules(
             be expressed, an entry names a module without a tensor it could lay out, or
             ``expert_axis`` is set on a model without stacked expert weights.
 
-    Example:
+    Examples:
         >>> model = LlamaForCausalLM(config)  # doctest: +SKIP
         >>> p = torchshard.plan(model, make_mesh({"data": 4, "model": 2}), hf_rules(model))  # doctest: +SKIP
     """

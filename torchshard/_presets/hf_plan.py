@@ -81,7 +81,7 @@ def from_hf_tp_plan(
     Raises:
         ShardingError: every style that cannot be expressed, unless ``replicate_unsupported``.
 
-    Example:
+    Examples:
         >>> rules = from_hf_tp_plan({"layers.*.mlp.experts.gate_up_proj": "packed_colwise",
         ...                          "layers.*.mlp.experts.down_proj": "rowwise"})
         >>> moe = torch.nn.Module()

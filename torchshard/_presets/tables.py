@@ -20,7 +20,7 @@ AxisName = str | tuple[str, ...]
 def replicated() -> Rules:
     """Every tensor replicated on every device.
 
-    Example:
+    Examples:
         >>> replicated().spec_for("anything")
         P()
     """
@@ -30,7 +30,7 @@ def replicated() -> Rules:
 def data_parallel() -> Rules:
     """Data parallelism: parameters replicated, only the batch is sharded (by the Trainer).
 
-    Example:
+    Examples:
         >>> data_parallel().spec_for("fc.weight")
         P()
     """
@@ -90,7 +90,7 @@ def fsdp(axis: AxisName = "data", min_size: int = 2**12) -> Rules:
     Raises:
         ArgumentError: ``min_size`` is not an int ≥ 0.
 
-    Example:
+    Examples:
         >>> rules = tensor_parallel(colwise=["fc1"], rowwise=["fc2"]) + fsdp("data")
         >>> rules.transforms[0].label
         "+fsdp('data')"
@@ -153,7 +153,7 @@ def expert_parallel(patterns: str | Sequence[str], axis: AxisName = "expert") ->
         Rules with one transform; `plan` reports an unknown axis, an expert count the axis does
         not divide and a pattern that matches no tensor, with every other problem.
 
-    Example:
+    Examples:
         >>> moe = torch.nn.Module()
         >>> moe.w_in, moe.w_out = torch.nn.Parameter(torch.ones(4, 32, 16)), torch.nn.Parameter(torch.ones(4, 16, 32))
         >>> rules = expert_parallel([r"w_in", r"w_out"]) + fsdp(min_size=1)
@@ -241,7 +241,7 @@ def tensor_parallel(colwise: Sequence[str] = (), rowwise: Sequence[str] = (), *,
         rowwise: regexes of module names whose inputs are split over ``axis``.
         axis: the tensor-parallel mesh axis.
 
-    Example:
+    Examples:
         >>> rules = tensor_parallel(colwise=[r"layers\\.\\d+\\.up"], rowwise=[r"layers\\.\\d+\\.down"])
         >>> [rule.pattern for rule in rules][0]  # its weight, or that of the layer peft wrapped in it
         '(?:layers\\\\.\\\\d+\\\\.up)(?:\\\\.base_layer)?\\\\.weight'
@@ -269,7 +269,7 @@ COMMON_ROWWISE = ("o_proj", "out_proj", "down_proj", "c_proj", "fc2", "w2")
 def common_tensor_parallel(*, axis: AxisName = "model") -> Rules:
     """Tensor parallelism by the projection names common model code uses (``q_proj``, ``down_proj``, ``c_fc``...).
 
-    Example:
+    Examples:
         >>> len(common_tensor_parallel())  # per style a weight, a bias and peft's two LoRA factors
         8
     """

@@ -39,7 +39,7 @@ class CompiledMemory:
         alias_bytes: the part of ``output_bytes`` written over donated arguments.
         peak_bytes: the most the device holds at once while the program runs.
 
-    Example:
+    Examples:
         >>> memory = CompiledMemory(argument_bytes=100, temp_bytes=30, output_bytes=104, alias_bytes=100,
         ...                         peak_bytes=134)
         >>> memory.margin(200), memory.fits(120)
@@ -96,7 +96,7 @@ def memory(target: Any, batch: Any = None) -> CompiledMemory:
     Raises:
         ShardingError: ``target`` is none of the above, or a Trainer was given no batch.
 
-    Example:
+    Examples:
         >>> import optax
         >>> model = torch.nn.Linear(256, 256)
         >>> p = ts.plan(model, ts.make_mesh({"data": 8}), ts.presets.fsdp(min_size=1024))

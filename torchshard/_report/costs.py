@@ -142,7 +142,7 @@ def step_costs(text: str) -> StepCosts:
     scanned stack of 32 layers would cost one layer; here each computation is weighted by how
     often it runs (the ``known_trip_count`` XLA annotates on loops, nested loops multiplied).
 
-    Example:
+    Examples:
         >>> import jax
         >>> f = lambda x, w: jax.lax.scan(lambda c, wi: (c @ wi, None), x, w)[0]
         >>> x, w = jax.ShapeDtypeStruct((8, 16), np.float32), jax.ShapeDtypeStruct((4, 16, 16), np.float32)

@@ -53,7 +53,7 @@ _PIPELINE_KEYS = {"microbatches": int, "schedule": str, "repeats": int, "layers"
 def parse_size(text: str) -> int:
     """``"80GiB"`` → bytes; decimal units (``GB``) are powers of 1000, binary ones (``GiB``) of 1024.
 
-    Example:
+    Examples:
         >>> parse_size("80GiB") == 80 * 2**30, parse_size("1.5 GB"), parse_size("4096")
         (True, 1500000000, 4096)
     """
@@ -74,7 +74,7 @@ def _dtype(name: str, text: str) -> torch.dtype:
 def parse_batch(text: str) -> list[torch.Tensor]:
     """``"256x4096"`` → one int64 ``meta`` tensor [256, 4096]; ``"32x16:float32,32:int64"`` → one per leaf.
 
-    Example:
+    Examples:
         >>> [(tuple(t.shape), t.dtype) for t in parse_batch("8x128,8:bf16")]
         [((8, 128), torch.int64), ((8,), torch.bfloat16)]
     """
@@ -106,7 +106,7 @@ def parse_pipeline(text: str, axes: dict[str, int]) -> Pipeline:
     The one pair whose key is not a `Pipeline` field names the stage axis and its size, which
     ``--mesh`` must give it too.
 
-    Example:
+    Examples:
         >>> parse_pipeline("stage=2,microbatches=4,schedule=1f1b", {"stage": 2, "data": 4})
         Pipeline(axis='stage', microbatches=4, schedule='1f1b', repeats=1, layers=None)
     """

@@ -105,7 +105,7 @@ def hardware(name: str | Hardware, *, extra: Mapping[str, Hardware] | None = Non
     Raises:
         ArgumentError: an unknown name, listing the known ones and the nearest.
 
-    Example:
+    Examples:
         >>> hardware("h100").devices_per_host, hardware("v5e").name
         (8, 'tpu-v5e')
     """

@@ -139,7 +139,7 @@ def parse_hlo(text: str) -> tuple[Collective, ...]:
     Returns:
         The collectives in program order, without mesh axes (see `collectives`).
 
-    Example:
+    Examples:
         >>> ops = parse_hlo("%ar = f32[8]{0} all-reduce(f32[8]{0} %x), replica_groups={{0,1}}, to_apply=%add")
         >>> ops[0].kind, ops[0].bytes, ops[0].groups
         ('all-reduce', 32, ((0, 1),))

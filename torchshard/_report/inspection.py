@@ -123,7 +123,7 @@ def collectives(target: Any, *args: Any, mesh: Mesh | None = None, **kwargs: Any
     Raises:
         ShardingError: ``target`` is none of the above.
 
-    Example:
+    Examples:
         >>> mesh = ts.make_mesh({"data": 4, "model": 2})
         >>> x = jax.device_put(np.ones((8, 4), np.float32), jax.sharding.NamedSharding(mesh, P("data")))
         >>> stats = collectives(jax.jit(lambda x: x.sum()), x)

@@ -59,7 +59,7 @@ def training_memory(plan: ShardingPlan, model: torch.nn.Module, *, param_dtype: 
         param_dtype: the dtype floating parameters are stored in (``MixedPrecision.param_dtype``);
             None keeps the model's own.
 
-    Example:
+    Examples:
         >>> model = torch.nn.Linear(1024, 1024, dtype=torch.bfloat16)
         >>> p = ts.plan(model, ts.make_mesh({"data": 8}), ts.presets.fsdp())
         >>> training_memory(p, model).params, training_memory(p, model, param_dtype=torch.float32).params

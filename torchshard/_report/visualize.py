@@ -100,7 +100,7 @@ def visualize(tensor: torch.Tensor, *, file: TextIO | None = None) -> None:
     Raises:
         ShardingError: the tensor is a plain torch tensor, or its rank is not 1 or 2.
 
-    Example:
+    Examples:
         >>> model = torch.nn.Linear(8, 4)
         >>> _ = ts.shard(model, ts.plan(model, ts.make_mesh({"data": 4, "model": 2}), [("weight", ("model", None))]))
         >>> visualize(model.weight)
@@ -185,7 +185,7 @@ def visualize_plan(
     Raises:
         ArgumentError: ``plan`` is not a plan, or ``names`` is not a usable regex.
 
-    Example:
+    Examples:
         >>> layers = torch.nn.Sequential(torch.nn.Linear(32, 64), torch.nn.Linear(64, 64), torch.nn.Linear(64, 16))
         >>> p = ts.plan(layers, ts.make_mesh({"data": 8}), [(r"1\\.weight", ("data", None))])
         >>> visualize_plan(p, names=r"^1\\.")

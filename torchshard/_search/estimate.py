@@ -52,7 +52,7 @@ def estimate(costs: StepCosts, hw: Hardware, *, precision: str, devices_per_host
     stage, expert) sit on the critical path and add. Each collective takes its bytes (ring factor)
     over the intra-host link when its groups stay in a host, else over the inter-host link.
 
-    Example:
+    Examples:
         >>> from torchshard._report.hardware import hardware
         >>> e = estimate(StepCosts(989e12, 0.0, ()), hardware("h100"), precision="bf16", devices_per_host=8,
         ...              bubble=0.0)

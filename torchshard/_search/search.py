@@ -250,7 +250,10 @@ def search(
         device_memory: bytes per device (default: the profile's).
         hosts: hosts the devices span (default: the profile's devices per host decides).
         loss_fn: ``loss_fn(model, ids)`` (default: a causal LM's own loss).
-        microbatches, remat, scan, precision: the option values to enumerate.
+        microbatches: the micro-batch counts to enumerate.
+        remat: the remat policies to enumerate.
+        scan: the scan settings to enumerate.
+        precision: the precisions to enumerate.
         max_compiles: layouts compiled at most: half of them the meshes' first layouts (in order of a
             rough analytic estimate), the rest refining the best ``refine_meshes`` meshes that fit.
         refine_meshes: how many of the best fitting meshes get their options searched one at a time.
@@ -264,7 +267,7 @@ def search(
         ShardingError: no mesh of ``devices`` fits the model, or no layout splits the batch (the
             nearest device counts or batch sizes named).
 
-    Example:
+    Examples:
         >>> import transformers
         >>> config = transformers.LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2,
         ...     num_attention_heads=4, num_key_value_heads=2, vocab_size=128, use_cache=False)

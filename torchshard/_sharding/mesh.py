@@ -23,7 +23,7 @@ def use_cpu_devices(n: int) -> None:
     Raises:
         ShardingError: ``n`` is not positive, or JAX already started with a different count.
 
-    Example:
+    Examples:
         >>> import torchshard as ts
         >>> ts.use_cpu_devices(8)  # first thing in the program (a repeat with the same count is a no-op)
     """
@@ -97,7 +97,7 @@ def make_mesh(axes: Mapping[str, int], devices: Sequence[jax.Device] | None = No
     Raises:
         ShardingError: empty or non-string axis names, bad sizes, or sizes that do not use the devices.
 
-    Example:
+    Examples:
         >>> mesh = make_mesh({"data": -1, "model": 2})  # on 8 devices
         >>> dict(mesh.shape)
         {'data': 4, 'model': 2}

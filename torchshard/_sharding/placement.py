@@ -92,7 +92,7 @@ def row_sharding(sharding: NamedSharding, rows: int, row: int, *, block: bool = 
     sub-mesh of the devices at that row's position on those axes. With ``block``, the sharding of
     that position's whole block of rows (dim 0 kept, unsplit).
 
-    Example:
+    Examples:
         >>> mesh = ts.make_mesh({"stage": 4, "data": 2})
         >>> one = row_sharding(NamedSharding(mesh, P("stage", "data")), 8, 5)
         >>> one.spec, [d.id for d in one.mesh.devices.flat]
@@ -173,7 +173,7 @@ def range_problems(name: str, value: Any) -> list[str]:
 
     JAX would silently wrap them; this names the value and the two fixes.
 
-    Example:
+    Examples:
         >>> print(*range_problems("step", torch.tensor([2**40])))
         step (1,) torch.int64: values in [1099511627776, 1099511627776] do not fit int32, which JAX holds it in ...
     """
@@ -249,7 +249,7 @@ def shard(model: torch.nn.Module, plan: ShardingPlan, *, skip: Collection[str] =
             re-typed or meta tensor), or an int64 tensor holds values 32 bits cannot
             (``jax_enable_x64`` off); nothing is moved.
 
-    Example:
+    Examples:
         >>> model = torch.nn.Sequential(torch.nn.Linear(16, 64), torch.nn.ReLU(), torch.nn.Linear(64, 4))
         >>> model = shard(model, ts.plan(model, ts.make_mesh({"data": 8}), ts.presets.fsdp(min_size=1024)))
         >>> model[0].weight.jax().sharding.spec
@@ -295,7 +295,7 @@ def shard_batch(batch: Any, mesh: Mesh, spec: SpecLike = ("data",)) -> Any:
         ShardingError: every leaf whose sharded dims do not divide by the mesh axes, or whose
             int64 values 32 bits cannot hold.
 
-    Example:
+    Examples:
         >>> mesh = ts.make_mesh({"data": 8})
         >>> model = ts.shard(torch.nn.Linear(16, 4), ts.plan(torch.nn.Linear(16, 4), mesh))
         >>> x = shard_batch(torch.randn(64, 16), mesh)
@@ -322,7 +322,7 @@ def shard_batch(batch: Any, mesh: Mesh, spec: SpecLike = ("data",)) -> Any:
 def leaf_problems(name: str, leaf: Any) -> list[str]:
     """A batch leaf must be an array with values: a torch tensor (not on meta), a numpy or a jax array.
 
-    Example:
+    Examples:
         >>> leaf_problems("batch leaf #0", "abc")
         ['batch leaf #0 is a str; pass torch tensors, numpy or jax arrays (e.g. torch.tensor(...))']
     """
@@ -362,7 +362,7 @@ def constrain(tensor: torch.Tensor, spec: SpecLike, mesh: Mesh | None = None) ->
         ArgumentError: ``mesh`` is not a mesh.
         ShardingError: no mesh is known, or the spec does not fit the tensor.
 
-    Example:
+    Examples:
         >>> h = torch.ones(8, 4)
         >>> constrain(h, ("data", None)) is h  # plain torch: unchanged, so forward still runs eagerly
         True
@@ -386,7 +386,7 @@ def constrain(tensor: torch.Tensor, spec: SpecLike, mesh: Mesh | None = None) ->
 def spec_of(tensor: torch.Tensor) -> PartitionSpec | None:
     """The ``PartitionSpec`` of a placed tensor (None if it is not a NamedSharding).
 
-    Example:
+    Examples:
         >>> spec_of(torch.zeros(2)) is None
         True
     """

@@ -55,7 +55,7 @@ class PlanEntry:
 class ShardingPlan(Mapping[str, NamedSharding]):
     """A read-only mapping ``state_dict name → NamedSharding`` with the details behind each choice.
 
-    Example:
+    Examples:
         >>> model = torch.nn.Sequential(torch.nn.Linear(16, 64), torch.nn.ReLU(), torch.nn.Linear(64, 4))
         >>> p = plan(model, ts.make_mesh({"data": 8}), ts.presets.fsdp(min_size=1024))
         >>> print(p.table())
@@ -280,7 +280,7 @@ def plan(
             no spec); a callable spec that raised (its exception chained). ``model`` is never
             changed.
 
-    Example:
+    Examples:
         >>> model = torch.nn.Sequential(torch.nn.Linear(16, 64), torch.nn.ReLU(), torch.nn.Linear(64, 4))
         >>> p = plan(model, ts.make_mesh({"data": 4, "model": 2}), [(r"0\\.weight", ("model", None))])
         >>> p.spec("0.weight"), p.spec("2.weight")

@@ -38,7 +38,7 @@ def global_shape(
         ``(global shape, problems)``; the problems say which dims do not split over this
         process's shards.
 
-    Example:
+    Examples:
         >>> mesh = ts.make_mesh({"data": 8})
         >>> global_shape((16, 32), NamedSharding(mesh, P("data")))  # one process holds every row
         ((16, 32), [])
@@ -71,7 +71,7 @@ def local_batch_slice(batch_size: int, mesh: Mesh, batch_spec: SpecLike = ("data
         ShardingError: the batch does not split over the mesh, or this process's rows are not
             contiguous (then give every process the global batch instead).
 
-    Example:
+    Examples:
         >>> local_batch_slice(256, ts.make_mesh({"data": 8}))  # in a 1-process run: every row
         slice(0, 256, None)
         >>> # in a multi-process run: trainer.step((x[rows], y[rows]), local=True)

@@ -121,7 +121,7 @@ class Rules:
         ShardingError: every malformed row, at once.
         ArgumentError: ``rows`` is not a list of rows (e.g. one string).
 
-    Example:
+    Examples:
         >>> rules = Rules([(r".*\\.weight", ("model", None)), (r".*", ())])
         >>> rules.spec_for("fc.weight")
         P('model', None)

@@ -57,7 +57,7 @@ def all_gather(x: torch.Tensor, axis_name: AxisName, *, axis: int = 0, tiled: bo
     Returns:
         The gathered tensor, the same on every device of the axis.
 
-    Example:
+    Examples:
         >>> w_full = all_gather(w_block, "data", axis=0, tiled=True)  # doctest: +SKIP
     """
     return _collective(jax.lax.all_gather, axis_name, x, axis=axis, tiled=tiled)
@@ -66,7 +66,7 @@ def all_gather(x: torch.Tensor, axis_name: AxisName, *, axis: int = 0, tiled: bo
 def psum(x: Any, axis_name: AxisName) -> Any:
     """Sums ``x`` (a tensor or a tuple/dict of them) over ``axis_name`` (``jax.lax.psum``).
 
-    Example:
+    Examples:
         >>> total = psum(partial_sum, "model")  # doctest: +SKIP
     """
     return _collective(jax.lax.psum, axis_name, x)
@@ -75,7 +75,7 @@ def psum(x: Any, axis_name: AxisName) -> Any:
 def pmean(x: Any, axis_name: AxisName) -> Any:
     """Averages ``x`` over ``axis_name`` (``jax.lax.pmean``).
 
-    Example:
+    Examples:
         >>> mean = pmean(x.mean(dim=1, keepdim=True), "model")  # doctest: +SKIP
     """
     return _collective(jax.lax.pmean, axis_name, x)
@@ -92,7 +92,7 @@ def psum_scatter(
         scatter_dimension: the dim split between devices.
         tiled: keep the split dim (size / n) instead of removing it (size must then equal n).
 
-    Example:
+    Examples:
         >>> y_block = psum_scatter(h @ w2_block, "model", scatter_dimension=1, tiled=True)  # doctest: +SKIP
     """
     return _collective(jax.lax.psum_scatter, axis_name, x, scatter_dimension=scatter_dimension, tiled=tiled)
@@ -103,7 +103,7 @@ def all_to_all(
 ) -> torch.Tensor:
     """Splits ``x`` along ``split_axis``, sends block i to device i, concatenates along ``concat_axis``.
 
-    Example:
+    Examples:
         >>> cols = all_to_all(rows, "data", split_axis=1, concat_axis=0, tiled=True)  # doctest: +SKIP
     """
     return _collective(jax.lax.all_to_all, axis_name, x, split_axis=split_axis, concat_axis=concat_axis, tiled=tiled)
@@ -114,7 +114,7 @@ def ppermute(x: Any, axis_name: AxisName, perm: Sequence[tuple[int, int]]) -> An
 
     Devices that receive nothing get zeros.
 
-    Example:
+    Examples:
         >>> n = mesh.shape["data"]  # doctest: +SKIP
         >>> shifted = ppermute(x, "data", [(i, (i + 1) % n) for i in range(n)])  # doctest: +SKIP
     """
@@ -124,7 +124,7 @@ def ppermute(x: Any, axis_name: AxisName, perm: Sequence[tuple[int, int]]) -> An
 def axis_index(axis_name: AxisName) -> torch.Tensor:
     """This device's index along ``axis_name`` (a scalar int32 tensor; tuples give the flat index).
 
-    Example:
+    Examples:
         >>> i = axis_index("data")  # doctest: +SKIP
     """
     return _collective(jax.lax.axis_index, axis_name)
@@ -133,7 +133,7 @@ def axis_index(axis_name: AxisName) -> torch.Tensor:
 def axis_size(axis_name: AxisName) -> int:
     """The number of devices along ``axis_name`` (a Python int).
 
-    Example:
+    Examples:
         >>> n = axis_size("data")  # doctest: +SKIP
     """
     return _collective(jax.lax.axis_size, axis_name)
@@ -173,7 +173,7 @@ def fold_rng(seed_or_generator: int | torch.Generator | torch.Tensor, axis: Axis
     Raises:
         ShardingError: called outside `shard_map`, an unknown axis, or an unusable seed.
 
-    Example:
+    Examples:
         >>> def noisy(x):
         ...     with use_rng(fold_rng(0, "data")):
         ...         return x + torch.randn(x.shape)  # different noise on each data shard
@@ -190,7 +190,7 @@ def use_rng(key: torch.Tensor) -> Iterator[None]:
     Args:
         key: from `fold_rng` (a uint32 tensor of shape (2,)).
 
-    Example:
+    Examples:
         >>> with use_rng(fold_rng(seed, "data")):  # doctest: +SKIP
         ...     mask = torch.rand(x.shape) > 0.1
     """

@@ -113,7 +113,7 @@ def shard_map(
         ShardingError: unknown or repeated mesh axes, a spec longer than its tensor, a dim not
             divisible by its axes, or spec counts that do not match the arguments or outputs.
 
-    Example:
+    Examples:
         >>> def matmul(x, w):  # w is split by rows over "data": gather it, FSDP style
         ...     return x @ all_gather(w, "data", axis=0, tiled=True)
         >>> rows = P("data", None)

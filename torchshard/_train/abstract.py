@@ -36,7 +36,7 @@ class AbstractTrainer(Trainer):
     Raises:
         ShardingError: as `Trainer`, and when the plan's names or shapes differ from the model's.
 
-    Example:
+    Examples:
         >>> import optax
         >>> with torch.device("meta"):
         ...     model = torch.nn.Sequential(torch.nn.Linear(1024, 4096), torch.nn.ReLU(), torch.nn.Linear(4096, 8))

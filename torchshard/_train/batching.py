@@ -16,7 +16,7 @@ from torchshard._sharding.placement import batch_leaf_spec, put
 class BatchLayout:
     """Every batch leaf of rank ≥ ``len(spec)`` is sharded by ``spec``; lower-rank leaves are replicated.
 
-    Example:
+    Examples:
         >>> layout = BatchLayout(ts.make_mesh({"data": 8}), P("data"))
         >>> layout.sharding(np.zeros((16, 4))).spec, layout.sharding(np.float32(1)).spec
         (P('data',), P())

@@ -41,7 +41,7 @@ class MixedPrecision:
     Raises:
         ArgumentError: a dtype that is not a floating torch dtype.
 
-    Example:
+    Examples:
         >>> policy = MixedPrecision()
         >>> policy.compute_dtype, policy.param_dtype
         (torch.bfloat16, torch.float32)

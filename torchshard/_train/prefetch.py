@@ -55,7 +55,7 @@ def prefetch(batches: Iterable[Any], trainer: Trainer, *, size: int = 2, local: 
     Raises:
         ArgumentError: ``trainer`` is not a Trainer or ``size`` is not an int ≥ 1.
 
-    Example:
+    Examples:
         >>> import optax
         >>> model = torch.nn.Linear(16, 4)
         >>> trainer = ts.Trainer(model, lambda m, b: m(b).square().mean(), optax.sgd(0.1),

@@ -50,7 +50,7 @@ class Remat:
     Raises:
         ArgumentError: a pattern that is not a valid regex, or an unknown policy.
 
-    Example:
+    Examples:
         >>> Remat(r"model\\.layers\\.\\d+", policy="dots_saveable").modules
         ('model\\\\.layers\\\\.\\\\d+',)
     """

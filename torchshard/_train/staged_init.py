@@ -62,7 +62,7 @@ def init_sharded(
             integer that 32 bits cannot hold (``jax_enable_x64`` off); a pipeline that does not
             fit the model, mesh or plan (as the Trainer says). The cause is chained.
 
-    Example:
+    Examples:
         >>> build = lambda: torch.nn.Sequential(torch.nn.Linear(16, 64), torch.nn.LayerNorm(64))
         >>> model = init_sharded(build, ts.make_mesh({"data": 8}), ts.presets.fsdp(min_size=1024))
         >>> model[0].weight.jax().sharding.spec, model[0].weight.device

@@ -68,7 +68,7 @@ Binder = Callable[[Any, Setting], Bound]
 def row_factor(grad_accum_steps: int, bound: Sequence[Bound]) -> tuple[str, int]:
     """What a batch's rows must split into: grad_accum_steps micro-batches, each as every strategy needs.
 
-    Example:
+    Examples:
         >>> row_factor(2, [])
         ('grad_accum_steps', 2)
     """

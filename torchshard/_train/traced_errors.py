@@ -40,7 +40,7 @@ def _frames(trace: types.TracebackType | None) -> list[types.CodeType]:
 def value_dependent_call(err: BaseException) -> str | None:
     """The torch call whose result's shape depends on a traced tensor's values, if that is what ``err`` is about.
 
-    Example:
+    Examples:
         >>> value_dependent_call(ValueError("not from tracing")) is None
         True
     """
@@ -65,7 +65,7 @@ def traced_value_message(err: BaseException, culprit: str) -> str | None:
         What went wrong and the static-shape form to write instead, or ``None`` if ``err`` is not
         about a traced tensor's value.
 
-    Example:
+    Examples:
         >>> traced_value_message(KeyError("x"), "loss_fn") is None
         True
     """

@@ -81,7 +81,7 @@ class Trainer:
             list cannot be scanned (with why), a pipeline does not fit (with the sizes that do), or
             ``context`` does not fit the mesh and batch_spec.
 
-    Example:
+    Examples:
         >>> import optax
         >>> model = torch.nn.Sequential(torch.nn.Linear(16, 64), torch.nn.ReLU(), torch.nn.Linear(64, 4))
         >>> p = ts.plan(model, ts.make_mesh({"data": 8}), ts.presets.fsdp(min_size=1024))
@@ -340,7 +340,7 @@ class Trainer:
         Returns:
             A ``jax.stages.Lowered``; ``.compile().as_text()`` is the partitioned HLO that `step` runs.
 
-        Example:
+        Examples:
             >>> model = torch.nn.Linear(16, 4)
             >>> p = ts.plan(model, ts.make_mesh({"data": 8}))
             >>> trainer = Trainer(model, lambda m, b: m(b).square().mean(), __import__("optax").sgd(0.1), p)
@@ -376,7 +376,7 @@ class Trainer:
                 whose structure, ranks or kinds of values differ from the batches `step` took.
             ShardingError: the batch does not fit ``batch_spec`` (as for `step`).
 
-        Example:
+        Examples:
             >>> model = torch.nn.Linear(16, 4)
             >>> eager = __import__("copy").deepcopy(model)  # the Trainer moves the model's tensors to the mesh
             >>> p = ts.plan(model, ts.make_mesh({"data": 8}))

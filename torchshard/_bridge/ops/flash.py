@@ -37,7 +37,7 @@ def tile_size(length: int) -> int:
     runs take larger tiles: fewer loop steps, less traffic of the running statistics. A length
     with no divisor from 64 up is one tile.
 
-    Example:
+    Examples:
         >>> tile_size(8192), tile_size(2048), tile_size(256), tile_size(100)
         (512, 128, 64, 100)
     """
@@ -144,7 +144,7 @@ def attend(tiling: Tiling, q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.A
     ``mask`` (bool) and ``bias`` (float) broadcast to [b, kv, g, s, t]; ``s`` and ``t`` divide by
     ``tiling.rows`` and ``tiling.keys``. Rows that see no key give zeros, as torch's SDPA does.
 
-    Example:
+    Examples:
         >>> q, kv = jnp.ones((1, 2, 1, 128, 8)), jnp.ones((1, 2, 128, 8))
         >>> attend(Tiling(64, 64, causal=True), q, kv, kv, None, None).shape
         (1, 2, 1, 128, 8)

@@ -56,7 +56,7 @@ def _chunked(shape: tuple[int, ...]) -> int:
 def flatten(x: jax.Array) -> jax.Array:
     """``[d0, d1, ..., k]`` → ``[tokens, k]``; under a layout, ``d1``'s chunks major (undo with `unflatten`).
 
-    Example:
+    Examples:
         >>> flatten(jnp.arange(6).reshape(1, 3, 2)).shape
         (3, 2)
     """
