@@ -236,3 +236,15 @@ def test_every_command_the_pages_show_exists_with_its_flags():
     commands = _commands()
     assert any("dev.py test" in c for c in commands) and any("-m torchshard plan" in c for c in commands)
     assert [p for c in commands for p in _command_problems(c)] == []
+
+
+# --- the API reference: generated from each public face's __all__ -----------------------------------------------
+
+
+def test_the_api_reference_has_a_page_for_every_public_face_and_lists_its_all():
+    hooks = runpy.run_path(str(ROOT / "tools" / "docs_hooks.py"))
+    faces = {"torchshard", *(f"torchshard.{p.stem}" for p in (ROOT / "torchshard").glob("[a-z]*.py"))}
+    marked = {m["module"] for page in PAGES.values() for m in hooks["MARKER"].finditer(page)}
+    assert marked == faces
+    assert hooks["public_names"]("torchshard") == ts.__all__
+    assert hooks["expand"]("<!-- api: torchshard.presets -->").startswith("::: torchshard.presets.")
