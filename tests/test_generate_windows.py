@@ -95,7 +95,8 @@ def test_the_window_changes_these_models_tokens(name):
 REFUSED = [
     (
         "olmo_hybrid",
-        r"OlmoHybridForCausalLM \(olmo_hybrid\) keeps LinearAttentionLayer state in its cache \(layers \[0\]\)",
+        r"OlmoHybridForCausalLM \(olmo_hybrid\) keeps LinearAttentionLayer state in its cache "
+        r"\(layers \[0\]\)",
     ),
     ("deepseek_v32", r"DeepseekV32ForCausalLM \(deepseek_v32\) keeps StaticIndexedLayer state"),
 ]

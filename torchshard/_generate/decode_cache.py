@@ -37,9 +37,10 @@ def layer_kinds(model: torch.nn.Module) -> tuple[tuple[str, ...], list[str]]:
     from transformers import StaticCache
     from transformers.cache_utils import DummyLayer, StaticLayer, StaticSlidingWindowLayer
 
-    name = f"{type(model).__name__} ({getattr(model.config, 'model_type', '?')})"
+    config: Any = model.config
+    name = f"{type(model).__name__} ({getattr(config, 'model_type', '?')})"
     try:
-        layers = StaticCache(config=model.config, max_cache_len=1).layers
+        layers = StaticCache(config=config, max_cache_len=1).layers
     except Exception as err:  # any config transformers cannot lay a static cache out for
         return (), [f"{name}: transformers cannot lay out a static KV cache for its config ({err})"]
     kinds = {StaticLayer: FULL, StaticSlidingWindowLayer: SLIDING, DummyLayer: NONE}
@@ -52,7 +53,7 @@ def layer_kinds(model: torch.nn.Module) -> tuple[tuple[str, ...], list[str]]:
             f"{[i for i, k in enumerate(found) if k in others][:8]}); generate decodes over full-attention and "
             f"sliding-window caches only, so it refuses this model rather than decode it differently"
         )
-    if getattr(model.config.get_text_config(decoder=True), "kv_sharing_modes", None) and NONE in found:
+    if getattr(config.get_text_config(decoder=True), "kv_sharing_modes", None) and NONE in found:
         problems.append(f"{name} shares keys and values between layers; generate does not decode such caches")
     return found, problems
 
