@@ -101,6 +101,7 @@ class TorchshardLM(TemplateLM):
     ) -> None:
         super().__init__()
         del device, max_batch_size
+        batch_size, max_length, max_gen_toks = (_number(v) for v in (batch_size, max_length, max_gen_toks))
         if pretrained is not None:
             target, tokenizer = _from_pretrained(pretrained, target, tokenizer, mesh, pad_token)
         problems = _target_problems(target) + _tokenizer_problems(tokenizer)
@@ -239,6 +240,11 @@ class TorchshardLM(TemplateLM):
             prompt = encoded[min(row, len(encoded) - 1)]  # extra rows repeat the last prompt: one shape per bucket
             ids[row, width - len(prompt) :], mask[row, width - len(prompt) :] = torch.tensor(prompt), 1
         return ids, mask
+
+
+def _number(value: Any) -> Any:
+    """An int the command line gave as digits (lm_eval passes ``--batch_size 8`` as ``"8"``)."""
+    return int(value) if isinstance(value, str) and value.isdigit() else value
 
 
 def _positive(name: str, value: Any) -> list[str]:
