@@ -216,6 +216,8 @@ def test_every_bad_argument_is_named_at_once(llama):
         TorchshardLM(copy.deepcopy(llama), _tokenizer(pad=False), batch_size=0)
     with pytest.raises(ts.ArgumentError, match=r"batch_size='auto': a positive int"):
         TorchshardLM(_sharded(llama), _tokenizer(), batch_size="auto")  # type: ignore[arg-type]
+    with pytest.raises(ts.ArgumentError, match="mesh= and pad_token= go with pretrained="):
+        TorchshardLM(_sharded(llama), _tokenizer(), mesh="data=8")
     with pytest.raises(ts.ArgumentError, match="pretrained= alone"):
         TorchshardLM(_sharded(llama), pretrained="somewhere")
     with pytest.raises(ts.ArgumentError, match=r"mesh='data:8'.*name=size"):
@@ -244,3 +246,30 @@ def test_torchshard_alone_does_not_import_lm_eval_and_a_missing_one_names_the_ex
                           env={**os.environ, "PYTHONPATH": str(ROOT)})  # fmt: skip
     assert done.returncode == 0, done.stderr
     assert "pip install 'torchshard[lm_eval]'" in done.stdout
+
+
+def test_requests_it_cannot_serve_are_named(llama, ours):
+    too_long = _requests("loglikelihood", [("the", " " + " ".join(["cat"] * 70))])
+    with pytest.raises(ts.ArgumentError, match=r"request 0's continuation has 70 tokens, more than max_length=64"):
+        ours.loglikelihood(too_long)
+    no_room = _requests("generate_until", [("the cat", {"until": ["."], "max_gen_toks": 64})])
+    with pytest.raises(ts.ArgumentError, match=r"max_gen_toks=64 leaves no room for a prompt in max_length=64"):
+        ours.generate_until(no_room)
+    with pytest.raises(ts.ArgumentError, match=r"tokenizer is a str; pass a transformers tokenizer"):
+        TorchshardLM(_sharded(llama), "gpt2")
+
+
+class _NotLogits(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.embed = torch.nn.Embedding(64, 8)
+
+    def forward(self, ids):
+        return self.embed(ids).sum(-1)  # [batch, seq]: no vocabulary dim
+
+
+def test_a_model_whose_output_is_not_logits_is_named():
+    model = _NotLogits()
+    model = ts.shard(model, ts.plan(model, ts.make_mesh({"data": 8})))
+    with pytest.raises(ts.ArgumentError, match=r"could not score with _NotLogits.*logits \[batch, seq, vocab\]"):
+        TorchshardLM(model, _tokenizer()).loglikelihood(_requests("loglikelihood", [("the", " cat")]))

@@ -50,7 +50,6 @@ def bucket(length: int, cap: int) -> int:
     return max(length, min(cap, 1 << max(length - 1, MIN_BUCKET - 1).bit_length()))
 
 
-@register_model("torchshard")
 class TorchshardLM(TemplateLM):
     """An lm_eval model: a `Trainer` or a sharded module plus its tokenizer, scored and decoded on the mesh.
 
@@ -105,6 +104,8 @@ class TorchshardLM(TemplateLM):
         if pretrained is not None:
             target, tokenizer = _from_pretrained(pretrained, target, tokenizer, mesh, pad_token)
         problems = _target_problems(target) + _tokenizer_problems(tokenizer)
+        if pretrained is None and (mesh is not None or pad_token is not None):
+            problems.append("mesh= and pad_token= go with pretrained=; shard a target yourself, set its pad token")
         problems += _positive("batch_size", batch_size) + _positive("max_gen_toks", max_gen_toks)
         problems += [] if max_length is None else _positive("max_length", max_length)
         raise_if_any(problems, header=f"TorchshardLM: {len(problems)} bad argument(s)", error=ArgumentError)
@@ -242,6 +243,10 @@ class TorchshardLM(TemplateLM):
         return ids, mask
 
 
+if __name__ != "__main__":  # under python -m, main() imports this module by its name, which registers it once
+    register_model("torchshard")(TorchshardLM)
+
+
 def _number(value: Any) -> Any:
     """An int the command line gave as digits (lm_eval passes ``--batch_size 8`` as ``"8"``)."""
     return int(value) if isinstance(value, str) and value.isdigit() else value
@@ -325,4 +330,6 @@ def main(argv: Sequence[str] | None = None) -> None:
 
 
 if __name__ == "__main__":
-    main()
+    from torchshard.lm_eval import main as _main
+
+    _main()
