@@ -174,3 +174,12 @@ def test_attention_benchmark_runs():
     assert float(memory["tiled (flash)", "none"][3]) == expected_flops
     speed = [r for r in rows if r[0].startswith("[")]
     assert [r[0] for r in speed] == ["[2, 4, 128, 16]", "[1, 4, 512, 16]"] and all(float(r[3]) > 0 for r in speed)
+
+
+@pytest.mark.slow
+def test_lm_eval_benchmark_runs(tmp_path):
+    out = tmp_path / "lm_eval.json"
+    stdout = run_benchmark("lm_eval_speed.py", "--tiny", "--json", str(out))  # fails when the metrics differ
+    assert "same accuracy and perplexity: yes" in stdout
+    result = json.loads(out.read_text())
+    assert result["torchshard"]["acc"] == result["hflm"]["acc"] and result["speedup"] > 0

@@ -225,6 +225,11 @@ def _command_problems(command: str) -> list[str]:
         return [f"{command}: no option {f}" for f in flags if f not in _options(plan)]
     if words[:2] == ["-m", "torchshard.launch"]:
         return [f"{command}: no option {f}" for f in flags if f not in _launch_options()]
+    if words[:2] == ["-m", "torchshard.lm_eval"]:  # lm_eval's own command line
+        import lm_eval._cli.run
+
+        source = Path(lm_eval._cli.run.__file__).read_text()
+        return [f"{command}: lm_eval has no option {f}" for f in flags if f'"{f}"' not in source]
     script = ROOT / words[0]
     if not script.is_file():
         return [f"{command}: no file {words[0]}"]

@@ -13,7 +13,7 @@ LAYERS = (
     "_search", "_report", "_interop", "_ckpt", "_generate", "_train", "_parallel", "_multihost", "_spmd", "_presets",
     "_sharding", "_bridge", "_base",
 )  # fmt: skip
-PUBLIC_FACES = ("__init__", "__main__", "launch", "presets", "collectives", "distributed", "inspect")
+PUBLIC_FACES = ("__init__", "__main__", "launch", "presets", "collectives", "distributed", "inspect", "lm_eval")
 
 
 def _module_name(path: pathlib.Path) -> str:

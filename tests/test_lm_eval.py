@@ -1,0 +1,275 @@
+"""torchshard.lm_eval: lm-eval's "torchshard" model scores and decodes as its HFLM does on the same weights."""
+
+from __future__ import annotations
+
+import copy
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import lm_eval
+import optax
+import pytest
+import tokenizers
+import torch
+import transformers
+from lm_eval.api.instance import Instance
+from lm_eval.models.huggingface import HFLM
+from lm_eval.tasks import TaskManager
+
+import torchshard as ts
+from torchshard.lm_eval import TorchshardLM, bucket
+
+ATOL = 1e-4  # float32 log-likelihoods, summed over a continuation: ours against HFLM's eager torch
+TEXT = "the a cat dog sat on mat ran to park red blue green is was and of in it big small what color answer yes no "
+WORDS = (TEXT + "one two three four five sky sun tree bird . ? :").split()
+WORDS += [f"w{i}" for i in range(60 - len(WORDS))]  # with 4 special tokens, the model's 64 ids are all words
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _tokenizer(*, pad: bool = True) -> transformers.PreTrainedTokenizerFast:
+    """A word-level tokenizer built here (no download) that adds a BOS token, as Llama's does."""
+    vocab = {"<pad>": 0, "<s>": 1, "</s>": 2, "<unk>": 3, **{w: i + 4 for i, w in enumerate(WORDS)}}
+    tok = tokenizers.Tokenizer(tokenizers.models.WordLevel(vocab, unk_token="<unk>"))
+    tok.pre_tokenizer = tokenizers.pre_tokenizers.Whitespace()
+    tok.post_processor = tokenizers.processors.TemplateProcessing(single="<s> $A", special_tokens=[("<s>", 1)])
+    special = {"bos_token": "<s>", "eos_token": "</s>", "unk_token": "<unk>"} | ({"pad_token": "<pad>"} if pad else {})
+    return transformers.PreTrainedTokenizerFast(tokenizer_object=tok, **special)
+
+
+def _llama() -> transformers.LlamaForCausalLM:
+    config = transformers.LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2, vocab_size=64,
+                                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
+                                      pad_token_id=0, bos_token_id=1, eos_token_id=2)  # fmt: skip
+    torch.manual_seed(0)
+    return transformers.LlamaForCausalLM(config).eval()
+
+
+def _sharded(model: torch.nn.Module) -> torch.nn.Module:
+    model = copy.deepcopy(model)
+    return ts.shard(model, ts.plan(model, ts.make_mesh({"data": 4, "model": 2}), ts.presets.hf_rules(model)))
+
+
+@pytest.fixture(scope="module")
+def llama():
+    return _llama()
+
+
+@pytest.fixture(scope="module")
+def hflm(llama):
+    return HFLM(pretrained=llama, tokenizer=_tokenizer(), batch_size=4)
+
+
+@pytest.fixture(scope="module")
+def ours(llama):
+    return TorchshardLM(_sharded(llama), _tokenizer(), batch_size=4)
+
+
+def _requests(kind: str, args: list[tuple]) -> list[Instance]:
+    return [Instance(kind, {}, a, i) for i, a in enumerate(args)]
+
+
+def _assert_scores_equal(got, expected):
+    assert len(got) == len(expected)
+    for (value, greedy), (value_hf, greedy_hf) in zip(got, expected, strict=True):
+        assert abs(value - value_hf) <= ATOL, (value, value_hf)
+        assert greedy == greedy_hf
+
+
+@torch.no_grad()
+def _greedy(model: torch.nn.Module, context: str, new: int) -> str:
+    """The ``new`` words eager greedy decoding adds to ``context``."""
+    ids = torch.tensor([_tokenizer()(context)["input_ids"]])
+    for _ in range(new):
+        ids = torch.cat([ids, model(ids).logits[:, -1:].argmax(-1)], dim=1)
+    return " " + _tokenizer().decode(ids[0, -new:])
+
+
+def test_loglikelihood_equals_hflm(llama, hflm, ours):
+    long_context = " ".join(WORDS * 3)  # 108 tokens: cut from the left to max_length=64, as HFLM cuts it
+    args = [("the cat sat on the", " mat"), ("what color is the sky ?", " blue"), ("", "the dog ran"),
+            ("a big red ", "tree and a small bird"), ("one two three", " four five"), (long_context, " sky"),
+            ("the cat", _greedy(llama, "the cat", 3))]  # fmt: skip
+    expected = hflm.loglikelihood(_requests("loglikelihood", args))
+    _assert_scores_equal(ours.loglikelihood(_requests("loglikelihood", args)), expected)
+    assert expected[-1][1] and not expected[0][1]  # both kinds of greedy flag are compared
+
+
+def test_loglikelihood_rolling_equals_hflm(hflm, ours):
+    args = [(" ".join((WORDS * 5)[:150]),), ("the cat sat .",), (" ".join(WORDS[:63]),)]  # 3, 1 and 1 windows
+    expected = hflm.loglikelihood_rolling(_requests("loglikelihood_rolling", args))
+    got = ours.loglikelihood_rolling(_requests("loglikelihood_rolling", args))
+    assert got == pytest.approx(expected, abs=ATOL)
+
+
+def test_greedy_generate_until_equals_hflm(hflm, ours):
+    contexts = ["the cat", "what color is the sky ?", "one two three four", "a", "the dog ran to the park ."]
+    settings = [{"until": ["."], "max_gen_toks": 8}, {"until": ["sky", "w5"], "max_gen_toks": 5, "do_sample": False}]
+    args = [(c, s) for s in settings for c in contexts]
+    expected = hflm.generate_until(_requests("generate_until", args))
+    assert ours.generate_until(_requests("generate_until", args)) == expected
+    assert "" in expected[5:] and any(len(e.split()) == 8 for e in expected[:5])  # stops cut some, not all
+
+
+@pytest.mark.parametrize(("length", "cap", "expected"), [(1, 64, 16), (16, 64, 16), (17, 64, 32), (63, 64, 64),
+                                                          (64, 64, 64), (65, 64, 65), (40, 48, 48)])  # fmt: skip
+def test_padded_lengths_are_powers_of_two_up_to_max_length(length, cap, expected):
+    assert bucket(length, cap) == expected
+
+
+def _write_tasks(root: Path) -> Path:
+    docs = [("what color is the sky ?", ["blue", "green", "red"]), ("the cat sat on the", ["mat", "sky", "sun"]),
+            ("one two three", ["four", "five", "dog"]), ("the dog ran to the", ["park", "sun", "tree"]),
+            ("is the sun big ?", ["yes", "no"]), ("a small bird sat in the", ["tree", "mat", "sky"])]  # fmt: skip
+    lines = [{"question": q, "choices": c, "label": 0, "answer": c[0], "text": f"{q} {c[0]} ."} for q, c in docs]
+    (root / "docs.jsonl").write_text("".join(json.dumps(line) + "\n" for line in lines))
+    common = (f"dataset_path: json\ndataset_kwargs:\n  data_files:\n    test: {root / 'docs.jsonl'}\n"
+              f"  cache_dir: {root / 'cache'}\ntest_split: test\n")  # fmt: skip
+    tasks = {
+        "ts_mc": "output_type: multiple_choice\ndoc_to_text: '{{question}}'\ndoc_to_target: '{{label}}'\n"
+        "doc_to_choice: '{{choices}}'\nmetric_list:\n  - metric: acc\n",
+        "ts_ppl": "output_type: loglikelihood_rolling\ndoc_to_text: ''\ndoc_to_target: '{{text}}'\n"
+        "metric_list:\n  - metric: word_perplexity\n",
+        "ts_gen": "output_type: generate_until\ndoc_to_text: '{{question}}'\ndoc_to_target: ' {{answer}}'\n"
+        "generation_kwargs:\n  until: ['?']\n  max_gen_toks: 4\nmetric_list:\n  - metric: exact_match\n",
+    }
+    for name, body in tasks.items():
+        (root / f"{name}.yaml").write_text(f"task: {name}\n{common}{body}")
+    return root
+
+
+@pytest.fixture(scope="module")
+def tasks(tmp_path_factory):
+    return _write_tasks(tmp_path_factory.mktemp("tasks"))
+
+
+def _evaluate(model, tasks: Path, names: list[str]) -> dict:
+    manager = TaskManager(include_path=str(tasks))
+    return lm_eval.simple_evaluate(model=model, tasks=names, task_manager=manager, log_samples=True)
+
+
+def _assert_same_results(got: dict, expected: dict) -> None:
+    """Accuracies (and every other metric but perplexities) identical; perplexities and each response close."""
+    for task, metrics in expected["results"].items():
+        for key, value in metrics.items():
+            close = "perplexity" in key and isinstance(value, float)
+            assert got["results"][task][key] == (pytest.approx(value, rel=ATOL) if close else value), (task, key)
+    for task, samples in expected["samples"].items():
+        for mine, theirs in zip(got["samples"][task], samples, strict=True):
+            assert _close(mine["resps"], theirs["resps"]), (task, mine["resps"], theirs["resps"])
+
+
+def _close(a, b) -> bool:
+    if isinstance(a, list | tuple):
+        return len(a) == len(b) and all(_close(x, y) for x, y in zip(a, b, strict=True))
+    return abs(a - b) <= ATOL if isinstance(a, float) else a == b
+
+
+@pytest.mark.slow
+def test_a_task_scores_the_same_as_hflm(hflm, ours, tasks):
+    names = ["ts_mc", "ts_ppl", "ts_gen"]
+    expected = _evaluate(hflm, tasks, names)
+    got = _evaluate(ours, tasks, names)
+    _assert_same_results(got, expected)
+    assert 0 < expected["results"]["ts_mc"]["acc,none"] < 1  # a random model: the accuracy can differ
+
+
+@pytest.mark.slow
+def test_a_trainer_is_evaluated_with_its_latest_weights(llama, tasks):
+    model = copy.deepcopy(llama)
+    plan = ts.plan(model, ts.make_mesh({"data": 8}), ts.presets.hf_rules(model, axis=None))
+    trainer = ts.Trainer(model, lambda m, ids: m(input_ids=ids, labels=ids).loss, optax.adamw(1e-2), plan)
+    trainer.step(torch.randint(4, 40, (8, 16), generator=torch.Generator().manual_seed(0)))
+    trained = _llama()
+    trained.load_state_dict(ts.to_torch_state_dict(trainer.model))
+    expected = _evaluate(HFLM(pretrained=trained, tokenizer=_tokenizer(), batch_size=4), tasks, ["ts_mc"])
+    _assert_same_results(_evaluate(TorchshardLM(trainer, _tokenizer(), batch_size=3), tasks, ["ts_mc"]), expected)
+
+
+@pytest.mark.slow
+def test_the_command_line_evaluates_a_saved_model_as_hflm(llama, tasks, tmp_path):
+    llama.save_pretrained(tmp_path / "model")
+    _tokenizer().save_pretrained(tmp_path / "model")
+    cli = [sys.executable, "-m", "torchshard.lm_eval", "--model", "torchshard", "--model_args",
+           f"pretrained={tmp_path / 'model'},mesh=data=4", "--batch_size", "2", "--tasks", "ts_mc", "--include_path",
+           str(tasks), "--output_path", str(tmp_path / "out")]  # fmt: skip
+    env = {**os.environ, "TORCHSHARD_CPU_DEVICES": "4", "PYTHONPATH": str(ROOT)}
+    done = subprocess.run(cli, capture_output=True, text=True, timeout=600, env=env, cwd=tmp_path)
+    assert done.returncode == 0, done.stderr[-3000:]
+    (results,) = (tmp_path / "out").rglob("results_*.json")
+    expected = _evaluate(HFLM(pretrained=llama, tokenizer=_tokenizer(), batch_size=4), tasks, ["ts_mc"])
+    assert json.loads(results.read_text())["results"]["ts_mc"]["acc,none"] == expected["results"]["ts_mc"]["acc,none"]
+
+
+def test_a_tokenizer_without_a_pad_token_is_refused_and_left_as_it_was(llama):
+    tokenizer = _tokenizer(pad=False)
+    with pytest.raises(ts.ArgumentError, match=r"tokenizer .* has no pad token.*tokenizer.pad_token = "):
+        TorchshardLM(_sharded(llama), tokenizer)
+    assert tokenizer.pad_token is None
+
+
+def test_every_bad_argument_is_named_at_once(llama):
+    pattern = r"(?s)3 bad argument.*target: 23 tensor.*not on the mesh.*has no pad token.*batch_size=0: a positive int"
+    with pytest.raises(ts.ArgumentError, match=pattern):
+        TorchshardLM(copy.deepcopy(llama), _tokenizer(pad=False), batch_size=0)
+    with pytest.raises(ts.ArgumentError, match=r"batch_size='auto': a positive int"):
+        TorchshardLM(_sharded(llama), _tokenizer(), batch_size="auto")  # type: ignore[arg-type]
+    with pytest.raises(ts.ArgumentError, match="mesh= and pad_token= go with pretrained="):
+        TorchshardLM(_sharded(llama), _tokenizer(), mesh="data=8")
+    with pytest.raises(ts.ArgumentError, match="pretrained= alone"):
+        TorchshardLM(_sharded(llama), pretrained="somewhere")
+    with pytest.raises(ts.ArgumentError, match=r"mesh='data:8'.*name=size"):
+        TorchshardLM(pretrained="somewhere", mesh="data:8")
+
+
+def test_a_stacked_trainer_is_refused(llama):
+    model = copy.deepcopy(llama)
+    plan = ts.plan(model, ts.make_mesh({"data": 8}), ts.presets.hf_rules(model, axis=None))
+    trainer = ts.Trainer(model, lambda m, ids: m(input_ids=ids).logits.mean(), optax.sgd(0.1), plan, scan_layers=True)
+    with pytest.raises(ts.ArgumentError, match="scan_layers= or pipeline= keeps its layers stacked"):
+        TorchshardLM(trainer, _tokenizer())
+
+
+def test_unsupported_generation_settings_are_named(ours):
+    request = _requests("generate_until", [("the cat", {"until": ["."], "repetition_penalty": 1.2})])
+    with pytest.raises(ts.ArgumentError, match=r"repetition_penalty=1.2 is not supported"):
+        ours.generate_until(request)
+
+
+@pytest.mark.slow
+def test_torchshard_alone_does_not_import_lm_eval_and_a_missing_one_names_the_extra():
+    script = ("import sys, torchshard; assert 'lm_eval' not in sys.modules; sys.modules['lm_eval'] = None\n"
+              "try:\n    import torchshard.lm_eval\nexcept ImportError as err:\n    print(err)")  # fmt: skip
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300,
+                          env={**os.environ, "PYTHONPATH": str(ROOT)})  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    assert "pip install 'torchshard[lm_eval]'" in done.stdout
+
+
+def test_requests_it_cannot_serve_are_named(llama, ours):
+    too_long = _requests("loglikelihood", [("the", " " + " ".join(["cat"] * 70))])
+    with pytest.raises(ts.ArgumentError, match=r"request 0's continuation has 70 tokens, more than max_length=64"):
+        ours.loglikelihood(too_long)
+    no_room = _requests("generate_until", [("the cat", {"until": ["."], "max_gen_toks": 64})])
+    with pytest.raises(ts.ArgumentError, match=r"max_gen_toks=64 leaves no room for a prompt in max_length=64"):
+        ours.generate_until(no_room)
+    with pytest.raises(ts.ArgumentError, match=r"tokenizer is a str; pass a transformers tokenizer"):
+        TorchshardLM(_sharded(llama), "gpt2")
+
+
+class _NotLogits(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.embed = torch.nn.Embedding(64, 8)
+
+    def forward(self, ids):
+        return self.embed(ids).sum(-1)  # [batch, seq]: no vocabulary dim
+
+
+def test_a_model_whose_output_is_not_logits_is_named():
+    model = _NotLogits()
+    model = ts.shard(model, ts.plan(model, ts.make_mesh({"data": 8})))
+    with pytest.raises(ts.ArgumentError, match=r"could not score with _NotLogits.*logits \[batch, seq, vocab\]"):
+        TorchshardLM(model, _tokenizer()).loglikelihood(_requests("loglikelihood", [("the", " cat")]))
