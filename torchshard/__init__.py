@@ -9,6 +9,8 @@ from torchshard._ckpt.export import from_torch_state_dict, to_torch_state_dict
 from torchshard._ckpt.pretrained import load_safetensors
 from torchshard._ckpt.safetensors import save_safetensors
 from torchshard._ckpt.stepdir import checkpoint_steps
+from torchshard._interop.dcp_load import load_dcp
+from torchshard._interop.dcp_save import save_dcp
 from torchshard._parallel.context import ContextParallel
 from torchshard._parallel.documents import document_mask
 from torchshard._parallel.experts import ExpertDispatch, ExpertDispatchWarning
@@ -57,6 +59,7 @@ __all__ = [
     "generate",
     "init_sharded",
     "load",
+    "load_dcp",
     "load_safetensors",
     "make_mesh",
     "plan",
@@ -64,6 +67,7 @@ __all__ = [
     "presets",
     "save",
     "save_adapters",
+    "save_dcp",
     "save_safetensors",
     "shard",
     "shard_batch",
