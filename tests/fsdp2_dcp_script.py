@@ -4,7 +4,7 @@
   AdamW for ``SAVED_AT`` steps, saves ``{"model": ..., "optimizer": ...}`` as ``get_state_dict`` gives them with
   ``dcp.save``, trains ``STEPS - SAVED_AT`` more steps; rank 0 writes ``DIR/fsdp2.json``: every loss and the
   full state dict at the save (model and AdamW state, as lists).
-* ``load DIR``: a fresh FSDP2 model on this many ranks reads ``DIR`` with plain ``dcp.load(model.state_dict())``;
+* ``load DIR``: a fresh FSDP2 model on this many ranks reads ``DIR`` with plain ``dcp.load({"model": model.state_dict()})``;
   rank 0 writes ``DIR/loaded.json``: the full state dict it got.
 """
 
@@ -68,9 +68,9 @@ def save(root: pathlib.Path) -> None:
 
 def load(root: pathlib.Path) -> None:
     net = model()
-    state = net.state_dict()
-    dcp.load(state, checkpoint_id=str(root))
-    net.load_state_dict(state)
+    state = {"model": net.state_dict()}  # get_state_dict's layout, as save_dcp writes it
+    dcp.load(state, checkpoint_id=str(root))  # into the DTensors in place
+    net.load_state_dict(state["model"])
     full = get_model_state_dict(net, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
     if dist.get_rank() == 0:
         (root / "loaded.json").write_text(json.dumps(lists(full)))
