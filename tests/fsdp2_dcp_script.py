@@ -1,11 +1,11 @@
-"""FSDP2 on gloo CPU ranks, the torch side of the DCP tests: ``torchrun --nproc-per-node W fsdp2_dcp_script.py MODE DIR``.
+"""FSDP2 on gloo CPU ranks, the DCP tests' torch side: ``torchrun --nproc-per-node W fsdp2_dcp_script.py MODE DIR``.
 
 * ``save DIR``: trains the MLP of ``mp_torchrun_script.py`` (each block and the root ``fully_shard``) with torch
   AdamW for ``SAVED_AT`` steps, saves ``{"model": ..., "optimizer": ...}`` as ``get_state_dict`` gives them with
   ``dcp.save``, trains ``STEPS - SAVED_AT`` more steps; rank 0 writes ``DIR/fsdp2.json``: every loss and the
   full state dict at the save (model and AdamW state, as lists).
-* ``load DIR``: a fresh FSDP2 model on this many ranks reads ``DIR`` with plain ``dcp.load({"model": model.state_dict()})``;
-  rank 0 writes ``DIR/loaded.json``: the full state dict it got.
+* ``load DIR``: a fresh FSDP2 model on this many ranks reads ``DIR`` with plain
+  ``dcp.load({"model": model.state_dict()})``; rank 0 writes ``DIR/loaded.json``: the full state dict it got.
 """
 
 from __future__ import annotations

@@ -10,6 +10,9 @@ device, saving a checkpoint after each step and resuming from the latest complet
   whether it did); ``torchrun --max-restarts 1`` restarts the group, which resumes.
 * ``preempt``: process 1 sends SIGTERM to its torchrun agent after step 3 (as a scheduler would);
   the agent forwards it, `ts.distributed.preempted` agrees on a step, every process saves and exits.
+* ``dcp``: `ts.load_dcp` of the FSDP2 checkpoint in ``ROOT/fsdp2`` (saved after 4 steps), the
+  remaining steps, then `ts.save_dcp` to ``ROOT/out`` (FSDP2 reads it back in the test); process 0
+  also writes ``ROOT/dcp.json`` with the final state dict, and every process its bytes read.
 
 Each process writes ``ROOT/MODE.from{first step}.rank{i}.json``: the losses by step, the steps it
 started from and stopped at, and how the run was set up.
@@ -49,7 +52,30 @@ def loss_fn(m: torch.nn.Module, b: tuple[torch.Tensor, torch.Tensor]) -> torch.T
     return torch.nn.functional.mse_loss(m(b[0]), b[1])
 
 
+def dcp(root: pathlib.Path) -> None:
+    import logging
+
+    read: list[str] = []
+    handler = logging.Handler()
+    handler.emit = lambda record: read.append(record.getMessage())  # type: ignore[method-assign]
+    logging.getLogger("torchshard").addHandler(handler)
+    logging.getLogger("torchshard").setLevel(logging.INFO)
+    net = model()
+    plan = ts.plan(net, ts.make_mesh({"data": 2, "model": 2}), ts.presets.fsdp(min_size=0))
+    trainer = ts.load_dcp(root / "fsdp2", ts.Trainer(net, loss_fn, optax.adamw(1e-2), plan))
+    started = trainer.step_count
+    losses = {s: float(trainer.step(batch(s))["loss"]) for s in range(started, STEPS)}
+    ts.save_dcp(root / "out", trainer)
+    state = {k: v.tolist() for k, v in ts.to_torch_state_dict(trainer).items()}
+    rank = ts.distributed.process_index()
+    read = [m for m in read if "read boxes" in m]
+    (root / f"dcp.rank{rank}.json").write_text(json.dumps({"losses": losses, "started": started, "state": state,
+                                                           "read": read}))  # fmt: skip
+
+
 def main(root: pathlib.Path, mode: str) -> None:
+    if mode == "dcp":
+        return dcp(root)
     net = model()
     plan = ts.plan(net, ts.make_mesh({"data": -1}), ts.presets.fsdp(min_size=0))
     trainer = ts.Trainer(net, loss_fn, optax.adamw(1e-2), plan)
@@ -71,8 +97,8 @@ def main(root: pathlib.Path, mode: str) -> None:
         if mode == "preempt":
             time.sleep(0.2)  # the signal arrives while training
     attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
-    info = {"losses": losses, "attempt": attempt, "started": started, "stopped": trainer.step_count, "source": group.source,
-            "processes": jax.process_count(), "devices": jax.device_count(),
+    info = {"losses": losses, "attempt": attempt, "started": started, "stopped": trainer.step_count,
+            "source": group.source, "processes": jax.process_count(), "devices": jax.device_count(),
             "local_devices": jax.local_device_count()}  # fmt: skip
     (root / f"{mode}.from{started}.rank{rank}.json").write_text(json.dumps(info))
 

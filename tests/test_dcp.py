@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -114,6 +115,29 @@ def test_fsdp2_on_three_ranks_reads_what_save_dcp_wrote(trained, tmp_path):
     ts.save_dcp(tmp_path, trained)
     _torchrun(3, "load", tmp_path)
     assert json.loads((tmp_path / "loaded.json").read_text()) == _values(ts.to_torch_state_dict(trained))
+
+
+@pytest.mark.slow
+def test_two_torchrun_processes_read_their_slices_and_write_their_shards(fsdp2_save, tmp_path):
+    """2 JAX processes × 2 CPU devices under torchrun: load_dcp of the FSDP2 save, train on, save_dcp; FSDP2 on 3
+    ranks reads that back."""
+    folder, torch_run = fsdp2_save
+    shutil.copytree(folder, tmp_path / "fsdp2")
+    env = {**os.environ, "TORCHSHARD_CPU_DEVICES": "2", "JAX_PLATFORMS": "cpu", "OMP_NUM_THREADS": "1",
+           "PYTHONPATH": str(TESTS.parent)}  # fmt: skip
+    command = [str(TORCHRUN), "--standalone", "--nproc-per-node", "2", str(TESTS / "mp_torchrun_script.py"),
+               str(tmp_path), "dcp"]  # fmt: skip
+    done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=400, check=False)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    ranks = [json.loads((tmp_path / f"dcp.rank{r}.json").read_text()) for r in range(2)]
+    for rank in ranks:
+        assert rank["started"] == fsdp2.SAVED_AT
+        losses = [rank["losses"][str(s)] for s in range(fsdp2.SAVED_AT, fsdp2.STEPS)]
+        assert_close(losses, torch_run["losses"][fsdp2.SAVED_AT :], tol=1e-4, what="2-process losses after load")
+        read, total = (int(w) for w in rank["read"][0].split() if w.isdigit())
+        assert read < total  # each process read its boxes only (model and AdamW state: half of each)
+    _torchrun(3, "load", tmp_path / "out")
+    assert json.loads((tmp_path / "out" / "loaded.json").read_text()) == ranks[0]["state"]
 
 
 def test_a_trainer_round_trip_resumes_exactly(trained, tmp_path):

@@ -30,6 +30,7 @@ TESTS = Path(__file__).parent
 TORCHRUN = Path(sys.executable).with_name("torchrun")
 TWO_NODES = {"RANK": "3", "WORLD_SIZE": "4", "LOCAL_RANK": "1", "LOCAL_WORLD_SIZE": "2", "MASTER_ADDR": "n0",
              "MASTER_PORT": "29500", "TORCHELASTIC_RUN_ID": "r", "TORCHELASTIC_USE_AGENT_STORE": "True"}  # fmt: skip
+PG = distributed.ProcessGroup
 SLURM = {"SLURM_JOB_ID": "7", "SLURM_STEP_NODELIST": "n[0-1]", "SLURM_PROCID": "1", "SLURM_NTASKS": "2"}
 
 
@@ -41,15 +42,20 @@ SLURM = {"SLURM_JOB_ID": "7", "SLURM_STEP_NODELIST": "n[0-1]", "SLURM_PROCID": "
     [
         (TWO_NODES, distributed.ProcessGroup("torchrun", None, 4, 3, local_device_ids=(1,))),
         ({**TWO_NODES, distributed.CPU_DEVICES_ENV: "2"}, distributed.ProcessGroup("torchrun", None, 4, 3, 2)),
-        ({**SLURM, **TWO_NODES}, distributed.ProcessGroup("torchrun", None, 4, 3, local_device_ids=(1,))),  # srun torchrun
-        ({"RANK": "0", "WORLD_SIZE": "1", "TORCHELASTIC_RUN_ID": "r"}, distributed.ProcessGroup("torchrun", None, 1, 0)),
-        ({"RANK": "1", "WORLD_SIZE": "2", "MASTER_ADDR": "h", "MASTER_PORT": "9"},  # PyTorchJob: no agent
-         distributed.ProcessGroup("torchrun", None, 2, 1)),  # fmt: skip
+        # srun torchrun: torchrun's RANK wins over SLURM's SLURM_PROCID
+        ({**SLURM, **TWO_NODES}, distributed.ProcessGroup("torchrun", None, 4, 3, local_device_ids=(1,))),
+        ({"RANK": "0", "WORLD_SIZE": "1", "TORCHELASTIC_RUN_ID": "r"}, PG("torchrun", None, 1, 0)),
+        # Kubeflow's PyTorchJob: torch's variables without torchrun's agent
+        ({"RANK": "1", "WORLD_SIZE": "2", "MASTER_ADDR": "h", "MASTER_PORT": "9"}, PG("torchrun", None, 2, 1)),
         (  # torchshard's own variables win over torchrun's
-            {**TWO_NODES, distributed.COORDINATOR_ENV: "h:1", distributed.NUM_PROCESSES_ENV: "2",
-             distributed.PROCESS_ID_ENV: "0"},
+            {
+                **TWO_NODES,
+                distributed.COORDINATOR_ENV: "h:1",
+                distributed.NUM_PROCESSES_ENV: "2",
+                distributed.PROCESS_ID_ENV: "0",
+            },
             distributed.ProcessGroup("environment", "h:1", 2, 0),
-        ),  # fmt: skip
+        ),
         ({"RANK": "0"}, distributed.ProcessGroup("single")),  # a stray RANK alone is no torchrun
     ],
 )

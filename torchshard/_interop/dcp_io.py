@@ -28,9 +28,8 @@ from torch.distributed.checkpoint.metadata import (
     TensorProperties,
     TensorStorageMetadata,
 )
-from torch.distributed.checkpoint.planner import LoadPlan, ReadItem, SavePlan, WriteItem, WriteItemType
+from torch.distributed.checkpoint.planner import LoadPlan, ReadItem, SavePlan, TensorWriteData, WriteItem, WriteItemType
 from torch.distributed.checkpoint.planner_helpers import create_read_items_for_chunk_list
-from torch.distributed.checkpoint.planner import TensorWriteData
 
 from torchshard._base.errors import CheckpointError
 from torchshard._ckpt.safetensors_files import DTYPES
@@ -149,8 +148,8 @@ class BoxReader:
         """The slice ``index`` of tensor ``name`` (its box read first if not held), in the stored dtype."""
         stored = self.tensors[name]
         if name not in self._held or not _inside(box_of([index], stored.shape), self.boxes[name]):
-            box = self.boxes.get(name)
-            box = box if box is not None and _inside(box_of([index], stored.shape), box) else box_of([index], stored.shape)
+            wanted, box = box_of([index], stored.shape), self.boxes.get(name)
+            box = box if box is not None and _inside(wanted, box) else wanted
             buffer = torch.empty(box[1], dtype=stored.torch_dtype)
             with warnings.catch_warnings():  # DCP warns on every load without a process group, no_dist or not
                 warnings.filterwarnings("ignore", "torch.distributed is disabled", UserWarning)
@@ -221,7 +220,7 @@ def _pack(value: Any) -> str:
 
 
 def _unpack(text: str) -> Any:
-    return pickle.loads(base64.b64decode(text))  # noqa: S301 - written by this run's own processes
+    return pickle.loads(base64.b64decode(text))
 
 
 def write_chunks(folder: pathlib.Path, chunks: Sequence[Chunk], *, rank: int, coordinator: bool) -> None:

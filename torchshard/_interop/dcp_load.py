@@ -1,4 +1,4 @@
-"""load_dcp: a torch.distributed.checkpoint folder (FSDP2, torchtitan, dcp.save) into shards, each process its slices."""
+"""load_dcp: a torch.distributed.checkpoint folder (FSDP2, torchtitan, dcp.save) into shards, per process its slices."""
 
 from __future__ import annotations
 
@@ -113,8 +113,10 @@ class _Optimizer:
         values = {float(reader.read(n, ())) for n in names}
         reader.release()
         if len(values) > 1:
-            raise CheckpointError(f"the checkpoint's AdamW steps differ between parameters ({sorted(values)}); "
-                                  f"optax keeps one count: load with strict=False for a fresh optimizer state")  # fmt: skip
+            raise CheckpointError(
+                f"the checkpoint's AdamW steps differ between parameters ({sorted(values)}); optax keeps one "
+                f"count: load with strict=False for a fresh optimizer state"
+            )
         return int(values.pop()) if values else None
 
     def state(self, reader: BoxReader, params: Mapping[str, jax.Array], dtypes: Mapping[str, torch.dtype]) -> Any:
@@ -135,14 +137,13 @@ class _Optimizer:
     def _array(self, reader: BoxReader, slot: Any, like: jax.Array, dtypes: Mapping[str, torch.dtype]) -> Any:
         field = dcp_names.OPTAX_FIELDS[slot.field]
         layers = self.layers(slot.param)
-        names = [self.entries.get((n, field)) for n in layers]
-        if any(n is None for n in names):
+        if any((n, field) not in self.entries for n in layers):
             return None  # strict=False: it keeps optimizer.init's values
-        build = _Build(reader, {n: s for n, s in zip(layers, names, strict=True)}, {n: dtypes[n] for n in layers})
-        indices = list(like.sharding.addressable_devices_indices_map(tuple(like.shape)).values())
+        names = {n: self.entries[(n, field)] for n in layers}
+        build = _Build(reader, names, {n: dtypes[n] for n in layers})  # type: ignore[arg-type]
+        indices: list[Any] = list(like.sharding.addressable_devices_indices_map(tuple(like.shape)).values())
         stacked = slot.param in self.dest.stacks
-        for name in names:
-            assert name is not None
+        for name in names.values():
             reader.boxes[name] = box_of([i[1:] for i in indices] if stacked else indices, tuple(like.shape[stacked:]))
         struct = jax.ShapeDtypeStruct(like.shape, like.dtype, sharding=like.sharding)
         if stacked:
@@ -159,8 +160,10 @@ def _log_skipped(entries: dcp_names.Entries, others: list[str], target: Target, 
                   root, (entries.loop + others)[:8])  # fmt: skip
 
 
-def _read(root: pathlib.Path, target: Target, dest: Destination, *, rename: Rename | None,
-          strict: bool) -> tuple[dict[str, jax.Array], _Optimizer | None, BoxReader, dict[str, str]]:  # fmt: skip
+_Read = tuple[dict[str, jax.Array], "_Optimizer | None", BoxReader, dict[str, torch.dtype]]
+
+
+def _read(root: pathlib.Path, target: Target, dest: Destination, *, rename: Rename | None, strict: bool) -> _Read:
     """Every check first (nothing read yet), then every destination array read (this process's slices)."""
     model, dtypes = model_of(target), torch_dtypes(target)
     expected = state_dict_names(model)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import os
 import pathlib
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterator
 from typing import Any
 
 import jax
@@ -41,7 +41,7 @@ def _owned(array: jax.Array, dtype: torch.dtype, name: str) -> Iterator[Chunk]:
     shape = tuple(array.shape)
     owner: dict[Any, int] = {}
     for device, index in array.sharding.devices_indices_map(shape).items():
-        owner.setdefault(normalized(index, shape), device.process_index)
+        owner.setdefault(normalized(index, shape), device.process_index)  # type: ignore[attr-defined]
     done = set()
     for shard in array.addressable_shards:
         key = normalized(shard.index, shape)
