@@ -172,9 +172,7 @@ def _report(size: int, runs: dict, ranks: dict, json_path: str | None) -> None:
     for name, run in (("dcp.load + shard", runs["dcp.load"]), ("load_dcp (meta + plan)", runs["load_dcp"])):
         print(f"| {name} | {run['rss'] / 1e6:.1f} | {run['rss'] / size:.2f} | {run['seconds']:.2f} |")
     print("\n2 processes × 4 devices: per process, of the checkpoint's tensor bytes")
-    print(
-        "| checkpoint | DCP chunk bytes read | bytes read from files (rchar) | added peak RSS (× model) | values equal |"
-    )
+    print("| checkpoint | DCP chunk bytes read | file bytes read (rchar) | added peak RSS (× model) | values equal |")
     print("|---|---|---|---|---|")
     for layout, rows in ranks.items():
         cells = [", ".join(f"{r[k] / size:.3f}" for r in rows) for k in ("requested", "rchar", "rss")]
