@@ -1,8 +1,9 @@
 """Loading a torch.distributed.checkpoint: ``load_dcp`` into a meta model against ``dcp.load`` + ``shard``.
 
-A Llama (0.94 GB of fp32 tensors; ``--tiny``: 0.4 MB) is saved two ways: ``single``, one chunk per
-tensor (``dcp.save(model.state_dict())`` from one rank), and ``sharded``, one chunk per device shard
-(``ts.save_dcp`` from 8 devices under FSDP, as an 8-rank FSDP2 save is laid out). Loaded onto 8
+A Llama (0.87 GB of fp32 tensors; ``--tiny``: 0.4 MB) is saved three ways: ``single``, one chunk per
+tensor (``dcp.save(model.state_dict())`` from one rank); ``sharded``, one chunk per device shard
+(``ts.save_dcp`` from 8 devices under FSDP: rows, as an 8-rank FSDP2 save is laid out); ``as_loaded``,
+``ts.save_dcp`` under the plan it is loaded onto. Loaded onto 8
 simulated devices with ``hf_rules`` (data=4 × model=2), each path in a fresh process (``--tiny``:
 both in one):
 
@@ -79,7 +80,7 @@ def _child(folder: str, how: str, tiny: bool) -> dict[str, float]:
     handler.emit = lambda record: read.append(record.getMessage())  # type: ignore[method-assign]
     logging.getLogger("torchshard").addHandler(handler)
     logging.getLogger("torchshard").setLevel(logging.INFO)
-    path = str(Path(folder, "sharded" if how == "bytes_sharded" else "single"))
+    path = str(Path(folder, {"bytes_sharded": "sharded", "bytes_as_loaded": "as_loaded"}.get(how, "single")))
     before, rchar, start = _start_peak(), _rchar(), time.perf_counter()
     if how == "dcp.load":
         model = transformers.LlamaForCausalLM(config)
@@ -122,6 +123,10 @@ def _save(folder: Path, tiny: bool) -> int:
     model = transformers.LlamaForCausalLM(_config(tiny))
     dcp.save(model.state_dict(), checkpoint_id=str(folder / "single"), no_dist=True)
     ts.save_dcp(folder / "sharded", ts.shard(model, ts.plan(model, ts.make_mesh({"data": 8}), ts.presets.fsdp())))
+    torch.manual_seed(0)
+    model = transformers.LlamaForCausalLM(_config(tiny))
+    plan = ts.plan(model, ts.make_mesh({"data": 4, "model": 2}), ts.presets.hf_rules(model, fsdp_min_size=1024))
+    ts.save_dcp(folder / "as_loaded", ts.shard(model, plan))
     return sum(t.numel() * t.element_size() for t in transformers.LlamaForCausalLM(_config(tiny)).state_dict().values())
 
 
@@ -157,9 +162,9 @@ def main() -> None:
                   for _ in range(args.repeats)]  # fmt: skip
         runs = {how: {k: statistics.median(r[how][k] for r in rounds) for k in ("rss", "seconds")} for how in paths}
         ranks = {}
-        for layout in ("single", "sharded"):
+        for layout in ("single", "sharded", "as_loaded"):
             launch = [sys.executable, "-m", "torchshard.launch", "--nproc", "2", "--cpu-devices-per-proc", "4"]
-            child = "bytes_sharded" if layout == "sharded" else "bytes"
+            child = "bytes" if layout == "single" else f"bytes_{layout}"
             _run([*launch, __file__, *tiny, "--child", child, "--dir", tmp])
             ranks[layout] = [json.loads(Path(tmp, f"{child}.rank{i}.json").read_text()) for i in range(2)]
     _report(size, runs, ranks, args.json)

@@ -160,6 +160,7 @@ def test_dcp_benchmark_runs(tmp_path):
     # a single-rank save is one chunk per tensor, and DCP reads whole chunks: all of it; a sharded save, less
     assert [r["requested"] / r["total"] for r in ranks["single"]] == [1.0, 1.0]
     assert all(r["requested"] < r["total"] for r in ranks["sharded"])
+    assert all(0.4 <= r["requested"] / r["total"] <= 0.6 for r in ranks["as_loaded"])  # its own half
 
 
 @pytest.mark.slow
