@@ -152,6 +152,30 @@ def test_a_trainer_round_trip_resumes_exactly(trained, tmp_path):
     assert_close(ts.to_torch_state_dict(resumed)["0.weight"], ts.to_torch_state_dict(trained)["0.weight"], tol=1e-6)
 
 
+@pytest.mark.slow
+def test_scanned_layers_round_trip_with_their_adamw_state(tmp_path):
+    """A Llama Trainer saves; a scan_layers Trainer (stacked params and AdamW state) resumes it, saves, and an
+    unscanned one resumes that: the same losses as the first Trainer going on."""
+    from models import tiny_llama
+
+    def trainer(**options):
+        model = tiny_llama(layers=2)
+        plan = ts.plan(model, ts.make_mesh({"data": 4, "model": 2}), ts.presets.hf_rules(model))
+        return ts.Trainer(model, lambda m, ids: m(input_ids=ids, labels=ids).loss, optax.adamw(1e-2), plan, **options)
+
+    g = torch.Generator().manual_seed(0)
+    data = [torch.randint(0, 128, (8, 12), generator=g) for _ in range(4)]
+    source = trainer()
+    source.step(data[0])
+    ts.save_dcp(tmp_path / "a", source)
+    scanned = ts.load_dcp(tmp_path / "a", trainer(scan_layers=True))
+    losses = [float(scanned.step(data[1])["loss"])]
+    ts.save_dcp(tmp_path / "b", scanned)
+    plain = ts.load_dcp(tmp_path / "b", trainer())
+    losses += [float(plain.step(b)["loss"]) for b in data[2:]]
+    assert_close(losses, [float(source.step(b)["loss"]) for b in data[1:]], tol=1e-5, what="resumed losses")
+
+
 @pytest.mark.parametrize("layout", ["top", "nested"])
 def test_plain_dcp_save_layouts_load_into_a_module(layout, tmp_path):
     source = _mlp()
