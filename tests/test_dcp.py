@@ -249,6 +249,26 @@ def test_optimizer_state_that_does_not_map_is_named(trained, tmp_path):
                                                ts.to_torch_state_dict(trained)["0.weight"])  # fmt: skip
 
 
+@pytest.mark.parametrize(
+    ("steps", "drop", "match"),
+    [
+        ([3, 3, 3, 2], None, r"AdamW steps differ between parameters \(\[2\.0, 3\.0\]\)"),
+        ([3, 3, 3, 3], "2.bias", r"missing optimizer state 2\.bias\.exp_avg \(4,\)"),
+    ],
+)
+def test_adamw_state_that_does_not_fit_optax(steps, drop, match, tmp_path):
+    model = _mlp().state_dict()
+    state = {n: {"exp_avg": torch.ones_like(t), "exp_avg_sq": torch.ones_like(t), "step": torch.tensor(float(s))}
+             for (n, t), s in zip(model.items(), steps, strict=True) if n != drop}  # fmt: skip
+    dcp.save({"model": model, "optimizer": {"state": state}}, checkpoint_id=tmp_path, no_dist=True)
+    trainer = _trainer()
+    with pytest.raises(CheckpointError, match=match):
+        ts.load_dcp(tmp_path, trainer)
+    assert trainer.step_count == 0
+    ts.load_dcp(tmp_path, trainer, strict=False)  # what maps: the count at the largest step, missing state fresh
+    assert trainer.step_count == 3 and float(trainer.state.opt_state[0].nu["0.weight"].sum()) == 32 * 16
+
+
 def test_not_a_dcp_checkpoint(placed, tmp_path):
     with pytest.raises(CheckpointError, match=r"is not a torch.distributed.checkpoint folder: it has no \.metadata"):
         ts.load_dcp(tmp_path, placed)

@@ -107,23 +107,29 @@ class _Optimizer:
                          for (param, _), n in self.entries.items() if param not in known]  # fmt: skip
         return problems
 
-    def step(self, reader: BoxReader) -> int | None:
-        """torch's ``step`` (the same for every parameter AdamW stepped), or None if the checkpoint has none."""
+    def step(self, reader: BoxReader, *, strict: bool) -> int | None:
+        """torch's ``step`` (the same for every parameter AdamW stepped), or None if the checkpoint has none.
+
+        Raises:
+            CheckpointError: the parameters' steps differ (optax keeps one count) and ``strict``.
+        """
         names = [n for (_, field), n in self.entries.items() if field == "step"]
         values = {float(reader.read(n, ())) for n in names}
         reader.release()
-        if len(values) > 1:
+        if len(values) > 1 and strict:
             raise CheckpointError(
                 f"the checkpoint's AdamW steps differ between parameters ({sorted(values)}); optax keeps one "
-                f"count: load with strict=False for a fresh optimizer state"
+                f"count: load with strict=False to start the count at the largest"
             )
-        return int(values.pop()) if values else None
+        return int(max(values)) if values else None
 
-    def state(self, reader: BoxReader, params: Mapping[str, jax.Array], dtypes: Mapping[str, torch.dtype]) -> Any:
-        """The optax state: mapped leaves from the checkpoint, the rest as ``optimizer.init`` makes them."""
+    def state(
+        self, reader: BoxReader, params: Mapping[str, jax.Array], dtypes: Mapping[str, torch.dtype], *, strict: bool
+    ) -> tuple[Any, int | None]:
+        """The optax state (mapped leaves from the checkpoint, the rest as ``optimizer.init`` makes them), and step."""
         shardings = self.trainer.state_shardings()
         fresh = jax.jit(self.trainer.optimizer.init, out_shardings=shardings.opt_state)(dict(params))
-        count = self.step(reader)
+        count = self.step(reader, strict=strict)
         leaves = {}
         for path, like in jax.tree_util.tree_leaves_with_path(fresh):
             slot = self.slots.get(jax.tree_util.keystr(path))
@@ -239,7 +245,8 @@ def load_dcp(
         _place(target, dest, arrays, plan)
     else:
         assert isinstance(target, Trainer)
-        opt_state, count = optimizer.state(reader, {k: arrays[k] for k in target.state.params}, dtypes)
+        params = {k: arrays[k] for k in target.state.params}
+        opt_state, count = optimizer.state(reader, params, dtypes, strict=strict)
         step = jax.device_put(np.int32(count or 0), target.state_shardings().step)
         load_trainer(target, arrays, {"opt_state": opt_state, "step": step, "rng": target.rng_key})
     _log.info("load_dcp: this process read boxes of %d of the checkpoint's %d tensor bytes from %s",
