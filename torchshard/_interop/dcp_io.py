@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import base64
 import dataclasses
+import itertools
 import pathlib
 import pickle
 import warnings
@@ -130,35 +131,82 @@ def _overlapping_bytes(md: Any, box: Box) -> int:
     return total
 
 
-class BoxReader:
-    """Reads this process's box of one tensor at a time through ``dcp.load``; serves slices of it.
+def _joined(a: Box, b: Box) -> Box | None:
+    """``a`` and ``b`` as one box when they are adjacent along one dim and equal along the others."""
+    differ = [d for d in range(len(a[0])) if (a[0][d], a[1][d]) != (b[0][d], b[1][d])]
+    if len(differ) != 1:
+        return None
+    d = differ[0]
+    first, second = (a, b) if a[0][d] < b[0][d] else (b, a)
+    if first[0][d] + first[1][d] != second[0][d]:
+        return None
+    sizes = tuple(first[1][i] + (second[1][i] if i == d else 0) for i in range(len(a[0])))
+    return first[0], sizes
 
-    ``boxes`` names the box of each stored tensor this process needs (`box_of` its devices' slices).
-    Implements what `load_safetensors`'s builder asks of a reader: ``tensors``, ``read``, ``release``.
+
+def _first_joinable(boxes: Sequence[Box]) -> tuple[int, int, Box] | None:
+    for i, j in itertools.combinations(range(len(boxes)), 2):
+        if (box := _joined(boxes[i], boxes[j])) is not None:
+            return i, j, box
+    return None
+
+
+def merged_boxes(indices: Sequence[tuple[slice, ...]], shape: tuple[int, ...]) -> list[Box]:
+    """The distinct slices joined into as few boxes as adjacency allows (a process's devices' slices).
+
+    Example:
+        >>> merged_boxes([(slice(0, 2),), (slice(2, 4),), (slice(6, 8),)], (8,))
+        [((6,), (2,)), ((0,), (4,))]
+    """
+    boxes = list(dict.fromkeys(box_of([index], shape) for index in indices))
+    while (pair := _first_joinable(boxes)) is not None:
+        i, j, box = pair
+        boxes = [b for k, b in enumerate(boxes) if k not in (i, j)] + [box]
+    return boxes
+
+
+class BoxReader:
+    """Reads this process's boxes of one tensor at a time through ``dcp.load``; serves slices of them.
+
+    `plan` says which boxes of a stored tensor this process needs: its devices' slices joined
+    where adjacent, or their bounding box when separate boxes would make DCP read the same stored
+    chunk twice (its reader reads a whole chunk per request). Implements what
+    `load_safetensors`'s builder asks of a reader: ``tensors``, ``read``, ``release``.
     """
 
     def __init__(self, root: pathlib.Path, metadata: Metadata, tensors: Mapping[str, Stored]) -> None:
         self.reader = _CachedReader(root, metadata)
         self.tensors = dict(tensors)
-        self.boxes: dict[str, Box] = {}
+        self.boxes: dict[str, list[Box]] = {}
         self.requested = 0
-        self._held: dict[str, torch.Tensor] = {}
+        self._held: dict[str, list[tuple[Box, torch.Tensor]]] = {}
+
+    def plan(self, name: str, indices: Sequence[tuple[slice, ...]]) -> None:
+        """Records the boxes of ``name`` to read for these slices (index tuples of the stored tensor)."""
+        shape, md = self.tensors[name].shape, self.reader.read_metadata().state_dict_metadata[name]
+        boxes, whole = merged_boxes(indices, shape), box_of(indices, shape)
+        separate = sum(_overlapping_bytes(md, b) for b in boxes)
+        self.boxes[name] = boxes if separate <= _overlapping_bytes(md, whole) else [whole]
+
+    def _box(self, name: str, wanted: Box) -> tuple[Box, torch.Tensor]:
+        """The held box holding ``wanted``, read first if needed (a box of the plan, else ``wanted`` itself)."""
+        held = next((h for h in self._held.get(name, []) if _inside(wanted, h[0])), None)
+        if held is not None:
+            return held
+        box = next((b for b in self.boxes.get(name, []) if _inside(wanted, b)), wanted)
+        buffer = torch.empty(box[1], dtype=self.tensors[name].torch_dtype)
+        with warnings.catch_warnings():  # DCP warns on every load without a process group, no_dist or not
+            warnings.filterwarnings("ignore", "torch.distributed is disabled", UserWarning)
+            dcp.load({}, storage_reader=self.reader, planner=_BoxPlanner({name: (box, buffer)}), no_dist=True)
+        self.requested += _overlapping_bytes(self.reader.read_metadata().state_dict_metadata[name], box)
+        self._held.setdefault(name, []).append((box, buffer))
+        return box, buffer
 
     def read(self, name: str, index: tuple[slice, ...]) -> torch.Tensor:
         """The slice ``index`` of tensor ``name`` (its box read first if not held), in the stored dtype."""
-        stored = self.tensors[name]
-        if name not in self._held or not _inside(box_of([index], stored.shape), self.boxes[name]):
-            wanted, box = box_of([index], stored.shape), self.boxes.get(name)
-            box = box if box is not None and _inside(wanted, box) else wanted
-            buffer = torch.empty(box[1], dtype=stored.torch_dtype)
-            with warnings.catch_warnings():  # DCP warns on every load without a process group, no_dist or not
-                warnings.filterwarnings("ignore", "torch.distributed is disabled", UserWarning)
-                dcp.load({}, storage_reader=self.reader, planner=_BoxPlanner({name: (box, buffer)}), no_dist=True)
-            self.requested += _overlapping_bytes(self.reader.read_metadata().state_dict_metadata[name], box)
-            self._held[name], self.boxes[name] = buffer, box
-        offsets = self.boxes[name][0]
-        part = self._held[name]
-        for dim, (s, size) in enumerate(zip(index, stored.shape, strict=False)):
+        shape = self.tensors[name].shape
+        (offsets, _), part = self._box(name, box_of([index], shape))
+        for dim, (s, size) in enumerate(zip(index, shape, strict=False)):
             start, stop, _ = s.indices(size)
             part = part.narrow(dim, start - offsets[dim], stop - start)
         return part

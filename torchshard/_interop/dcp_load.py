@@ -31,7 +31,7 @@ from torchshard._ckpt.restore import Destination, load_trainer
 from torchshard._ckpt.state import Target, model_of, torch_dtypes
 from torchshard._ckpt.stepdir import path_problems
 from torchshard._interop import dcp_names
-from torchshard._interop.dcp_io import BoxReader, box_of, read_metadata, stored_tensors
+from torchshard._interop.dcp_io import BoxReader, read_metadata, stored_tensors
 from torchshard._sharding.plan import ShardingPlan
 from torchshard._train.trainer import Trainer
 
@@ -58,18 +58,16 @@ def _sources(entries: list[str], expected: list[str], rename: Rename | None) -> 
     return {model: stripped[name] for model, name in found.items()}, problems
 
 
-def _boxes(dest: Destination, chosen: Mapping[str, str], sources: Mapping[str, str]) -> dict[str, Any]:
-    """Stored name → the box of it this process's devices need (a scanned stack: each layer's)."""
-    boxes = {}
+def _plan_reads(reader: BoxReader, dest: Destination, chosen: Mapping[str, str], sources: Mapping[str, str]) -> None:
+    """Tells ``reader`` the slices of each stored tensor this process's devices hold (a scanned stack: per layer)."""
     for key, like in dest.arrays.items():
-        indices = list(like.sharding.addressable_devices_indices_map(tuple(like.shape)).values())
+        indices: list[Any] = list(like.sharding.addressable_devices_indices_map(tuple(like.shape)).values())
         layers = dest.stacks.get(key)
         if layers is None and key in chosen:
-            boxes[sources[chosen[key]]] = box_of(indices, tuple(like.shape))
+            reader.plan(sources[chosen[key]], indices)
         for name in layers or ():
             if name in chosen:
-                boxes[sources[chosen[name]]] = box_of([i[1:] for i in indices], tuple(like.shape[1:]))
-    return boxes
+                reader.plan(sources[chosen[name]], [i[1:] for i in indices])
 
 
 class _Optimizer:
@@ -150,7 +148,7 @@ class _Optimizer:
         indices: list[Any] = list(like.sharding.addressable_devices_indices_map(tuple(like.shape)).values())
         stacked = slot.param in self.dest.stacks
         for name in names.values():
-            reader.boxes[name] = box_of([i[1:] for i in indices] if stacked else indices, tuple(like.shape[stacked:]))
+            reader.plan(name, [i[1:] for i in indices] if stacked else indices)
         struct = jax.ShapeDtypeStruct(like.shape, like.dtype, sharding=like.sharding)
         if stacked:
             return build.stacked(struct, layers, layers[0], None)
@@ -185,7 +183,7 @@ def _read(root: pathlib.Path, target: Target, dest: Destination, *, rename: Rena
     raise_if_any(problems + found, header=f"{header}; pass rename= for other names, or strict=False to load what "
                  f"fits", error=CheckpointError)  # fmt: skip
     _log_skipped(entries, [n for n in metadata.state_dict_metadata if n not in reader.tensors], target, root)
-    reader.boxes = _boxes(dest, chosen, sources)
+    _plan_reads(reader, dest, chosen, sources)
     build = _Build(reader, sources, dtypes)  # type: ignore[arg-type]
     arrays = _arrays(target, dest, chosen, build)
     raise_if_any(build.problems, header="checkpoint values JAX cannot hold")
