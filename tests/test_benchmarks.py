@@ -151,6 +151,19 @@ def test_pretrained_benchmark_runs(tmp_path):
 
 
 @pytest.mark.slow
+def test_dcp_benchmark_runs(tmp_path):
+    out = tmp_path / "dcp.json"
+    stdout = run_benchmark("dcp.py", "--tiny", "--repeats", "1", "--json", str(out))
+    assert "| dcp.load + shard |" in stdout and "| load_dcp (meta + plan) |" in stdout
+    ranks = json.loads(out.read_text())["ranks"]
+    assert all(r["equal"] == 1.0 for layout in ranks.values() for r in layout)  # gathered: the saved values
+    # a single-rank save is one chunk per tensor, and DCP reads whole chunks: all of it; a sharded save, less
+    assert [r["requested"] / r["total"] for r in ranks["single"]] == [1.0, 1.0]
+    assert all(r["requested"] < r["total"] for r in ranks["sharded"])
+    assert all(0.4 <= r["requested"] / r["total"] <= 0.6 for r in ranks["as_loaded"])  # its own half
+
+
+@pytest.mark.slow
 def test_checkpoint_benchmark_runs(tmp_path):
     out = tmp_path / "checkpoint.json"
     stdout = run_benchmark("checkpoint.py", "--tiny", "--dir", str(tmp_path), "--json", str(out))

@@ -77,6 +77,16 @@ def _trainers() -> dict[str, Any]:
     return {"ts": ts, "trainer": first, "other_trainer": trainer({"data": 4, "model": 2})}
 
 
+def _dcp() -> dict[str, Any]:
+    ns = _trainers()
+    return {**ns, "torch_model": torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.ReLU(), torch.nn.Linear(32, 4))}
+
+
+def _after_dcp(ns: dict[str, Any]) -> None:
+    state = ts.to_torch_state_dict(ns["trainer"])
+    assert all(torch.equal(ns["plain"]["model"][k], v) for k, v in state.items()) and ns["trainer"].step_count == 1
+
+
 def _hf_config() -> dict[str, Any]:
     import transformers
 
@@ -130,6 +140,7 @@ SETUPS: dict[str, Callable[[], dict[str, Any]]] = {
     "context": _context,
     "hf_llama": _hf_llama,
     "trainers": _trainers,
+    "dcp": _dcp,
     "trainer_loop": _trainers,
     "trainer_data": _trainers,
     "hf_config": _hf_config,
@@ -158,6 +169,7 @@ def _after_data(ns: dict[str, Any]) -> None:
 THEN: dict[str, Callable[[dict[str, Any]], None]] = {
     "hf_llama": lambda ns: ns["trainer"].step(ns["ids"]),  # bf16, remat and scan, from a default config
     "trainers": _after_checkpoints,
+    "dcp": _after_dcp,
     "trainer_loop": _after_loop,
     "trainer_data": _after_data,
     "hf_llama_stack": lambda ns: ns["trainer"].step(_ids().repeat(2, 1)),  # 16 rows: 8 micro-batches × data 2

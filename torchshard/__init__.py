@@ -7,6 +7,8 @@ from torchshard._ckpt.checkpoint import load, save
 from torchshard._ckpt.stepdir import checkpoint_steps
 from torchshard._generate.generate import generate
 from torchshard._interop.adapters import save_adapters
+from torchshard._interop.dcp_load import load_dcp
+from torchshard._interop.dcp_save import save_dcp
 from torchshard._interop.export import from_torch_state_dict, to_torch_state_dict
 from torchshard._interop.pretrained import load_safetensors
 from torchshard._interop.safetensors import save_safetensors
@@ -57,6 +59,7 @@ __all__ = [
     "generate",
     "init_sharded",
     "load",
+    "load_dcp",
     "load_safetensors",
     "make_mesh",
     "plan",
@@ -64,6 +67,7 @@ __all__ = [
     "presets",
     "save",
     "save_adapters",
+    "save_dcp",
     "save_safetensors",
     "shard",
     "shard_batch",

@@ -12,6 +12,7 @@ import jax
 
 from torchshard._base.errors import ShardingError, raise_if_any
 from torchshard._bridge.env import backend_started
+from torchshard._multihost import torchrun
 from torchshard._sharding.mesh import use_cpu_devices
 
 logger = logging.getLogger(__name__)
@@ -22,7 +23,7 @@ PROCESS_ID_ENV = "TORCHSHARD_PROCESS_ID"
 CPU_DEVICES_ENV = "TORCHSHARD_CPU_DEVICES"
 CLUSTER_ENV = "TORCHSHARD_CLUSTER"  # "auto": always defer to JAX's detection (GCE TPU VMs, Kubernetes...)
 
-Source = Literal["arguments", "environment", "cluster", "single"]
+Source = Literal["arguments", "environment", "torchrun", "cluster", "single"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -35,6 +36,7 @@ class ProcessGroup:
     process_id: int | None = None
     cpu_devices_per_process: int | None = None
     cluster: str | None = None
+    local_device_ids: tuple[int, ...] | None = None
 
 
 def _count(environ: Mapping[str, str], name: str) -> int:
@@ -136,8 +138,9 @@ def resolve(
     """Decides how `initialize` sets this process up, without touching JAX.
 
     Each field comes from its argument, else from its ``TORCHSHARD_*`` variable (set by
-    ``python -m torchshard.launch``); with none of them, a detected cluster defers to JAX's
-    own auto-detection; otherwise this is a single process.
+    ``python -m torchshard.launch``); with none of them, torchrun's variables (``RANK``,
+    ``WORLD_SIZE``...: the coordinator is agreed on when joining); else a detected cluster defers
+    to JAX's own auto-detection; otherwise this is a single process.
 
     Args:
         coordinator_address: ``host:port`` of process 0's coordinator service.
@@ -151,6 +154,7 @@ def resolve(
 
     Raises:
         ShardingError: a partial or invalid setup (every problem at once, each with its fix).
+        ArgumentError: an inconsistent torchrun environment (the variables named).
 
     Examples:
         >>> resolve("10.0.0.1:1234", 2, 1, environ={}).source
@@ -171,12 +175,24 @@ def resolve(
         source: Source = "arguments" if any(explicit[k] is not None for k in _CORE) else "environment"
         return ProcessGroup(source, **fields)
     raise_if_any(problems, header="cannot set up the process group")
+    if torchrun.is_torchrun(environ):
+        return _torchrun_group(torchrun.parse(environ), fields["cpu_devices_per_process"])
     cluster = detect_cluster(environ)
     return ProcessGroup(
         "single" if cluster is None else "cluster",
         cpu_devices_per_process=fields["cpu_devices_per_process"],
         cluster=cluster,
     )
+
+
+def _torchrun_group(env: torchrun.TorchrunEnv, cpu_devices: int | None) -> ProcessGroup:
+    """torchrun's worker: process ``RANK`` of ``WORLD_SIZE``; the coordinator is agreed on when joining.
+
+    With several processes per node and real accelerators, each takes the one at its ``LOCAL_RANK``
+    (torchrun's one-process-per-GPU convention); simulated CPU devices are each process's own.
+    """
+    local = (env.local_rank,) if env.local_world_size > 1 and cpu_devices is None else None
+    return ProcessGroup("torchrun", None, env.world_size, env.rank, cpu_devices, local_device_ids=local)
 
 
 def _configure_runtime(cpu_devices_per_process: int | None) -> None:
@@ -194,6 +210,11 @@ def _connect(group: ProcessGroup) -> None:
     elif group.source == "cluster":
         logger.info("torchshard: initialising jax.distributed from the %s environment", group.cluster)
         jax.distributed.initialize()
+    elif group.source == "torchrun" and group.num_processes != 1:
+        logger.info("torchshard: torchrun process %s of %s, coordinator %s", group.process_id,
+                    group.num_processes, group.coordinator_address)  # fmt: skip
+        jax.distributed.initialize(group.coordinator_address, group.num_processes, group.process_id,
+                                   local_device_ids=group.local_device_ids)  # fmt: skip
     elif group.source != "single" and (group.num_processes != 1 or group.coordinator_address is not None):
         logger.info("torchshard: process %s of %s", group.process_id, group.num_processes)
         jax.distributed.initialize(group.coordinator_address, group.num_processes, group.process_id)
@@ -214,7 +235,10 @@ def initialize(
     Call it first thing, before anything touches JAX devices. The setup comes from, in order:
     the arguments; the ``TORCHSHARD_COORDINATOR`` / ``TORCHSHARD_NUM_PROCESSES`` /
     ``TORCHSHARD_PROCESS_ID`` / ``TORCHSHARD_CPU_DEVICES`` variables that
-    ``python -m torchshard.launch`` sets; a SLURM ``srun`` step, ``mpirun`` or GKE TPU pod with
+    ``python -m torchshard.launch`` sets; torchrun's ``RANK`` / ``WORLD_SIZE`` / ``LOCAL_RANK`` /
+    ``LOCAL_WORLD_SIZE`` / ``MASTER_ADDR`` / ``MASTER_PORT`` (``srun torchrun`` included: torchrun's
+    variables win over SLURM's), with process 0's coordinator on ``MASTER_ADDR`` at a port agreed
+    through torchrun's store; a SLURM ``srun`` step, ``mpirun`` or GKE TPU pod with
     several processes, or ``TORCHSHARD_CLUSTER=auto`` (JAX's own ``jax.distributed.initialize()``
     auto-detection). Otherwise nothing happens. On CPU, cross-process collectives use gloo.
     Calling it again with the same setup is a no-op.
@@ -231,6 +255,8 @@ def initialize(
     Raises:
         ShardingError: a partial or invalid setup, JAX already started, or a second call with a
             different setup.
+        ArgumentError: an inconsistent torchrun environment (``RANK`` ≥ ``WORLD_SIZE``, a
+            ``LOCAL_WORLD_SIZE`` that does not divide it...), each variable named.
 
     Examples:
         >>> from torchshard import distributed
@@ -248,12 +274,16 @@ def initialize(
             "thing in your program, before jax.devices(), any jax array, torchax tensor or model placement."
         )
     _configure_runtime(group.cpu_devices_per_process)
+    if group.source == "torchrun" and group.num_processes != 1 and not jax.distributed.is_initialized():
+        group = dataclasses.replace(group, coordinator_address=torchrun.coordinator_address(torchrun.parse(os.environ)))
     _connect(group)
     _current = group
     return group
 
 
 def _check_same(current: ProcessGroup, group: ProcessGroup) -> None:
+    if group.source == "torchrun":  # the coordinator was agreed on when joining
+        group = dataclasses.replace(group, coordinator_address=current.coordinator_address)
     if dataclasses.replace(group, source=current.source) != current:
         raise ShardingError(
             f"torchshard.distributed.initialize() was already called with {current}; it cannot change to "
