@@ -9,8 +9,11 @@ import pytest
 
 PACKAGE = pathlib.Path(__file__).resolve().parent.parent / "torchshard"
 # top to bottom: a layer may import the layers below it, never one above; public faces sit on top
-LAYERS = ("_report", "_ckpt", "_train", "_parallel", "_multihost", "_spmd", "_presets", "_sharding", "_bridge", "_base")
-PUBLIC_FACES = ("__init__", "__main__", "launch", "presets", "collectives", "distributed", "inspect")
+LAYERS = (
+    *("_report", "_ckpt", "_train", "_hlo", "_parallel", "_multihost"),
+    *("_spmd", "_presets", "_sharding", "_bridge", "_base"),
+)
+PUBLIC_FACES = ("__init__", "__main__", "launch", "presets", "collectives", "distributed", "inspect", "track")
 
 
 def _module_name(path: pathlib.Path) -> str:

@@ -17,16 +17,16 @@ import torch
 
 from torchshard._base.errors import ShardingError
 from torchshard._base.format import fmt_bytes
+from torchshard._hlo.costs import StepCosts, step_costs
+from torchshard._hlo.hardware import Hardware, hardware
+from torchshard._hlo.hlo import axes_of
+from torchshard._hlo.memory import CompiledMemory
 from torchshard._parallel.context import ContextParallel
 from torchshard._parallel.pipeline import Pipeline
 from torchshard._presets.hf import hf_rules
 from torchshard._presets.tables import common_tensor_parallel, fsdp
-from torchshard._report.compiled import CompiledMemory
-from torchshard._report.costs import StepCosts, step_costs
 from torchshard._report.estimate import estimate
 from torchshard._report.fit import lm_loss, simulated_devices
-from torchshard._report.hardware import Hardware, hardware
-from torchshard._report.hlo import axes_of
 from torchshard._report.memory import training_memory
 from torchshard._report.space import Layout, ModelDims, analytic_seconds, layouts
 from torchshard._sharding.mesh import make_mesh

@@ -1,7 +1,7 @@
 """Memory-efficient attention: tiles of queries and keys, online softmax, a backward that recomputes each tile.
 
 The (query block, key tile) pairs a causal mask leaves visible are folded one at a time in a
-``lax.scan`` (its ``known_trip_count`` weighs it in `torchshard._report.costs`): those it cuts are
+``lax.scan`` (its ``known_trip_count`` weighs it in `torchshard._hlo.costs`): those it cuts are
 masked, those it hides are never visited. The custom VJP keeps only q, k, v, the output and the
 per-row log-sum-exp (f32) for the backward, which recomputes each tile's scores, so no
 ``s × t`` score matrix is ever saved: a remat policy such as ``dots_saveable`` sees no scores to
@@ -22,7 +22,7 @@ Stats = tuple[jax.Array, jax.Array, jax.Array]  # running max, running sum, runn
 Grads = tuple[jax.Array, jax.Array, jax.Array, jax.Array | None]  # dq, dk, dv, dbias (f32)
 Index = jax.Array | int
 # the name scope of one tile's work: what its instructions pass among themselves a fused kernel keeps on
-# chip, which `torchshard._report.costs` counts apart from the memory traffic
+# chip, which `torchshard._hlo.costs` counts apart from the memory traffic
 TILE_SCOPE = "attention_tile"
 
 
