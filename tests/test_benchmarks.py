@@ -174,3 +174,13 @@ def test_attention_benchmark_runs():
     assert float(memory["tiled (flash)", "none"][3]) == expected_flops
     speed = [r for r in rows if r[0].startswith("[")]
     assert [r[0] for r in speed] == ["[2, 4, 128, 16]", "[1, 4, 512, 16]"] and all(float(r[3]) > 0 for r in speed)
+
+
+@pytest.mark.slow
+def test_metrics_benchmark_runs():
+    stdout = run_benchmark("metrics.py", "--rounds", "2", "--steps", "10", "--layers", "1", "--seq", "64")
+    cells = {row[0]: row[1:] for row in (line.split("|")[1:-1] for line in stdout.splitlines() if "| " in line)}
+    cells = {name.strip(): [c.strip() for c in rest] for name, rest in cells.items()}
+    assert 0.95 <= float(cells["HLO: model_flops_per_step × 8"][1]) <= 1.05  # the benchmark checks it as well
+    assert float(cells["HLO: flops_per_step × 8"][1]) > float(cells["HLO: model_flops_per_step × 8"][1])
+    assert cells["rows written"] == ["2"]  # steps 10 and 20 of the logged Trainer's rounds (after 3 warm-up steps)

@@ -7,7 +7,7 @@ import math
 import re
 from collections.abc import Iterator
 
-from torchshard._bridge.ops.flash import TILE_SCOPE
+from torchshard._bridge.ops.flash import RECOMPUTE_SCOPE, TILE_SCOPE
 from torchshard._hlo.hlo import _BITS, Collective, parse_hlo
 
 _HEADER = re.compile(r"^(?P<entry>ENTRY\s+)?%?(?P<name>[\w.\-]+)\s*\((?P<params>.*)\)\s*->.*\{\s*$")
@@ -23,8 +23,8 @@ _TRIP = re.compile(r'"known_trip_count":\{"n":"(\d+)"\}')
 _COMMENT = re.compile(r"/\*.*?\*/")  # /*index=5*/ between operands
 _OP_NAME = re.compile(r'op_name="([^"]*)"')
 _CONTRACTING = re.compile(r"lhs_contracting_dims=\{([\d,]*)\}")
-# the name scope jax.checkpoint gives the forward it recomputes in the backward
-REMATTED = "rematted_computation"
+# name scopes of recomputed forwards: jax.checkpoint's (remat=), and the tiled attention's backward scores
+RECOMPUTED = frozenset({"rematted_computation", RECOMPUTE_SCOPE})
 _FREE = frozenset({"parameter", "constant", "get-tuple-element", "tuple", "bitcast", "while", "call", "conditional",
                    "after-all", "partition-id", "replica-id", "opt-barrier"})  # fmt: skip
 # computations run as part of their caller's instruction: their insides move no memory of their own
@@ -43,9 +43,10 @@ class StepCosts:
         tile_bytes: bytes the attention kernels' tiles (``TILE_SCOPE``) pass between their own
             instructions: XLA writes them to memory, a fused flash kernel keeps them on chip; not
             in ``bytes_accessed``, which has only what crosses a tile's boundary.
-        recompute_flops: the part of ``flops`` that recomputes a checkpointed forward in the
-            backward (matmuls JAX names ``rematted_computation``): ``flops - recompute_flops`` is
-            the step as if nothing were rematerialised, the model FLOPs MFU is measured with.
+        recompute_flops: the part of ``flops`` that recomputes forward work in the backward: a
+            checkpointed module's forward (JAX's ``rematted_computation`` scope) and the tiled
+            attention's scores (``RECOMPUTE_SCOPE``); ``flops - recompute_flops`` is the step as if
+            nothing were rematerialised, the model FLOPs MFU is measured with.
     """
 
     flops: float
@@ -180,7 +181,7 @@ def step_costs(text: str) -> StepCosts:
 
 def _recomputed(line: str) -> bool:
     m = _OP_NAME.search(line)
-    return m is not None and REMATTED in m.group(1).split("/")
+    return m is not None and not RECOMPUTED.isdisjoint(m.group(1).split("/"))
 
 
 def _traffic(comps: dict[str, _Computation], comp: _Computation) -> tuple[int, int]:

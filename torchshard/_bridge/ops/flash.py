@@ -24,6 +24,8 @@ Index = jax.Array | int
 # the name scope of one tile's work: what its instructions pass among themselves a fused kernel keeps on
 # chip, which `torchshard._hlo.costs` counts apart from the memory traffic
 TILE_SCOPE = "attention_tile"
+# the name scope of the scores the backward recomputes: rematerialised work, counted once in MFU
+RECOMPUTE_SCOPE = "recomputed_scores"
 
 
 def tile_size(length: int) -> int:
@@ -168,7 +170,9 @@ def _unfold(tiling: Tiling, masked: bool, tensors: tuple, grads: Grads, i: Index
     dq, dk, dv, dbias = grads
     rows, cols = (i * tiling.rows, tiling.rows, 3), (j * tiling.keys, tiling.keys, 2)
     qi, doi, kj, vj = _slice(q, *rows), _slice(do, *rows), _slice(k, *cols), _slice(v, *cols)
-    p = jnp.exp(_scores(tiling, masked, i, j, qi, kj, mask, bias) - _slice(lse, *rows)[..., None])
+    with jax.named_scope(RECOMPUTE_SCOPE):
+        s = _scores(tiling, masked, i, j, qi, kj, mask, bias)
+    p = jnp.exp(s - _slice(lse, *rows)[..., None])
     dp = jnp.einsum("bkgqh,bksh->bkgqs", doi, vj, preferred_element_type=jnp.float32)
     ds = p * (dp - _slice(delta, *rows)[..., None])
     f32 = jnp.float32
