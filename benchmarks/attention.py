@@ -5,7 +5,7 @@
 
 Memory: the compiled fwd+bwd of one causal attention (bf16, GQA), plain and under
 ``jax.checkpoint(policy=dots_saveable)``: ``memory_analysis()`` temp bytes (nothing is allocated)
-and the FLOPs and bytes accessed `torchshard._report.costs.step_costs` reads from its HLO (loops
+and the FLOPs and bytes accessed `torchshard._hlo.costs.step_costs` reads from its HLO (loops
 weighted by their trip counts; what the tiles pass among their own instructions apart), beside
 the FLOPs the tiling implies (7 dots per visible tile pair: 2 forward, 5 backward). Speed: median
 fwd+bwd time of interleaved rounds, causal, f32, on CPU.
@@ -22,7 +22,7 @@ import jax.numpy as jnp
 
 from torchshard._bridge.ops import flash
 from torchshard._bridge.ops.attention import _grouped, attention_jax
-from torchshard._report.costs import step_costs
+from torchshard._hlo.costs import step_costs
 
 
 def materialised(query, key, value, attn_mask, is_causal, scale):

@@ -16,7 +16,11 @@ splits each sequence over N devices (context parallelism over ``data × context 
 Everything a run writes lands in ``--out``: ``config.json`` (the settings that shape the run),
 ``metrics.jsonl`` (one JSON object per step: step, loss, tokens_per_s, lr, grad_norm, and
 val_loss every ``--val-every`` steps), ``loss.png``, ``checkpoints/step_*`` and ``sample.txt``
-(text the trained model generates from ``--prompt``). The batch of step ``s`` is a pure
+(text the trained model generates from ``--prompt``). Tokens per second (and MFU, where the
+device has a known peak) come from the Trainer's own run metrics (``log_every=1``) through a
+tracker of the script's own, which also feeds the progress bar; ``--tensorboard DIR`` sends them
+to TensorBoard as well, and ``--profile`` writes a ``jax.profiler`` trace of steps 10-12 (the
+last steps of a shorter run, never its first, compiling one) to ``--out``/profile. The batch of step ``s`` is a pure
 function of ``(seed, s)``, so ``--resume`` continues from the latest checkpoint with the batches
 an uninterrupted run would have seen, and its losses are the uninterrupted run's.
 
@@ -25,11 +29,13 @@ Run::
     python examples/train_lm.py --steps 60 --out /tmp/train_lm            # 3.3M parameters, 32 × 128 bytes a step
     python examples/train_lm.py --steps 100 --out /tmp/train_lm --resume  # continue the same run to step 100
     python examples/train_lm.py --steps 60 --out /tmp/train_cp --context 2  # each sequence over 2 devices
+    python examples/train_lm.py --steps 60 --out /tmp/train_tb --tensorboard /tmp/train_tb/tb --profile
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import pathlib
@@ -326,6 +332,8 @@ def build_parser() -> argparse.ArgumentParser:
         default=1,
         help="split each sequence over N devices (context parallelism: data × context × model); default 1",
     )
+    run.add_argument("--tensorboard", metavar="DIR", type=pathlib.Path, help="also log the metrics to TensorBoard")
+    run.add_argument("--profile", action="store_true", help="trace steps 10-12 with jax.profiler into --out/profile")
     run.add_argument("--prompt", metavar="TEXT", default="def ", help="text the sample starts from (default: 'def ')")
     run.add_argument(
         "--temperature",
@@ -444,30 +452,55 @@ def evaluate(trainer: ts.Trainer, batches: list[Batch]) -> float:
     return float(np.mean([float(trainer.evaluate(b)["loss"]) for b in batches]))  # float(): one batch in flight
 
 
-def train(trainer: ts.Trainer, corpus: Corpus, cfg: dict[str, Any], args: argparse.Namespace, metrics: Metrics) -> None:
-    """Steps ``trainer`` to ``args.steps``, logging every step, validating and checkpointing as asked."""
+class Latest:
+    """A tracker of the script's own (``log`` and ``close``, as ``ts.track.Tracker``): the Trainer's latest metrics."""
+
+    def __init__(self) -> None:
+        self.metrics: dict[str, float] = {}
+
+    def log(self, step: int, metrics: dict[str, float]) -> None:
+        self.metrics = dict(metrics)
+
+    def close(self) -> None:
+        pass
+
+
+def profiled_steps(start: int, steps: int) -> range:
+    """Steps 10-12, or the last three of a shorter run, never the first step of this process (it compiles)."""
+    first = max(start + 2, min(10, steps - 2))
+    return range(first, min(first + 3, steps + 1))
+
+
+def train(
+    trainer: ts.Trainer, corpus: Corpus, cfg: dict[str, Any], args: argparse.Namespace, metrics: Metrics, latest: Latest
+) -> None:
+    """Steps ``trainer`` to ``args.steps``, logging every step, validating, checkpointing and profiling as asked."""
     start, schedule = trainer.step_count, jax.jit(lr_schedule(cfg))  # one compile, not one per jnp op
     held_out = val_batches(corpus, args.val_batches, seed=cfg["seed"], batch=cfg["batch"], seq=cfg["seq"])
-    with tqdm(total=args.steps, initial=start, desc="train", unit="step", dynamic_ncols=True) as bar:
+    profiled = profiled_steps(start, args.steps) if args.profile else range(0)
+    with (
+        tqdm(total=args.steps, initial=start, desc="train", unit="step", dynamic_ncols=True) as bar,
+        contextlib.ExitStack() as profiling,
+    ):
         for step in range(start + 1, args.steps + 1):
+            if step == profiled.start:
+                profiling.enter_context(trainer.profile(args.out / "profile"))
             batch = train_batch(corpus, step, seed=cfg["seed"], batch=cfg["batch"], seq=cfg["seq"])
-            began = time.perf_counter()
-            out = trainer.step(batch)
-            loss = float(out["loss"])  # waits for the step, so the time below is the step's
-            elapsed = time.perf_counter() - began
-            row = {
-                "step": step,
-                "loss": loss,
-                "tokens_per_s": cfg["batch"] * cfg["seq"] / elapsed,
-                "lr": float(schedule(step - 1)),
-                "grad_norm": float(out["grad_norm"]),
-            }
+            out = trainer.step(batch)  # log_every=1: the Trainer waits for it and logs its metrics to `latest`
+            row = {"step": step, "loss": float(out["loss"]), "tokens_per_s": latest.metrics["tokens_per_s"],
+                   "lr": float(schedule(step - 1)), "grad_norm": float(out["grad_norm"])}  # fmt: skip
+            if "mfu" in latest.metrics:
+                row["mfu"] = latest.metrics["mfu"]
+            if step == profiled.stop - 1:
+                profiling.close()
             if step % args.val_every == 0 or step == args.steps:
                 row["val_loss"] = evaluate(trainer, held_out)
+                trainer.log({"val_loss": row["val_loss"]})  # to the trackers (TensorBoard) too
             metrics.write(row)
             if step % args.ckpt_every == 0 or step == args.steps:
                 ts.save(args.out / "checkpoints", trainer, keep_last=args.keep_last)
-            bar.set_postfix({k: f"{row[k]:.4g}" for k in ("loss", "val_loss", "tokens_per_s") if k in row})
+            shown = {"loss": "{:.4g}", "val_loss": "{:.4g}", "tokens_per_s": "{:,.0f}", "mfu": "{:.1%}"}
+            bar.set_postfix({k.replace("_per_s", "/s"): form.format(row[k]) for k, form in shown.items() if k in row})
             bar.update()
 
 
@@ -547,7 +580,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     params = sum(p.numel() for p in model.parameters())
     print(f"model: {params / 1e6:.2f}M parameters; {plan!r}", flush=True)
     split = {"context": ts.ContextParallel(), "batch_spec": ("data", "context")} if args.context > 1 else {}
-    trainer = ts.Trainer(model, loss_fn, optimizer(cfg), plan, seed=cfg["seed"], **split)
+    latest = Latest()
+    trackers = [latest, *([ts.track.TensorBoard(args.tensorboard)] if args.tensorboard else [])]
+    trainer = ts.Trainer(
+        model, loss_fn, optimizer(cfg), plan, seed=cfg["seed"], log_every=1, trackers=trackers, **split
+    )
     if args.resume:
         ts.load(args.out / "checkpoints", trainer)  # the latest complete step, optimizer state and RNG key too
         print(f"resumed at step {trainer.step_count}", flush=True)
@@ -555,9 +592,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     metrics = Metrics(args.out / "metrics.jsonl", keep_through=trainer.step_count)
     began = time.perf_counter()
     try:
-        train(trainer, corpus, cfg, args, metrics)
+        train(trainer, corpus, cfg, args, metrics, latest)
     finally:
         metrics.close()
+        trainer.close()
     rows = metrics.rows()
     plot(rows, args.out / "loss.png")
     if rows:

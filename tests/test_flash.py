@@ -123,7 +123,7 @@ def test_no_remat_policy_saves_the_scores(attend, policy):
 
 def test_costs_count_what_tiles_pass_among_themselves_apart():
     """A fused flash kernel keeps a tile's scores on chip: the estimate counts them apart from the memory traffic."""
-    from torchshard._report.costs import step_costs
+    from torchshard._hlo.costs import step_costs
 
     seq, tile = 1024, flash.tile_size(1024)
     q = jax.ShapeDtypeStruct((1, 4, seq, 16), jnp.float32)

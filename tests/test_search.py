@@ -14,9 +14,9 @@ from models import tiny_llama
 import torchshard as ts
 from torchshard.__main__ import main
 from torchshard._base.errors import ArgumentError, ShardingError
-from torchshard._report.costs import StepCosts, step_costs
-from torchshard._report.hardware import hardware, load_profiles
-from torchshard._report.hlo import Collective
+from torchshard._hlo.costs import StepCosts, step_costs
+from torchshard._hlo.hardware import hardware, load_profiles
+from torchshard._hlo.hlo import Collective
 from torchshard._search.estimate import crosses_hosts, estimate, moved_bytes
 from torchshard._search.search import FAST_COMPILE, Problem, _options, _plan, at_depth, compile_layout, measure
 from torchshard._search.space import ModelDims, SearchLayout, layouts

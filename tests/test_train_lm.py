@@ -7,6 +7,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
 import torchshard as ts
 
@@ -46,7 +47,9 @@ def _usage_error(train_lm, capsys, args: list[str]) -> str:
 def test_train_lm_writes_its_outputs_and_resumes_with_the_same_losses(tmp_path, train_lm, capsys):
     stopped, whole = tmp_path / "stopped", tmp_path / "whole"
     # the interrupted run is given the uninterrupted run's schedule length
-    out = _run(train_lm, capsys, "--steps", "3", "--decay-steps", "5", "--out", str(stopped))
+    tb = tmp_path / "tb"
+    out = _run(train_lm, capsys, "--steps", "3", "--decay-steps", "5", "--out", str(stopped), "--tensorboard", str(tb),
+               "--profile")  # fmt: skip
     _run(train_lm, capsys, "--steps", "5", "--out", str(whole))
 
     rows = _metrics(stopped)
@@ -54,6 +57,12 @@ def test_train_lm_writes_its_outputs_and_resumes_with_the_same_losses(tmp_path, 
     assert {"step", "loss", "tokens_per_s", "lr", "grad_norm"} <= set(rows[0]) and "val_loss" in rows[-1]
     assert (stopped / "loss.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert ts.checkpoint_steps(stopped / "checkpoints") == [3]
+    events = EventAccumulator(str(tb))  # the Trainer's run metrics, read back with TensorBoard's own reader
+    events.Reload()
+    assert [(e.step, e.value) for e in events.Scalars("loss")] == [(r["step"], pytest.approx(r["loss"])) for r in rows]
+    assert [e.value for e in events.Scalars("tokens_per_s")] == pytest.approx([r["tokens_per_s"] for r in rows])
+    assert [e.step for e in events.Scalars("val_loss")] == [3]
+    assert len(list((stopped / "profile").glob("plugins/profile/*/*.xplane.pb"))) == 1  # steps 2-3 (1 compiles)
     sample = (stopped / "sample.txt").read_bytes()
     assert sample.startswith(b"def ") and len(sample) == 4 + 24 and "--- sample" in out
 
@@ -103,3 +112,9 @@ def test_windows_pack_whole_files_as_documents(train_lm):
     assert positions.tolist() == [[0, 1, 0, 1, 2, 0, 1, 2], [0, 1, 2, 3, 4, 0, 1, 2]]
     ignore = train_lm.IGNORE  # a file's last byte predicts nothing: the next file is another document
     assert y.tolist() == [[4, ignore, 6, 7, ignore, 9, 10, 11], [1, 2, 3, 4, ignore, 6, 7, ignore]]
+
+
+@pytest.mark.parametrize(("start", "steps", "profiled"), [(0, 60, (10, 11, 12)), (0, 3, (2, 3)), (0, 1, ()),
+                                                         (0, 11, (9, 10, 11)), (20, 60, (22, 23, 24))])  # fmt: skip
+def test_profile_takes_steps_10_to_12_or_the_last_ones_but_never_a_compiling_first(train_lm, start, steps, profiled):
+    assert tuple(train_lm.profiled_steps(start, steps)) == profiled

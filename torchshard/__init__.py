@@ -1,6 +1,6 @@
 """Shard ordinary torch.nn.Modules over a JAX device mesh with regex rules, and train them."""
 
-from torchshard import collectives, distributed, presets
+from torchshard import collectives, distributed, presets, track
 from torchshard import inspect as inspect
 from torchshard._base.errors import ArgumentError, CheckpointError, ShardingError, UnusedRuleWarning
 from torchshard._ckpt.checkpoint import load, save
@@ -72,6 +72,7 @@ __all__ = [
     "shard",
     "shard_batch",
     "to_torch_state_dict",
+    "track",
     "use_cpu_devices",
     "visualize",
     "visualize_plan",

@@ -1,8 +1,9 @@
 """What a compiled step communicates and holds: its collectives and its memory per device."""
 
-from torchshard._report.compiled import CompiledMemory, memory
-from torchshard._report.hardware import PROFILES, Hardware, hardware
-from torchshard._report.hlo import KINDS, Collective, axes_of, parse_hlo
+from torchshard._hlo.hardware import PROFILES, Hardware, hardware
+from torchshard._hlo.hlo import KINDS, Collective, axes_of, parse_hlo
+from torchshard._hlo.memory import CompiledMemory
+from torchshard._report.compiled import memory
 from torchshard._report.inspection import CollectiveStats, collectives
 from torchshard._search.search import Candidate, search
 from torchshard._train.abstract import AbstractTrainer

@@ -14,7 +14,7 @@ from torchshard._base.errors import ShardingError
 from torchshard._base.format import fmt_bytes, table
 from torchshard._base.validate import describe_mesh
 from torchshard._bridge.tensors import unwrap
-from torchshard._report.hlo import KINDS, Collective, axes_of, parse_hlo
+from torchshard._hlo.hlo import KINDS, Collective, axes_of, parse_hlo
 from torchshard._train.trainer import Trainer
 
 

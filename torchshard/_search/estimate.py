@@ -5,9 +5,9 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Mapping
 
-from torchshard._report.costs import StepCosts
-from torchshard._report.hardware import Hardware
-from torchshard._report.hlo import Collective
+from torchshard._hlo.costs import StepCosts
+from torchshard._hlo.hardware import Hardware
+from torchshard._hlo.hlo import Collective
 
 
 @dataclasses.dataclass(frozen=True)
@@ -53,7 +53,7 @@ def estimate(costs: StepCosts, hw: Hardware, *, precision: str, devices_per_host
     over the intra-host link when its groups stay in a host, else over the inter-host link.
 
     Examples:
-        >>> from torchshard._report.hardware import hardware
+        >>> from torchshard._hlo.hardware import hardware
         >>> e = estimate(StepCosts(989e12, 0.0, ()), hardware("h100"), precision="bf16", devices_per_host=8,
         ...              bubble=0.0)
         >>> e.seconds, e.dominant

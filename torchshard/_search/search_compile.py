@@ -19,10 +19,10 @@ from torchshard._parallel.context import ContextParallel
 from torchshard._parallel.pipeline import Pipeline
 from torchshard._presets.hf import hf_rules
 from torchshard._presets.tables import common_tensor_parallel, fsdp
-from torchshard._report.compiled import CompiledMemory
-from torchshard._report.costs import StepCosts, step_costs
-from torchshard._report.hardware import Hardware
-from torchshard._report.hlo import axes_of
+from torchshard._hlo.memory import CompiledMemory
+from torchshard._hlo.costs import StepCosts, step_costs
+from torchshard._hlo.hardware import Hardware
+from torchshard._hlo.hlo import axes_of
 from torchshard._search.space import ModelDims, SearchLayout
 from torchshard._sharding.mesh import make_mesh
 from torchshard._sharding.plan import ShardingPlan, plan

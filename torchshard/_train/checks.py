@@ -14,6 +14,7 @@ from torchshard._base.specs import SPEC_HINT, parse_spec, spec_axes
 from torchshard._base.validate import instance_problems, int_problems, raise_for_arguments
 from torchshard._sharding.plan import ShardingPlan
 from torchshard._train.precision import MixedPrecision
+from torchshard._train.trackers import tracker_problems
 
 # XLA on CPU aborts ("Expected N threads to join the rendezvous") with ~30 collective-heavy steps queued
 CPU_MAX_IN_FLIGHT = 16
@@ -59,6 +60,7 @@ def check_trainer_args(
     donate: Any,
     seed: Any,
     skip_nonfinite: Any,
+    observing: tuple[Any, Any, Any] = (None, (), None),
 ) -> None:
     """Raises one `ArgumentError` listing every argument of ``Trainer(...)`` that is unusable."""
     problems = instance_problems("model", model, torch.nn.Module, "a torch.nn.Module")
@@ -87,4 +89,14 @@ def check_trainer_args(
     elif isinstance(plan, ShardingPlan):
         unknown = [a for a in spec_axes(spec) if a not in plan.mesh.shape]
         problems += [f"batch_spec axis {a!r} is not in the mesh {list(plan.mesh.shape)}" for a in unknown]
+    problems += observing_problems(*observing)
     raise_for_arguments(problems, header="invalid Trainer arguments")
+
+
+def observing_problems(log_every: Any, trackers: Any, peak: Any) -> list[str]:
+    """What is wrong with ``Trainer(log_every=, trackers=, peak_flops=)``."""
+    problems = int_problems("log_every", log_every, minimum=1, none="log nothing")
+    problems += tracker_problems(trackers)
+    if peak is not None and not (isinstance(peak, int | float) and not isinstance(peak, bool) and peak > 0):
+        problems.append(f"peak_flops={peak!r} must be a positive number (FLOP/s per device, e.g. 989e12) or None")
+    return problems

@@ -18,6 +18,7 @@ from torchshard._base.errors import ShardingError
 from torchshard._base.reported import collecting
 from torchshard._bridge.env import env, seeded
 from torchshard._bridge.forwards import replaced_forwards
+from torchshard._bridge.scopes import named_scopes
 from torchshard._bridge.tensors import bound, is_jax_tensor, unwrap, wrap
 from torchshard._train.batching import BatchLayout
 from torchshard._train.kv_cache import no_kv_cache
@@ -196,6 +197,7 @@ class Runtime:
                 bound(self.model, values),
                 _forwards(self.model, self.remat, self.remat_policy, runs),
                 no_kv_cache(self.model),
+                named_scopes(self.model),  # HLO and profiles name the user's layers
                 self.tracing(),
                 collecting() as reported,  # e.g. the tokens an expert capacity dropped
             ):

@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import collections
 import threading
+import time
 import weakref
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import jax
@@ -26,6 +27,7 @@ from torchshard._sharding.plan import ShardingPlan
 from torchshard._train.batching import BatchLayout
 from torchshard._train.checks import batch_type_problems, check_trainer_args
 from torchshard._train.evaluate import Compiled, evaluating, structure, structure_problems
+from torchshard._train.observed import Observed
 from torchshard._train.precision import MixedPrecision, store_params, stored_dtypes
 from torchshard._train.remat import RematLike, as_remat, remat_targets, scan_remat
 from torchshard._train.scan import ScanLike, StateLayout, find_groups
@@ -42,9 +44,10 @@ from torchshard._train.state import (
 from torchshard._train.step import LossFn, Runtime, Step
 from torchshard._train.strategies import ContextParallel, ExpertDispatch, Pipeline, bind_all
 from torchshard._train.strategy import Setting, leaf_problems, tracing_all
+from torchshard._train.trackers import Tracker
 
 
-class Trainer:
+class Trainer(Observed):
     """Trains a sharded torch module with one fused, jitted, donated step per call.
 
     Args:
@@ -74,6 +77,9 @@ class Trainer:
         expert_dispatch: an `ExpertDispatch`: how tokens meet experts the plan shards by expert.
             ``None`` moves them by all-to-all where the batch is split over the expert axis and
             leaves them to the plan's sharding otherwise; ``trainer.expert_dispatch`` says which.
+        log_every: every N steps, loss, throughput, MFU and memory to logger ``torchshard`` and the trackers.
+        trackers: `torchshard.track` trackers, or objects with ``log(step, metrics)`` and ``close()``.
+        peak_flops: FLOP/s per device for MFU (default: the device's hardware profile; none on CPU).
 
     Raises:
         ArgumentError: an argument of the wrong type or value (all listed); nothing is moved.
@@ -112,9 +118,13 @@ class Trainer:
         pipeline: Pipeline | None = None,
         context: ContextParallel | None = None,
         expert_dispatch: ExpertDispatch | None = None,
+        log_every: int | None = None,
+        trackers: Sequence[Tracker] = (),
+        peak_flops: float | None = None,
     ) -> None:
         check_trainer_args(model, loss_fn, optimizer, plan, batch_spec, grad_accum_steps, max_in_flight, precision,
-                    donate=donate, seed=seed, skip_nonfinite=skip_nonfinite)  # fmt: skip
+                           donate=donate, seed=seed, skip_nonfinite=skip_nonfinite,
+                           observing=(log_every, trackers, peak_flops))  # fmt: skip
         remat_ = as_remat(remat)
         self.optimizer = optimizer
         self.precision = precision
@@ -150,6 +160,7 @@ class Trainer:
         self._step_fn = self._compile(step, donate)
         self._evaluations = Compiled(runtime)
         self._trained_on: Any = None  # the structure of the batches steps took, which evaluate checks against
+        self._start_observing(log_every, trackers, peak_flops)
 
     @property
     def context(self) -> ContextParallel | None:
@@ -312,6 +323,7 @@ class Trainer:
             ShardingError: the batch does not fit, ``loss_fn`` returns something other than a loss
                 tensor, or another Trainer has since taken over this module.
         """
+        started = time.perf_counter()
         with self._lock:
             self._check_owner()
             args = self._step_args(batch, local=local)
@@ -320,6 +332,7 @@ class Trainer:
             self._trained_on = self._trained_on or structure(batch)
             self._bind()
             self._throttle(metrics["loss"])
+        self._observe(metrics, args[2], started)  # every log_every steps: logs (and waits for the step)
         heartbeat()  # progress for the launcher's hang watchdog (nothing outside a launched run)
         return metrics
 
@@ -351,7 +364,7 @@ class Trainer:
         with self._lock:
             args = self._step_args(batch)
             with jax.set_mesh(self.mesh):
-                return self._step_fn.lower(*args)  # type: ignore[attr-defined]
+                return self._step_fn.lower(*args)
 
     def evaluate(self, batch: Any, fn: LossFn | None = None, *, local: bool = False) -> dict[str, jax.Array]:
         """``fn(model, batch)`` on the current state in eval mode, as one compiled call; nothing in the state changes.
@@ -424,7 +437,7 @@ class Trainer:
             frozen: new arrays for frozen (``requires_grad=False``) parameters, by train-state key.
         """
         with self._lock:
-            self._state = state
+            self._state, self._window = state, None  # the step count may have changed: read it again
             if rng_key is not None:
                 self._base_key = rng_key
             if frozen:

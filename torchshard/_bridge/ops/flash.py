@@ -1,7 +1,7 @@
 """Memory-efficient attention: tiles of queries and keys, online softmax, a backward that recomputes each tile.
 
 The (query block, key tile) pairs a causal mask leaves visible are folded one at a time in a
-``lax.scan`` (its ``known_trip_count`` weighs it in `torchshard._report.costs`): those it cuts are
+``lax.scan`` (its ``known_trip_count`` weighs it in `torchshard._hlo.costs`): those it cuts are
 masked, those it hides are never visited. The custom VJP keeps only q, k, v, the output and the
 per-row log-sum-exp (f32) for the backward, which recomputes each tile's scores, so no
 ``s × t`` score matrix is ever saved: a remat policy such as ``dots_saveable`` sees no scores to
@@ -24,8 +24,10 @@ Stats = tuple[jax.Array, jax.Array, jax.Array]  # running max, running sum, runn
 Grads = tuple[jax.Array, jax.Array, jax.Array, jax.Array | None]  # dq, dk, dv, dbias (f32)
 Index = jax.Array | int
 # the name scope of one tile's work: what its instructions pass among themselves a fused kernel keeps on
-# chip, which `torchshard._report.costs` counts apart from the memory traffic
+# chip, which `torchshard._hlo.costs` counts apart from the memory traffic
 TILE_SCOPE = "attention_tile"
+# the name scope of the scores the backward recomputes: rematerialised work, counted once in MFU
+RECOMPUTE_SCOPE = "recomputed_scores"
 
 
 def tile_size(length: int) -> int:
@@ -164,7 +166,8 @@ def _unfold(tiling: Tiling, masked: bool, tensors: tuple, grads: Grads, i: Index
     dq, dk, dv, dbias = grads
     rows, cols = (i * tiling.rows, tiling.rows, 3), (j * tiling.keys, tiling.keys, 2)
     qi, doi, kj, vj = _slice(q, *rows), _slice(do, *rows), _slice(k, *cols), _slice(v, *cols)
-    s = _scores(tiling, masked, i, j, qi, kj, mask, bias)
+    with jax.named_scope(RECOMPUTE_SCOPE):
+        s = _scores(tiling, masked, i, j, qi, kj, mask, bias)
     dqi, dkj, dvj, ds = online_softmax.unfold(s, _slice(lse, *rows), _slice(delta, *rows), qi, kj, vj, doi)
     dq, dk, dv = _add(dq, dqi, rows[0], 3), _add(dk, dkj, cols[0], 2), _add(dv, dvj, cols[0], 2)
     if dbias is not None:  # summed over the dims the bias broadcasts

@@ -7,8 +7,8 @@ import math
 import re
 from collections.abc import Iterator
 
-from torchshard._bridge.ops.flash import TILE_SCOPE
-from torchshard._report.hlo import _BITS, Collective, parse_hlo
+from torchshard._bridge.ops.flash import RECOMPUTE_SCOPE, TILE_SCOPE
+from torchshard._hlo.hlo import _BITS, Collective, parse_hlo
 
 _HEADER = re.compile(r"^(?P<entry>ENTRY\s+)?%?(?P<name>[\w.\-]+)\s*\((?P<params>.*)\)\s*->.*\{\s*$")
 _PARAM = re.compile(r"(?P<name>[\w.\-]+):\s*(?P<type>[a-z]\w*\[[\d,]*\])")
@@ -23,6 +23,8 @@ _TRIP = re.compile(r'"known_trip_count":\{"n":"(\d+)"\}')
 _COMMENT = re.compile(r"/\*.*?\*/")  # /*index=5*/ between operands
 _OP_NAME = re.compile(r'op_name="([^"]*)"')
 _CONTRACTING = re.compile(r"lhs_contracting_dims=\{([\d,]*)\}")
+# name scopes of recomputed forwards: jax.checkpoint's (remat=), and the tiled attention's backward scores
+RECOMPUTED = frozenset({"rematted_computation", RECOMPUTE_SCOPE})
 _FREE = frozenset({"parameter", "constant", "get-tuple-element", "tuple", "bitcast", "while", "call", "conditional",
                    "after-all", "partition-id", "replica-id", "opt-barrier"})  # fmt: skip
 # computations run as part of their caller's instruction: their insides move no memory of their own
@@ -41,19 +43,30 @@ class StepCosts:
         tile_bytes: bytes the attention kernels' tiles (``TILE_SCOPE``) pass between their own
             instructions: XLA writes them to memory, a fused flash kernel keeps them on chip; not
             in ``bytes_accessed``, which has only what crosses a tile's boundary.
+        recompute_flops: the part of ``flops`` that recomputes forward work in the backward: a
+            checkpointed module's forward (JAX's ``rematted_computation`` scope) and the tiled
+            attention's scores (``RECOMPUTE_SCOPE``); ``flops - recompute_flops`` is the step as if
+            nothing were rematerialised, the model FLOPs MFU is measured with.
     """
 
     flops: float
     bytes_accessed: float
     collectives: tuple[tuple[Collective, float], ...]
     tile_bytes: float = 0.0
+    recompute_flops: float = 0.0
+
+    @property
+    def model_flops(self) -> float:
+        """``flops`` with rematerialised matmuls counted once (what MFU divides by the peak)."""
+        return self.flops - self.recompute_flops
 
     def scaled(self, other: StepCosts, factor: float) -> StepCosts:
         """``self + factor * (other - self)``: a cost at another depth, from two compiled depths."""
         mix = lambda a, b: a + factor * (b - a)  # noqa: E731
         return StepCosts(mix(self.flops, other.flops), mix(self.bytes_accessed, other.bytes_accessed),
                          _mix_collectives(self.collectives, other.collectives, factor),
-                         mix(self.tile_bytes, other.tile_bytes))  # fmt: skip
+                         mix(self.tile_bytes, other.tile_bytes),
+                         mix(self.recompute_flops, other.recompute_flops))  # fmt: skip
 
 
 def _mix_collectives(
@@ -153,15 +166,22 @@ def step_costs(text: str) -> StepCosts:
     comps = {c.name: c for c, _ in parsed}
     entry = next(c.name for c, is_entry in parsed if is_entry)
     runs, inlined = _multipliers(comps, entry)
-    flops = traffic = on_chip = 0.0
+    flops = recompute = traffic = on_chip = 0.0
     for name, n in runs.items():
         comp = comps[name]
-        flops += n * sum(_dot_flops(line, m.group("op"), m.group("args"), m.group("type"), comp.types)
-                         for line in comp.lines if (m := _INSTRUCTION.match(line)))  # fmt: skip
+        for line in comp.lines:
+            if (m := _INSTRUCTION.match(line)) and m.group("op") == "dot":
+                dot = n * _dot_flops(line, m.group("op"), m.group("args"), m.group("type"), comp.types)
+                flops, recompute = flops + dot, recompute + (dot if _recomputed(line) else 0.0)
         if name not in inlined:
             moved, kept = _traffic(comps, comp)
             traffic, on_chip = traffic + n * moved, on_chip + n * kept
-    return StepCosts(flops, traffic, _collectives(text, comps, runs), on_chip)
+    return StepCosts(flops, traffic, _collectives(text, comps, runs), on_chip, recompute)
+
+
+def _recomputed(line: str) -> bool:
+    m = _OP_NAME.search(line)
+    return m is not None and not RECOMPUTED.isdisjoint(m.group(1).split("/"))
 
 
 def _traffic(comps: dict[str, _Computation], comp: _Computation) -> tuple[int, int]:

@@ -53,6 +53,9 @@ PROFILES: dict[str, Hardware] = {
         Hardware("h100", 989e12, 494e12, 3.35e12, 450 * GB, 50 * GB, 8, 80 * 2**30,
                  "NVIDIA H100 SXM5 80GB datasheet: 989 TFLOP/s bf16 and 494 TF32 dense, 3.35 TB/s HBM3, NVLink 4 "
                  "900 GB/s bidirectional; one 400 Gb/s NIC per GPU between hosts (DGX H100)"),
+        Hardware("h200", 989e12, 494e12, 4.8e12, 450 * GB, 50 * GB, 8, 141 * GB,
+                 "NVIDIA H200 SXM 141GB datasheet: 989 TFLOP/s bf16 and 494 TF32 dense (the H100's), 4.8 TB/s HBM3e, "
+                 "NVLink 4 900 GB/s bidirectional; one 400 Gb/s NIC per GPU between hosts (DGX H200)"),
         Hardware("a100", 312e12, 156e12, 2.039e12, 300 * GB, 25 * GB, 8, 80 * 2**30,
                  "NVIDIA A100 SXM4 80GB datasheet: 312 TFLOP/s bf16 and 156 TF32 dense, 2.039 TB/s HBM2e, NVLink 3 "
                  "600 GB/s bidirectional; one 200 Gb/s HDR NIC per GPU between hosts (DGX A100)"),
@@ -67,6 +70,10 @@ PROFILES: dict[str, Hardware] = {
     )
 }  # fmt: skip
 _ALIASES = {"v5p": "tpu-v5p", "v5e": "tpu-v5e", "tpuv5p": "tpu-v5p", "tpuv5e": "tpu-v5e"}
+# what jax's device_kind says ("NVIDIA H100 80GB HBM3", "NVIDIA A100-SXM4-80GB", "TPU v5 lite"), lowercased,
+# without spaces and dashes → profile; the first match wins
+_DEVICE_KINDS = (("h100", "h100"), ("h200", "h200"), ("a100", "a100"), ("tpuv5p", "tpu-v5p"),
+                 ("tpuv5lite", "tpu-v5e"), ("tpuv5e", "tpu-v5e"))  # fmt: skip
 
 
 def load_profiles(path: str | Path) -> dict[str, Hardware]:
@@ -100,7 +107,7 @@ def _profile(row: Mapping[str, Any]) -> Hardware:
 
 
 def hardware(name: str | Hardware, *, extra: Mapping[str, Hardware] | None = None) -> Hardware:
-    """The profile named ``name`` (``h100``, ``a100``, ``tpu-v5p``, ``tpu-v5e``, or one of ``extra``).
+    """The profile named ``name`` (``h100``, ``h200``, ``a100``, ``tpu-v5p``, ``tpu-v5e``, or one of ``extra``).
 
     Raises:
         ArgumentError: an unknown name, listing the known ones and the nearest.
@@ -121,3 +128,14 @@ def hardware(name: str | Hardware, *, extra: Mapping[str, Hardware] | None = Non
         f"unknown hardware {name!r}: the known profiles are {sorted(known)}{hint} (add your own with "
         f"--hardware-file FILE.json)"
     )
+
+
+def for_device_kind(kind: str) -> Hardware | None:
+    """The profile of a device as jax names it (``device.device_kind``), or None (CPUs, unknown chips).
+
+    Example:
+        >>> for_device_kind("NVIDIA H100 80GB HBM3").name, for_device_kind("TPU v5 lite").name, for_device_kind("cpu")
+        ('h100', 'tpu-v5e', None)
+    """
+    key = kind.lower().replace(" ", "").replace("-", "")
+    return next((PROFILES[name] for part, name in _DEVICE_KINDS if part in key), None)

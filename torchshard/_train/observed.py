@@ -1,0 +1,232 @@
+"""What a Trainer shows of its run: a step line and trackers every ``log_every`` steps, FLOPs, MFU, memory, profiles."""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import logging
+import os
+import threading
+import time
+from collections.abc import Iterator, Mapping, Sequence
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import jax
+import torch
+
+from torchshard._base.errors import ArgumentError
+from torchshard._base.validate import raise_for_arguments
+from torchshard._train.run_metrics import StepFigures, batch_counts, device_memory, host_rss, peak_flops, step_line
+from torchshard._train.trackers import Tracker, path_problem
+
+logger = logging.getLogger("torchshard")
+
+Signature = tuple[Any, tuple[tuple[Any, Any, Any], ...]]  # the batch's treedef, and each leaf's shape, dtype, sharding
+
+
+@dataclasses.dataclass
+class _Window:
+    """The steps since the last read: where they started (step count, time), where they are, what they processed."""
+
+    start: int
+    time: float
+    step: int
+    tokens: int = 0
+    samples: int = 0
+
+
+class Observed:
+    """The Trainer's run metrics, trackers and profiles (a mixin: `Trainer` is the only class built on it)."""
+
+    if TYPE_CHECKING:
+        _step_fn: Any
+        _state: Any
+        _frozen: Any
+        _base_key: jax.Array
+        _lock: threading.RLock
+        _in_flight: Any
+        precision: Any
+
+        @property
+        def mesh(self) -> jax.sharding.Mesh: ...
+
+        def tensor_dtypes(self) -> dict[str, torch.dtype]: ...
+
+    def _start_observing(self, log_every: int | None, trackers: Sequence[Tracker], peak: float | None) -> None:
+        self.log_every = log_every
+        self.trackers: tuple[Tracker, ...] = tuple(trackers)
+        self._main = jax.process_index() == 0
+        self._window: _Window | None = None  # None: the step count is read (a sync) at the next step
+        self._signature: Signature | None = None
+        self._figures: dict[Signature, StepFigures] = {}
+        low = self.precision is not None and self.precision.compute_dtype.itemsize <= 2
+        low = low or all(d.itemsize <= 2 for d in self.tensor_dtypes().values() if d.is_floating_point)
+        self.peak_flops = peak if peak is not None else peak_flops(self.mesh.devices.flat[0], low_precision=low)
+
+    @property
+    def flops_per_step(self) -> float:
+        """Matmul FLOPs one device runs in a step, from the compiled step's HLO with loop trip counts.
+
+        The figure `torchshard.inspect.search` estimates step times from: every ``while`` body
+        counted as often as it runs, and forwards that ``remat=`` recomputes counted again. MFU
+        counts them once: see `model_flops_per_step`. Read for the batch shape of the latest step.
+
+        Raises:
+            ArgumentError: no step has run yet (the step is compiled for a batch).
+        """
+        return self._step_figures().flops
+
+    @property
+    def model_flops_per_step(self) -> float:
+        """`flops_per_step` with each rematerialised forward counted once: the FLOPs MFU is measured with."""
+        return self._step_figures().model_flops
+
+    def _step_figures(self) -> StepFigures:
+        if self._signature is None:
+            raise ArgumentError(
+                "the step's FLOPs are read from the step compiled for a batch: run trainer.step(batch) first "
+                "(or count an unrun step with ts.inspect.AbstractTrainer and trainer.lower(batch))"
+            )
+        if self._signature not in self._figures:
+            self._figures[self._signature] = StepFigures.of(self._lower_signature(self._signature).compile())
+        return self._figures[self._signature]
+
+    def _lower_signature(self, signature: Signature) -> jax.stages.Lowered:
+        treedef, leaves = signature
+        structs = [jax.ShapeDtypeStruct(shape, dtype, sharding=sharding) for shape, dtype, sharding in leaves]
+        with self._lock, jax.set_mesh(self.mesh):
+            return self._step_fn.lower(self._state, self._frozen, jax.tree.unflatten(treedef, structs), self._base_key)
+
+    def _observe(self, metrics: Mapping[str, jax.Array], placed: Any, started: float) -> None:
+        """After each step: remembers its batch's shapes and, every ``log_every`` steps, logs (the only sync)."""
+        leaves, treedef = jax.tree.flatten(placed)
+        self._signature = (treedef, tuple((x.shape, x.dtype, getattr(x, "sharding", None)) for x in leaves))
+        every = self.log_every
+        if every is None or not self._main:
+            return
+        if self._window is None:
+            self._first_step(metrics, leaves, started, every)
+            return
+        window = self._window
+        tokens, samples = batch_counts(leaves)
+        window.step, window.tokens, window.samples = window.step + 1, window.tokens + tokens, window.samples + samples
+        if window.step % every == 0:
+            values = self._values(metrics)  # waits for this step: the one read per log_every steps
+            now = time.perf_counter()
+            self._emit(window.step, {**values, **self._rates(now - window.time, window)})
+            self._window = _Window(window.step, now, window.step)
+
+    def _first_step(self, metrics: Mapping[str, jax.Array], leaves: list[Any], started: float, every: int) -> None:
+        """The first step logged from (or the first after `load_state`): reads where the count stands."""
+        step = int(self._state.step)  # waits for the step
+        elapsed = time.perf_counter() - started
+        self._step_figures()  # the step is compiled: its HLO is read now, outside the next window's time
+        if step % every == 0:  # its time includes compiling it
+            window = _Window(step - 1, started, step, *batch_counts(leaves))
+            self._emit(step, {**self._values(metrics), **self._rates(elapsed, window)})
+        self._window = _Window(step, time.perf_counter(), step)
+
+    def _values(self, metrics: Mapping[str, Any]) -> dict[str, float]:
+        return {name: float(value) for name, value in metrics.items()}
+
+    def _rates(self, elapsed: float, window: _Window) -> dict[str, float]:
+        """Throughput, FLOP rates and memory of the steps of ``window``, which took ``elapsed`` seconds."""
+        step_time = elapsed / (window.step - window.start)
+        figures = self._step_figures()
+        rates = {"step_time_s": step_time, "samples_per_s": window.samples / elapsed}
+        if window.tokens:
+            rates["tokens_per_s"] = window.tokens / elapsed
+        rates["tflops_per_device"] = figures.model_flops / step_time / 1e12
+        if self.peak_flops is not None:
+            rates["mfu"] = figures.model_flops / step_time / self.peak_flops
+        rates["recompute_ratio"] = figures.recompute_ratio
+        mine = [d for d in self.mesh.devices.flat if d.process_index == jax.process_index()]
+        rates |= device_memory(mine) or {"memory_peak_bytes": float(figures.memory.peak_bytes)}
+        rates["host_rss_bytes"] = host_rss()
+        return rates
+
+    def _emit(self, step: int, values: Mapping[str, float], *, prefix: str = "") -> None:
+        logger.info(step_line(step, values, prefix=prefix))
+        for tracker in self.trackers:
+            tracker.log(step, values)
+
+    def log(self, metrics: Mapping[str, Any], *, prefix: str = "") -> dict[str, float]:
+        """Logs ``metrics`` (e.g. `evaluate`'s) at the current step: one line on logger ``torchshard`` and each tracker.
+
+        Args:
+            metrics: name → scalar (jax arrays, tensors or numbers); reading them waits for them.
+            prefix: put before each name (``"eval/"`` keeps evaluation apart from training's ``loss``).
+
+        Returns:
+            The values logged, as floats (on every process; only the main one writes them).
+
+        Example:
+            >>> model = torch.nn.Linear(4, 1)
+            >>> p = ts.plan(model, ts.make_mesh({"data": 8}))
+            >>> trainer = ts.Trainer(model, lambda m, b: m(b).square().mean(), __import__("optax").sgd(0.1), p)
+            >>> sorted(trainer.log(trainer.evaluate(torch.ones(8, 4)), prefix="eval/"))
+            ['eval/loss']
+        """
+        values = {prefix + name: float(value) for name, value in metrics.items()}
+        if self._main:
+            step = int(self._state.step)
+            logger.info(step_line(step, values))
+            for tracker in self.trackers:
+                tracker.log(step, values)
+        return values
+
+    def close(self) -> None:
+        """Closes every tracker (flushing what they hold); call it when training ends."""
+        for tracker in self.trackers:
+            tracker.close()
+
+    def _drain(self) -> None:
+        while self._in_flight:
+            self._in_flight.popleft().block_until_ready()
+
+    @contextlib.contextmanager
+    def profile(self, logdir: str | os.PathLike[str]) -> Iterator[None]:
+        """A ``jax.profiler`` trace of the steps run inside the block, written under ``logdir``.
+
+        TensorBoard's profile plugin (``tensorboard --logdir DIR``) and xprof open it. Module calls
+        are traced under ``jax.named_scope`` of their names (``model.layers.3.self_attn``), so the
+        trace's XLA ops name the layers they belong to. Steps queued before the block are waited
+        for first, and those inside before the trace ends, so it holds exactly the block's steps.
+
+        Args:
+            logdir: directory for the trace (``plugins/profile/<run>/*.xplane.pb``).
+
+        Raises:
+            ArgumentError: ``logdir`` cannot be written (before anything is traced).
+
+        Example:
+            >>> import tempfile
+            >>> model = torch.nn.Linear(4, 1)
+            >>> p = ts.plan(model, ts.make_mesh({"data": 8}))
+            >>> trainer = ts.Trainer(model, lambda m, b: m(b).square().mean(), __import__("optax").sgd(0.1), p)
+            >>> with trainer.profile(tempfile.mkdtemp()):
+            ...     _ = trainer.step(torch.ones(8, 4))
+        """
+        problem = path_problem(logdir, what="profile logdir", directory=True)
+        raise_for_arguments([problem] if problem else [], header="invalid profile logdir")
+        self._drain()
+        with jax.profiler.trace(str(logdir)):
+            try:
+                yield
+            finally:
+                self._drain()
+
+    def save_memory_profile(self, path: str | os.PathLike[str]) -> None:
+        """Writes the devices' live buffers now as a pprof profile (``jax.profiler.save_device_memory_profile``).
+
+        Open it with ``pprof --web path`` (or https://pprof.me): which arrays hold device memory, by
+        the Python line that made them.
+
+        Raises:
+            ArgumentError: ``path`` cannot be written.
+        """
+        problem = path_problem(path, what="memory profile path", directory=False)
+        raise_for_arguments([problem] if problem else [], header="invalid memory profile path")
+        Path(path).parent.mkdir(parents=True, exist_ok=True)
+        jax.profiler.save_device_memory_profile(str(path))
