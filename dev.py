@@ -35,6 +35,8 @@ COMMANDS = {
     "quick": [*CHECKS, ["-m", "pytest", "-n", "2", "-m", "not slow"]],
     "lint": CHECKS,
     "bench": [["benchmarks/step_time.py"]],
+    # every transformers causal-LM family × every capability against eager torch (docs/conformance.md)
+    "conformance": [["tools/conformance.py"]],
 }
 # the newest-stack job: outside the clone so every clone (and CI) reuses the multi-GB venv
 COMPAT_VENV = Path(os.environ.get("TORCHSHARD_COMPAT_VENV", Path.home() / ".cache" / "torchshard" / "compat-py312"))
