@@ -11,7 +11,8 @@ import pytest
 
 import torchshard as ts
 from tools import capabilities, conformance
-from tools.capabilities import Cell, Work, run_cell, run_family
+from tools.capabilities import run_family
+from tools.cells import Cell, Work, eager, losses_cell, run_cell
 from tools.families import DENSE, MOE, causal_lm_types
 
 pytest.importorskip("transformers")
@@ -51,9 +52,10 @@ def _raises(error: Exception, *, after_work: bool = False):
         (_raises(ts.ShardingError("no plan:\n  q_proj: 3 heads")), "refused: ShardingError: no plan: q_proj: 3 heads"),
         (_raises(ts.ArgumentError("bad ids"), after_work=True), "✗ typed error after work began: ArgumentError: bad"),
         (_raises(RuntimeError("Boolean value of Tensor")), "✗ RuntimeError: Boolean value of Tensor"),
+        (lambda row, work: eager(lambda: 1 / 0), "✗ the eager reference failed: ZeroDivisionError"),
         (lambda row, work: Cell("ok", "1.0e-07"), "✓ 1.0e-07"),
     ],
-    ids=["typed-first", "typed-after-work", "untyped", "ok"],
+    ids=["typed-first", "typed-after-work", "untyped", "no-truth", "ok"],
 )
 def test_a_cell_is_a_refusal_only_for_a_typed_error_before_any_result(capability, rendered):
     assert run_cell(capability, None).render().startswith(rendered)
@@ -71,10 +73,10 @@ def test_a_cell_quotes_torchshard_warnings_but_not_unused_rules():
 
 
 def test_losses_over_the_tolerance_are_a_failure():
-    assert capabilities.losses_cell([1.0, 2.0], [1.0, 2.0002], 1e-4).render() == "✓ 1.0e-04"
-    failed = capabilities.losses_cell([1.0, 2.0], [1.0, 2.001], 1e-4)
+    assert losses_cell([1.0, 2.0], [1.0, 2.0002], 1e-4).render() == "✓ 1.0e-04"
+    failed = losses_cell([1.0, 2.0], [1.0, 2.001], 1e-4)
     assert failed.render() == "✗ losses differ by 5.0e-04 (rtol 0.0001)"
-    assert capabilities.losses_cell([float("nan")], [1.0], 1e-4).status == "fail"
+    assert losses_cell([float("nan")], [1.0], 1e-4).status == "fail"
 
 
 # a stand-in worker: answers one family with one cell, then dies the way XLA's checks do (or hangs)

@@ -2,7 +2,7 @@
 
 The references, batches and tolerances are the test suite's (tests/helpers.py, test_families.py,
 test_evaluate.py, test_generate.py, test_packed.py, test_precision.py, test_lora.py); this module runs
-them on any family and turns each outcome into a `Cell` instead of an assertion.
+them on any family and turns each outcome into a `Cell` (tools/cells.py) instead of an assertion.
 """
 
 from __future__ import annotations
@@ -14,13 +14,11 @@ import functools
 import io
 import json
 import tempfile
-import time
 import warnings
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import optax
 import test_evaluate
 import test_families
@@ -32,9 +30,9 @@ import torch
 from helpers import jit_forward, scaled_error, torch_losses
 
 import torchshard as ts
+from tools.cells import Cell, Work, eager, first_line, losses_cell, run_cell, within
 from tools.families import Family, build, family, has_experts, lm_loss
 
-TYPED = (ts.ShardingError, ts.ArgumentError, ts.CheckpointError)
 MESH_DM = {"data": 4, "model": 2}
 # packed rows of 64 tokens (the families' positions): documents crossing the 16-token chunks of context=4
 PACKED_ROWS = [[20, 30, 14], [64], [10, 40, 14], [16, 16, 16, 16]]
@@ -78,64 +76,6 @@ COLUMNS = (
 )  # fmt: skip
 
 
-@dataclasses.dataclass(frozen=True)
-class Cell:
-    """One capability on one family: ``status`` is ok, refused, fail or n/a; ``text`` the difference or reason."""
-
-    status: str
-    text: str
-    seconds: float = 0.0
-
-    def render(self) -> str:
-        prefix = {"ok": "✓ ", "refused": "refused: ", "fail": "✗ ", "n/a": "— "}[self.status]
-        return (prefix + self.text).strip()
-
-
-class Work:
-    """Set once a capability has produced a result: a typed error after that is a failure, not a refusal."""
-
-    began = False
-
-
-def _first_line(err: BaseException) -> str:
-    """The error's first line (with its first problem when that line only introduces a list), cut to 300 chars."""
-    lines = [x.strip() for x in str(err).strip().splitlines()] or [type(err).__name__]
-    return (f"{lines[0]} {lines[1]}" if lines[0].endswith(":") and len(lines) > 1 else lines[0])[:300]
-
-
-def _noted(caught: list[warnings.WarningMessage]) -> str:
-    """torchshard's own warnings (not UnusedRuleWarning: plans name modules a config leaves out), once each."""
-    ours = [w for w in caught if w.category.__module__.startswith("torchshard") or "/torchshard/" in w.filename]
-    texts = dict.fromkeys(str(w.message).splitlines()[0][:160] for w in ours if w.category is not ts.UnusedRuleWarning)
-    return "".join(f" (warned: {t})" for t in texts)
-
-
-def run_cell(capability: Callable[[Row, Work], Cell], row: Row) -> Cell:
-    """``capability(row, work)`` as a cell: a typed error before any result is a refusal, any other error a ✗."""
-    work, begun = Work(), time.perf_counter()
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        try:
-            cell = capability(row, work)
-        except TYPED as err:
-            late = "typed error after work began: " if work.began else ""
-            cell = Cell("fail" if late else "refused", f"{late}{type(err).__name__}: {_first_line(err)}")
-        except Exception as err:  # anything else is a failure, named by its type
-            cell = Cell("fail", f"{type(err).__name__}: {_first_line(err)}")
-    return Cell(cell.status, cell.text + _noted(caught), round(time.perf_counter() - begun, 1))
-
-
-def losses_cell(got: list[float], expected: list[float], rtol: float) -> Cell:
-    """✓ with the largest relative loss difference when every loss is within ``rtol`` of eager's."""
-    rel = float(np.max(np.abs(np.subtract(got, expected)) / np.abs(expected)))
-    ok = bool(np.isfinite(got).all()) and rel <= rtol
-    return Cell("ok", f"{rel:.1e}") if ok else Cell("fail", f"losses differ by {rel:.1e} (rtol {rtol})")
-
-
-def _within(error: float, tol: float, what: str) -> Cell:
-    return Cell("ok", f"{error:.1e}") if error <= tol else Cell("fail", f"{what} differ by {error:.1e} (tol {tol})")
-
-
 def _forward(model: torch.nn.Module, ids: torch.Tensor) -> dict[str, torch.Tensor]:
     out = model(input_ids=ids, labels=ids, use_cache=False)
     return {"loss": out.loss, "logits": out.logits}
@@ -154,7 +94,7 @@ class Row:
 
     def __init__(self, model_type: str, folder: Path) -> None:
         self.family: Family = family(model_type)
-        self.original = build(self.family).eval()  # the weights every reference starts from; never trained
+        self.original: Any = build(self.family).eval()  # the weights every reference starts from; never trained
         self.moe = self.family.moe or has_experts(self.original)
         self.folder = folder
         self.batch = test_families._batches(seed=9)[0]  # for evaluate and the forward comparisons
@@ -200,7 +140,7 @@ class Row:
 def train(row: Row, work: Work) -> Cell:
     data = test_families._batches()
     ref = row.fresh()
-    expected = torch_losses(ref, lm_loss, test_families._torch_adamw(ref), data)
+    expected = eager(torch_losses, ref, lm_loss, test_families._torch_adamw(ref), data)
     # hf_rules refuses a family without a tp_plan: that refusal is this column's cell
     trainer = row.trainer if row.plan_kind == "hf_rules" else test_families.trainer_for(row.fresh(), "hf_rules")
     got = []
@@ -215,21 +155,21 @@ def train(row: Row, work: Work) -> Cell:
 def evaluate(row: Row, work: Work) -> Cell:
     out = row.trainer.evaluate(row.batch, _forward)
     work.began = True
-    eager = row.fresh().eval()
-    eager.load_state_dict(ts.to_torch_state_dict(row.trainer))
+    reference = row.fresh().eval()
+    reference.load_state_dict(ts.to_torch_state_dict(row.trainer))
     with torch.no_grad():
-        expected = _forward(eager, row.batch)
+        expected = eager(_forward, reference, row.batch)
     loss = abs(float(out["loss"]) - float(expected["loss"])) / abs(float(expected["loss"]))
     if loss > test_evaluate.RTOL:
         return Cell("fail", f"loss differs by {loss:.1e} (rtol {test_evaluate.RTOL})")
-    return row.noted(_within(scaled_error(out["logits"], expected["logits"]), test_evaluate.RTOL, "logits"))
+    return row.noted(within(scaled_error(out["logits"], expected["logits"]), test_evaluate.RTOL, "logits"))
 
 
 def _loaded_cell(state: dict[str, torch.Tensor], row: Row, logits: Any) -> Cell:
     error = _state_error(state, row.original.state_dict())
     if error:
         return Cell("fail", f"loaded state differs from the checkpoint by {error:.1e}")
-    return row.noted(_within(scaled_error(logits, row.eager_outputs["logits"]), test_evaluate.RTOL, "logits"))
+    return row.noted(within(scaled_error(logits, row.eager_outputs["logits"]), test_evaluate.RTOL, "logits"))
 
 
 def load_meta(row: Row, work: Work) -> Cell:
@@ -255,7 +195,7 @@ def _generate(row: Row, work: Work, seq: int) -> Cell:
     mask = test_generate._left_padded(ids)
     differ = []
     for name, kwargs in (("plain", {}), ("left-padded", {"attention_mask": mask})):
-        expected = test_generate._eager(row.original, ids, eos_token_id=None, **kwargs)
+        expected = eager(test_generate._eager, row.original, ids, eos_token_id=None, **kwargs)
         got = ts.generate(row.placed, ids, max_new_tokens=test_generate.NEW, eos_token_id=[], **kwargs)
         work.began = True
         new = expected[:, seq:].numel()
@@ -275,7 +215,7 @@ def generate_long(row: Row, work: Work) -> Cell:
 
 def _packed(row: Row, work: Work, axes: dict[str, int], rules: Any, batch_spec: Any, **kwargs: Any) -> Cell:
     data = test_packed.packed_batches(2, lengths=PACKED_ROWS)
-    expected = test_packed.eager_losses(row.fresh(), data)
+    expected = eager(test_packed.eager_losses, row.fresh(), data)
     model = row.fresh()
     plan = ts.plan(model, ts.make_mesh(axes), rules(model) if rules else None)
     trainer = ts.Trainer(model, test_packed.packed_loss, test_packed.adamw(), plan, batch_spec=batch_spec, **kwargs)
@@ -304,7 +244,7 @@ def a2a(row: Row, work: Work) -> Cell:
         return NOT_MOE
     data = test_families._batches()
     ref = row.fresh()
-    expected = torch_losses(ref, lm_loss, test_families._torch_adamw(ref), data)
+    expected = eager(torch_losses, ref, lm_loss, test_families._torch_adamw(ref), data)
     trainer = test_families.trainer_for(row.fresh(), "expert_parallel")
     got = []
     for ids in data:
@@ -319,7 +259,7 @@ def bf16(row: Row, work: Work) -> Cell:
     if not row.moe:
         return NOT_MOE
     data = test_families._batches()
-    expected = test_precision.torch_mixed_precision(row.fresh(), lm_loss, data)
+    expected = eager(test_precision.torch_mixed_precision, row.fresh(), lm_loss, data)
     trainer = test_families.trainer_for(row.fresh(), "expert_model", precision=ts.MixedPrecision())
     got = []
     for ids in data:
@@ -353,7 +293,7 @@ def lora(row: Row, work: Work) -> Cell:
     data = test_families._batches()
     trainable = [p for p in ref.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(trainable, lr=test_lora.LR, weight_decay=test_lora.WD)
-    expected = torch_losses(ref, test_lora.lm_loss, optimizer, data)
+    expected = eager(torch_losses, ref, test_lora.lm_loss, optimizer, data)
     axes, rules = test_lora.RULES["fsdp_tp"]
     plan = ts.plan(model, ts.make_mesh(axes), rules(model))
     trainer = ts.Trainer(model, test_lora.lm_loss, optax.adamw(test_lora.LR, weight_decay=test_lora.WD), plan)
@@ -426,7 +366,7 @@ def _row(model_type: str, folder: Path) -> tuple[Row | None, str]:
             with torch.no_grad():
                 sees_later = not torch.equal(_forward(row.original, changed)["logits"][:, :-1], logits[:, :-1])
         except Exception as err:  # no truth to compare with
-            return None, f"cannot build or run eagerly from a tiny config: {type(err).__name__}: {_first_line(err)}"
+            return None, f"cannot build or run eagerly from a tiny config: {type(err).__name__}: {first_line(err)}"
     if sees_later:
         return None, "not causal: its eager logits change with later tokens (an encoder; is_decoder=False)"
     return row, ""
