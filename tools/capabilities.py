@@ -33,7 +33,6 @@ import torchshard as ts
 from tools.cells import Cell, Work, eager, first_line, losses_cell, run_cell, within
 from tools.families import Family, build, family, has_experts, lm_loss
 
-MESH_DM = {"data": 4, "model": 2}
 # packed rows of 64 tokens (the families' positions): documents crossing the 16-token chunks of context=4
 PACKED_ROWS = [[20, 30, 14], [64], [10, 40, 14], [16, 16, 16, 16]]
 SHORT, LONG = 5, 12  # prompt lengths: shorter and longer than the families' windows (tools.families.SMALL: 8)
@@ -119,7 +118,8 @@ class Row:
 
     @functools.cached_property
     def checkpoint(self) -> Path:
-        self.original.save_pretrained(self.folder / "pretrained")
+        """The original weights as transformers' save_pretrained writes them (from_pretrained's format)."""
+        eager(self.original.save_pretrained, self.folder / "pretrained")
         return self.folder / "pretrained"
 
     @functools.cached_property

@@ -17,6 +17,7 @@ import datetime
 import json
 import os
 import queue
+import re
 import resource
 import shlex
 import signal
@@ -36,6 +37,8 @@ if __package__ in (None, ""):
 DOC, DATA = ROOT / "docs" / "conformance.md", ROOT / "docs" / "conformance.json"
 BEGIN, END = "<!-- conformance:begin (written by tools/conformance.py) -->", "<!-- conformance:end -->"
 VERSIONS = ("torch", "jax", "torchax", "transformers", "peft")
+# what ends a process: XLA's and glog's fatal checks (F1126 12:00:00.1 ... file.cc:123] ...), Python's fatal errors
+FATAL = re.compile(r"F\d{4} |Fatal Python error|.*Check failed")
 XLA_FLAGS: set[str] = set()  # what the workers ran with (conftest.py picks them)
 
 
@@ -120,7 +123,8 @@ class Worker:
         """The last lines the worker wrote to stderr since ``start`` (an XLA check's message, a traceback's end)."""
         self.stderr.seek(start)
         lines = [x.strip() for x in self.stderr.read().splitlines() if x.strip()]
-        return " / ".join(lines[-3:])[-400:]
+        fatal = [x for x in lines if FATAL.match(x)]  # a check's message comes before its stack trace
+        return " / ".join(fatal[-1:] or lines[-3:])[-400:]
 
     def kill(self) -> None:
         if self.proc.poll() is None:
@@ -132,7 +136,8 @@ class Worker:
         self.reader.join()  # the pipe ends once the process is gone
         for pipe in (self.proc.stdin, self.proc.stdout, self.stderr):
             with contextlib.suppress(OSError):  # stdin: a dead reader's pipe
-                pipe.close() if pipe is not None else None
+                if pipe is not None:
+                    pipe.close()
 
 
 def _death(proc: subprocess.Popen[str]) -> str:
