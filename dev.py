@@ -42,6 +42,8 @@ COMMANDS = {
     "docs": [["-m", "mkdocs", "build", "--strict"]],
     # any script with this clone's torchshard and .venv's packages: `python3 dev.py run examples/train_lm.py ...`
     "run": [[]],
+    # every transformers causal-LM family × every capability against eager torch (docs/conformance.md)
+    "conformance": [["tools/conformance.py"]],
 }
 # the newest-stack job: outside the clone so every clone (and CI) reuses the multi-GB venv
 COMPAT_VENV = Path(os.environ.get("TORCHSHARD_COMPAT_VENV", Path.home() / ".cache" / "torchshard" / "compat-py312"))

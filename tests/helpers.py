@@ -20,13 +20,19 @@ def to_numpy(t) -> np.ndarray:
     return np.asarray(t, dtype=np.float64)
 
 
+def scaled_error(actual, expected) -> float:
+    """max|actual - expected| / max(1, max|expected|): the error `assert_close` bounds (shapes must agree)."""
+    a, e = to_numpy(actual), to_numpy(expected)
+    assert a.shape == e.shape, f"shape {a.shape} != {e.shape}"
+    return float(np.abs(a - e).max(initial=0.0)) / max(1.0, float(np.abs(e).max(initial=0.0)))
+
+
 def assert_close(actual, expected, *, tol: float = 1e-5, what: str = "") -> None:
     """|actual - expected| ≤ tol × max(1, max|expected|): absolute tolerance relative to the output scale."""
     a, e = to_numpy(actual), to_numpy(expected)
     assert a.shape == e.shape, f"{what}: shape {a.shape} != {e.shape}"
-    scale = max(1.0, float(np.abs(e).max(initial=0.0)))
-    err = float(np.abs(a - e).max(initial=0.0))
-    assert err <= tol * scale, f"{what}: max abs error {err:.3g} > {tol} × scale {scale:.3g}"
+    error = scaled_error(a, e)
+    assert error <= tol, f"{what}: max abs error / max(1, max|expected|) = {error:.3g} > {tol}"
 
 
 def assert_trees_close(actual: dict, expected: dict, *, tol: float = 1e-5) -> None:
@@ -70,12 +76,17 @@ def module_tensors(model) -> dict:
     return dict(model.named_parameters(remove_duplicate=False)) | dict(model.named_buffers(remove_duplicate=False))
 
 
-def jit_forward(model):
-    """``model``'s forward as one jitted function of its own (placed) tensors and the input."""
+def jit_forward(model, *, output: str | None = None, **kwargs):
+    """``model``'s forward as one jitted function of its own (placed) tensors and the input (+ ``kwargs``);
+    ``output`` names the attribute of the model's output to return (``"logits"`` of a transformers output)."""
     import torchax.interop
 
+    def call(p, x):
+        out = torch.func.functional_call(model, p, (x,), kwargs)
+        return getattr(out, output) if output else out
+
     params = dict(model.named_parameters()) | dict(model.named_buffers())  # one entry per tied tensor
-    forward = torchax.interop.jax_jit(lambda p, x: torch.func.functional_call(model, p, (x,)))
+    forward = torchax.interop.jax_jit(call)
     return lambda x: forward(params, x)
 
 

@@ -225,7 +225,7 @@ def test_the_swapped_forward_is_gone_after_the_trace(dispatched):
 @pytest.mark.parametrize("family", ["mixtral", "qwen3_moe"])
 def test_router_logits_and_the_aux_loss_train_like_torch_under_all_to_all(family):
     """output_router_logits=True: the router is the model's own, so its logits and aux loss are unchanged."""
-    from families import build, loss_and_aux, with_router_logits
+    from tools.families import build, loss_and_aux, with_router_logits
 
     reference = build(with_router_logits(family))
     model = copy.deepcopy(reference)

@@ -16,11 +16,11 @@ import numpy as np
 import optax
 import pytest
 import torch
-from families import DENSE, MOE, NO_DISPATCH, REPRESENTATIVE, Family, build, lm_loss
 from helpers import torch_losses
 from jax.sharding import PartitionSpec as P
 
 import torchshard as ts
+from tools.families import DENSE, MOE, NO_DISPATCH, REPRESENTATIVE, Family, build, lm_loss
 from torchshard import presets
 
 transformers = pytest.importorskip("transformers")
@@ -56,9 +56,19 @@ def _rules(kind: str, model: torch.nn.Module) -> tuple[dict[str, int], ts.Rules,
         return {"data": 8}, presets.fsdp(min_size=1024), P("data")
     if kind == "hf_rules":
         return {"data": 4, "model": 2}, presets.hf_rules(model, fsdp_min_size=1024), P("data")
+    if kind == "expert_model":  # experts split over "expert", tensor parallel over "model", no FSDP
+        return {"expert": 4, "model": 2}, presets.hf_rules(model, expert_axis="expert", fsdp_axis=None), P("expert")
     # expert parallel over 4 experts, with the batch over both axes and FSDP over data
     rules = presets.hf_rules(model, axis=None, expert_axis="expert", fsdp_min_size=1024)
     return {"data": 2, "expert": 4}, rules, P(("data", "expert"))
+
+
+def trainer_for(model: torch.nn.Module, kind: str, **kwargs: Any) -> ts.Trainer:
+    """``model``'s Trainer under a kind of plan (`_rules`), AdamW as `_torch_adamw`; ``kwargs`` go to the Trainer."""
+    axes, rules, batch_spec = _rules(kind, model)
+    plan = ts.plan(model, ts.make_mesh(axes), rules)
+    optimizer = optax.adamw(LR, b1=BETAS[0], b2=BETAS[1], eps=EPS, weight_decay=WEIGHT_DECAY)
+    return ts.Trainer(model, lm_loss, optimizer, plan, batch_spec=batch_spec, **kwargs)
 
 
 def _train(family: Family, kind: str) -> tuple[list[float], list[float], ts.Trainer]:
@@ -66,10 +76,7 @@ def _train(family: Family, kind: str) -> tuple[list[float], list[float], ts.Trai
     model = copy.deepcopy(ref)
     data = _batches()
     expected = torch_losses(ref, lm_loss, _torch_adamw(ref), data)
-    axes, rules, batch_spec = _rules(kind, model)
-    plan = ts.plan(model, ts.make_mesh(axes), rules)
-    optimizer = optax.adamw(LR, b1=BETAS[0], b2=BETAS[1], eps=EPS, weight_decay=WEIGHT_DECAY)
-    trainer = ts.Trainer(model, lm_loss, optimizer, plan, batch_spec=batch_spec)
+    trainer = trainer_for(model, kind)
     return [float(trainer.step(ids)["loss"]) for ids in data], expected, trainer
 
 

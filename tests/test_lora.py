@@ -24,8 +24,8 @@ TARGETS = ["q_proj", "v_proj", "o_proj"]  # colwise and rowwise layers
 PREFIX = "base_model.model.model.layers.0.self_attn."
 
 
-def lora(model: torch.nn.Module) -> torch.nn.Module:
-    config = peft.LoraConfig(r=8, lora_alpha=16, target_modules=TARGETS, lora_dropout=0.0)
+def lora(model: torch.nn.Module, targets: list[str] = TARGETS) -> torch.nn.Module:
+    config = peft.LoraConfig(r=8, lora_alpha=16, target_modules=targets, lora_dropout=0.0)
     return peft.get_peft_model(model, config)
 
 

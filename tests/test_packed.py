@@ -158,7 +158,7 @@ def llama():
 
 
 def family(model_type: str, **kwargs):
-    from families import Family, build
+    from tools.families import Family, build
 
     return functools.partial(build, Family(model_type, **kwargs))
 
@@ -174,9 +174,11 @@ def packed_loss(model, batch):
     return nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), labels.reshape(-1), ignore_index=-100)
 
 
-def packed_batches(steps: int, rows: int = 4, seed: int = 0):
-    """(ids, labels, position ids): labels are each document's next token, -100 at its last."""
-    pos = packed_positions([SEQ_ROWS[r % len(SEQ_ROWS)] for r in range(rows)])
+def packed_batches(steps: int, rows: int = 4, seed: int = 0, lengths: list[list[int]] = SEQ_ROWS):
+    """(ids, labels, position ids): labels are each document's next token, -100 at its last.
+
+    Row ``r`` packs documents of ``lengths[r % len(lengths)]`` tokens."""
+    pos = packed_positions([lengths[r % len(lengths)] for r in range(rows)])
     g = torch.Generator().manual_seed(seed)
     out = []
     for _ in range(steps):

@@ -296,7 +296,7 @@ HF = {  # family: (mesh, tensor-parallel axis, micro-batches)
 @pytest.mark.slow
 @pytest.mark.parametrize("family", list(HF))
 def test_hf_models_train_like_eager_torch(family):
-    from families import Family, build
+    from tools.families import Family, build
 
     axes, tp, microbatches = HF[family]
     model_family = Family(family, moe=family == "mixtral", extra=(("num_hidden_layers", 4),))

@@ -49,7 +49,7 @@ def torch_mixed_precision(master, loss_fn, data):
         loss = loss_fn(low, batch)
         loss.backward()
         for p, q in zip(master.parameters(), low.parameters(), strict=True):
-            p.grad = q.grad.float()
+            p.grad = None if q.grad is None else q.grad.float()  # a parameter the loss does not use has none
         opt.step()
         opt.zero_grad()
         losses.append(loss.item())

@@ -193,7 +193,7 @@ def test_moe_router_logits_train_the_aux_loss_under_remat_and_scan_like_torch(fa
     scan_layers they leaked out of the body as tracers (UnexpectedTracerError)."""
     import copy
 
-    from families import build, loss_and_aux, with_router_logits
+    from tools.families import build, loss_and_aux, with_router_logits
 
     reference = build(with_router_logits(family))
     model = copy.deepcopy(reference)

@@ -1,8 +1,10 @@
-"""Tiny configs of transformers families that ship a tensor-parallel plan (transformers 5.23).
+"""Tiny configs of transformers causal-LM families, shared by the tests and the conformance matrix.
 
 A family is built from its own config class with small sizes: the fields below are set where the
 config has them; per-layer lists are cut to two entries (two kinds kept when there are two);
-dropout-like fields are 0 so that two train-mode forwards agree.
+dropout-like fields are 0 so that two train-mode forwards agree. `causal_lm_types` lists every
+causal-LM family the installed transformers offers; `family` gives any of them, with the overrides
+of DENSE/MOE where a family needs one.
 """
 
 from __future__ import annotations
@@ -121,7 +123,7 @@ def _randomize_zero_routers(model: torch.nn.Module) -> None:
     with torch.no_grad():
         for name, p in model.named_parameters():
             routes = p.ndim == 2 and ("router" in name or name.endswith("gate.weight"))
-            if routes and p.numel() and not p.any():
+            if routes and p.numel() and not p.is_meta and not p.any():
                 p.normal_(std=0.02, generator=gen)
 
 
@@ -179,3 +181,36 @@ def loss_and_aux(model: torch.nn.Module, ids: torch.Tensor):
     """transformers' own LM loss (the aux loss included) and the aux loss as a metric."""
     out = model(input_ids=ids, labels=ids)
     return out.loss, {"aux_loss": out.aux_loss}
+
+
+def causal_lm_types() -> list[str]:
+    """Every model type transformers' AutoModelForCausalLM maps, sorted (multimodal and encoder ones too)."""
+    from transformers.models.auto import modeling_auto
+
+    return sorted(modeling_auto.MODEL_FOR_CAUSAL_LM_MAPPING_NAMES)
+
+
+def family(model_type: str) -> Family:
+    """The family of DENSE/MOE (with its overrides) when it is there, else one without overrides.
+
+    A family outside the two lists is MoE when its tiny model has stacked expert weights (`has_experts`).
+    """
+    known = {f.model_type: f for f in DENSE + MOE}
+    return known.get(model_type) or Family(model_type)
+
+
+def has_experts(model: torch.nn.Module) -> bool:
+    """Whether ``model`` keeps its experts' weights stacked ``[experts, ...]`` (what expert parallelism splits)."""
+    return any(p.ndim == 3 and "experts" in name for name, p in model.named_parameters())
+
+
+class _Factories:
+    """``FACTORIES.<model_type>``: a no-argument builder of that family, for ``python -m torchshard plan``."""
+
+    def __getattr__(self, model_type: str) -> Any:
+        if model_type.startswith("_"):
+            raise AttributeError(model_type)
+        return lambda: build(family(model_type))
+
+
+FACTORIES = _Factories()

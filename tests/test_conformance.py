@@ -1,0 +1,125 @@
+"""The conformance matrix (tools/conformance.py): one row run here, and how the script judges and records cells."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import sys
+import textwrap
+
+import pytest
+
+import torchshard as ts
+from tools import capabilities, conformance
+from tools.capabilities import run_family
+from tools.cells import Cell, Work, eager, losses_cell, run_cell
+from tools.families import DENSE, MOE, causal_lm_types
+
+pytest.importorskip("transformers")
+pytest.importorskip("peft")
+
+
+def test_one_row_llama_is_within_tolerance_or_refused_in_every_column():
+    cells = dict(run_family("llama"))
+    assert cells.pop("kind").text == "dense"
+    assert list(cells) == [c.key for c in capabilities.COLUMNS]
+    wrong = {k: c.render() for k, c in cells.items() if c.status not in ("ok", "refused", "n/a")}
+    assert wrong == {}
+    assert cells["train"].status == "ok" and cells["generate"].text == "= eager"  # it ran, not refused
+    assert {k for k, c in cells.items() if c.status == "n/a"} == {"a2a", "bf16", "cp_a2a"}  # MoE columns
+
+
+def test_every_family_the_suite_trains_is_enumerated():
+    assert {f.model_type for f in DENSE + MOE} <= set(causal_lm_types())
+
+
+def test_families_without_a_row_say_why():
+    assert dict(run_family("gemma3"))["skipped"].text.startswith("not a text-only causal LM")
+    assert dict(run_family("bert"))["skipped"].text.startswith("not causal: its eager logits change")
+
+
+def _raises(error: Exception, *, after_work: bool = False):
+    def capability(row, work: Work) -> Cell:
+        work.began = after_work
+        raise error
+
+    return capability
+
+
+@pytest.mark.parametrize(
+    ("capability", "rendered"),
+    [
+        (_raises(ts.ShardingError("no plan:\n  q_proj: 3 heads")), "refused: ShardingError: no plan: q_proj: 3 heads"),
+        (_raises(ts.ArgumentError("bad ids"), after_work=True), "✗ typed error after work began: ArgumentError: bad"),
+        (_raises(RuntimeError("Boolean value of Tensor")), "✗ RuntimeError: Boolean value of Tensor"),
+        (lambda row, work: eager(lambda: 1 / 0), "✗ the eager reference failed: ZeroDivisionError"),
+        (lambda row, work: Cell("ok", "1.0e-07"), "✓ 1.0e-07"),
+    ],
+    ids=["typed-first", "typed-after-work", "untyped", "no-truth", "ok"],
+)
+def test_a_cell_is_a_refusal_only_for_a_typed_error_before_any_result(capability, rendered):
+    assert run_cell(capability, None).render().startswith(rendered)
+
+
+def test_a_cell_quotes_torchshard_warnings_but_not_unused_rules():
+    def capability(row, work):
+        import warnings
+
+        warnings.warn("plan rule matched nothing", ts.UnusedRuleWarning, stacklevel=1)
+        warnings.warn("ring attention skipped for Gemma2", ts.ExpertDispatchWarning, stacklevel=1)
+        return Cell("ok", "0.0e+00")
+
+    assert run_cell(capability, None).render() == "✓ 0.0e+00 (warned: ring attention skipped for Gemma2)"
+
+
+def test_losses_over_the_tolerance_are_a_failure():
+    assert losses_cell([1.0, 2.0], [1.0, 2.0002], 1e-4).render() == "✓ 1.0e-04"
+    failed = losses_cell([1.0, 2.0], [1.0, 2.001], 1e-4)
+    assert failed.render() == "✗ losses differ by 5.0e-04 (rtol 0.0001)"
+    assert losses_cell([float("nan")], [1.0], 1e-4).status == "fail"
+
+
+# a stand-in worker: answers one family with one cell, then dies the way XLA's checks do (or hangs)
+FAKE_WORKER = textwrap.dedent("""
+    import json, os, sys, time
+    name = sys.stdin.readline().strip()
+    cell = {"status": "ok", "text": "1.0e-07", "seconds": 0.1}
+    print(json.dumps({"family": name, "key": "train", "cell": cell}), flush=True)
+    print("F0000 hlo_instruction.cc:1234] Invalid binary instruction opcode copy", file=sys.stderr, flush=True)
+    time.sleep(60) if sys.argv[1] == "hang" else os.abort()
+""")
+
+
+@pytest.mark.parametrize(("how", "why"), [("abort", "crashed (killed by SIGABRT)"), ("hang", "timed out after 3 s")])
+def test_a_worker_that_dies_or_hangs_fails_its_familys_remaining_cells(how, why):
+    worker = conformance.Worker(None, command=[sys.executable, "-c", FAKE_WORKER, how])
+    result, usable = conformance._run_one(worker, "mixtral", ["train", "bf16", "lora"], timeout=3)
+    worker.stop()
+    assert not usable
+    assert result.cells["train"]["status"] == "ok"
+    for key in ("bf16", "lora"):
+        cell = result.cells[key]
+        assert cell["status"] == "fail" and cell["text"].startswith(why), cell
+        assert "Invalid binary instruction opcode copy" in cell["text"]
+
+
+def _report(cells: dict) -> dict:
+    result = conformance.Result(kind="MoE", seconds=1.0, cells=cells)
+    skipped = conformance.Result(skipped="not causal")
+    families = {"mixtral": dataclasses.asdict(result), "bert": dataclasses.asdict(skipped)}
+    return {"command": "python3 dev.py conformance", "date": "today", "seconds": 60.0, "jobs": 2,
+            "versions": {"torch": "2"}, "xla_flags": "", "families": families}  # fmt: skip
+
+
+def test_the_table_goes_between_the_markers_and_check_counts_the_failures(tmp_path):
+    cells = {"train": {"status": "ok", "text": "1.0e-07"}, "bf16": {"status": "fail", "text": "crashed | SIGABRT"}}
+    report = _report(cells)
+    page = tmp_path / "conformance.md"
+    page.write_text(f"# Title\n\nkept\n\n{conformance.BEGIN}\nold\n{conformance.END}\n\nkept too\n")
+    conformance.write_markdown(page, conformance.render(report))
+    text = page.read_text()
+    assert text.startswith("# Title\n\nkept\n\n") and text.endswith("\n\nkept too\n") and "old" not in text
+    assert "| mixtral | MoE | 1 | ✓ 1.0e-07 |" in text and "✗ crashed \\| SIGABRT" in text
+    assert "| bert |  | 0 | skipped: not causal |" in text
+    assert "python3 dev.py conformance" in text and "rtol" in text  # the command and the tolerances
+    assert conformance.failures(json.loads(json.dumps(report))["families"]) == ["mixtral/bf16"]

@@ -1,0 +1,389 @@
+"""One row of the conformance matrix: each torchshard capability on one transformers family, against eager torch.
+
+The references, batches and tolerances are the test suite's (tests/helpers.py, test_families.py,
+test_evaluate.py, test_generate.py, test_packed.py, test_precision.py, test_lora.py); this module runs
+them on any family and turns each outcome into a `Cell` (tools/cells.py) instead of an assertion.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import dataclasses
+import functools
+import io
+import json
+import tempfile
+import warnings
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import optax
+import test_evaluate
+import test_families
+import test_generate
+import test_lora
+import test_packed
+import test_precision
+import torch
+from helpers import jit_forward, scaled_error, torch_losses
+
+import torchshard as ts
+from tools.cells import Cell, Work, eager, first_line, losses_cell, run_cell, within
+from tools.families import Family, build, family, has_experts, lm_loss
+
+# packed rows of 64 tokens (the families' positions): documents crossing the 16-token chunks of context=4
+PACKED_ROWS = [[20, 30, 14], [64], [10, 40, 14], [16, 16, 16, 16]]
+SHORT, LONG = 5, 12  # prompt lengths: shorter and longer than the families' windows (tools.families.SMALL: 8)
+
+
+@dataclasses.dataclass(frozen=True)
+class Column:
+    """A capability: its key, its heading and how its cell is judged."""
+
+    key: str
+    title: str
+    truth: str
+
+
+COLUMNS = (
+    Column("train", "train hf_rules", "4 AdamW steps on data=4 × model=2 (FSDP × TP); losses rtol "
+           f"{test_families.RTOL:.0e}"),
+    Column("evaluate", "evaluate", f"Trainer.evaluate after training vs eager on its weights: loss rtol "
+           f"{test_evaluate.RTOL:.0e}, logits max|Δ|/max(1,max|eager|) ≤ {test_evaluate.RTOL:.0e}"),
+    Column("load_meta", "load → meta", "load_safetensors into a meta-built model + hf_rules plan: state bit-equal, "
+           f"forward logits ≤ {test_evaluate.RTOL:.0e} (scaled as above)"),
+    Column("load_trainer", "load → Trainer", "load_safetensors into the trained Trainer: state bit-equal, "
+           f"evaluate logits ≤ {test_evaluate.RTOL:.0e}"),
+    Column("generate", f"generate ({SHORT})", f"greedy, {test_generate.NEW} new tokens, prompts of {SHORT} (under "
+           "the window), plain and left-padded: every token equal to eager HF generate"),
+    Column("generate_long", f"generate ({LONG})", f"as generate, prompts of {LONG} (past the 8-token windows)"),
+    Column("cp_ring", "packed CP ring", "packed documents, data=2 × context=4, 2 AdamW steps vs eager transformers "
+           f"on the same position ids; losses rtol {test_families.RTOL:.0e}"),
+    Column("cp_all_gather", "packed CP all_gather", "as packed CP ring, attention='all_gather'"),
+    Column("a2a", "MoE all_to_all", "data=2 × expert=4, ExpertDispatch('all_to_all'); losses rtol "
+           f"{test_families.RTOL:.0e}"),
+    Column("bf16", "MoE bf16 all_to_all", "MixedPrecision on expert=4 × model=2 (all-to-all) vs an eager torch twin "
+           f"of the bf16 policy; losses rtol {test_precision.RTOL:.0e}"),
+    Column("cp_a2a", "MoE CP × all_to_all", "packed documents, context=2 × expert=4, ring; losses rtol "
+           f"{test_families.RTOL:.0e}"),
+    Column("lora", "LoRA TP", "peft LoRA on the tp_plan's Linear layers, data=4 × model=2; losses rtol "
+           f"{test_families.RTOL:.0e}"),
+    Column("plan_compile", "plan --compile", "python -m torchshard plan --preset hf --compile --batch 8x16 on "
+           "data=4 × model=2: compiles; peak bytes per device"),
+)  # fmt: skip
+
+
+def _forward(model: torch.nn.Module, ids: torch.Tensor) -> dict[str, torch.Tensor]:
+    out = model(input_ids=ids, labels=ids, use_cache=False)
+    return {"loss": out.loss, "logits": out.logits}
+
+
+def _state_error(state: dict[str, torch.Tensor], expected: dict[str, torch.Tensor]) -> float:
+    """The largest absolute difference between two state dicts with the same names (inf where they do not)."""
+    if list(state) != list(expected):
+        return float("inf")
+    return max((float((state[n].double() - v.double()).abs().max()) for n, v in expected.items() if v.numel()),
+               default=0.0)  # fmt: skip
+
+
+class Row:
+    """One family's shared pieces, each built on first use: the eager model, its checkpoint, the hf_rules Trainer."""
+
+    def __init__(self, model_type: str, folder: Path) -> None:
+        self.family: Family = family(model_type)
+        self.original: Any = build(self.family).eval()  # the weights every reference starts from; never trained
+        self.moe = self.family.moe or has_experts(self.original)
+        self.folder = folder
+        self.batch = test_families._batches(seed=9)[0]  # for evaluate and the forward comparisons
+
+    def fresh(self) -> torch.nn.Module:
+        """A train-mode copy of the original model."""
+        return copy.deepcopy(self.original).train()
+
+    @functools.cached_property
+    def plan_kind(self) -> str:
+        """hf_rules (FSDP × TP); FSDP alone for a family without a tp_plan, which hf_rules refuses."""
+        return "hf_rules" if getattr(self.original.config, "base_model_tp_plan", None) else "fsdp"
+
+    @functools.cached_property
+    def trainer(self) -> ts.Trainer:
+        """The Trainer train steps, evaluate reads and load_safetensors fills."""
+        return test_families.trainer_for(self.fresh(), self.plan_kind)
+
+    def noted(self, cell: Cell) -> Cell:
+        """``cell``, saying so when it ran on FSDP alone."""
+        return cell if self.plan_kind == "hf_rules" else Cell(cell.status, f"{cell.text} (FSDP: no tp_plan)")
+
+    @functools.cached_property
+    def checkpoint(self) -> Path:
+        """The original weights as transformers' save_pretrained writes them (from_pretrained's format)."""
+        eager(self.original.save_pretrained, self.folder / "pretrained")
+        return self.folder / "pretrained"
+
+    @functools.cached_property
+    def eager_outputs(self) -> dict[str, torch.Tensor]:
+        with torch.no_grad():
+            return _forward(self.original, self.batch)
+
+    @functools.cached_property
+    def placed(self) -> torch.nn.Module:
+        model = copy.deepcopy(self.original)
+        axes, rules, _ = test_families._rules(self.plan_kind, model)
+        return ts.shard(model, ts.plan(model, ts.make_mesh(axes), rules))
+
+
+# ---------------------------------------------------------------- the capabilities
+
+
+def train(row: Row, work: Work) -> Cell:
+    data = test_families._batches()
+    ref = row.fresh()
+    expected = eager(torch_losses, ref, lm_loss, test_families._torch_adamw(ref), data)
+    # hf_rules refuses a family without a tp_plan: that refusal is this column's cell
+    trainer = row.trainer if row.plan_kind == "hf_rules" else test_families.trainer_for(row.fresh(), "hf_rules")
+    got = []
+    for ids in data:
+        got.append(float(trainer.step(ids)["loss"]))
+        work.began = True
+    cell = losses_cell(got, expected, test_families.RTOL)
+    known = row.family.mismatch
+    return Cell(cell.status, f"{cell.text} (known: {known})") if known and cell.status == "fail" else cell
+
+
+def evaluate(row: Row, work: Work) -> Cell:
+    out = row.trainer.evaluate(row.batch, _forward)
+    work.began = True
+    reference = row.fresh().eval()
+    reference.load_state_dict(ts.to_torch_state_dict(row.trainer))
+    with torch.no_grad():
+        expected = eager(_forward, reference, row.batch)
+    loss = abs(float(out["loss"]) - float(expected["loss"])) / abs(float(expected["loss"]))
+    if loss > test_evaluate.RTOL:
+        return Cell("fail", f"loss differs by {loss:.1e} (rtol {test_evaluate.RTOL})")
+    return row.noted(within(scaled_error(out["logits"], expected["logits"]), test_evaluate.RTOL, "logits"))
+
+
+def _loaded_cell(state: dict[str, torch.Tensor], row: Row, logits: Any) -> Cell:
+    error = _state_error(state, row.original.state_dict())
+    if error:
+        return Cell("fail", f"loaded state differs from the checkpoint by {error:.1e}")
+    return row.noted(within(scaled_error(logits, row.eager_outputs["logits"]), test_evaluate.RTOL, "logits"))
+
+
+def load_meta(row: Row, work: Work) -> Cell:
+    checkpoint = row.checkpoint
+    with torch.device("meta"):
+        model = build(row.family)
+    axes, rules, _ = test_families._rules(row.plan_kind, model)
+    mesh = ts.make_mesh(axes)
+    ts.load_safetensors(checkpoint, model, ts.plan(model, mesh, rules))
+    work.began = True
+    logits = jit_forward(model, output="logits", use_cache=False)(ts.shard_batch(row.batch, mesh))
+    return _loaded_cell(ts.to_torch_state_dict(model), row, logits)
+
+
+def load_trainer(row: Row, work: Work) -> Cell:
+    ts.load_safetensors(row.checkpoint, row.trainer)
+    work.began = True
+    return _loaded_cell(ts.to_torch_state_dict(row.trainer), row, row.trainer.evaluate(row.batch, _forward)["logits"])
+
+
+def _generate(row: Row, work: Work, seq: int) -> Cell:
+    ids = test_generate._prompts(seq=seq)
+    mask = test_generate._left_padded(ids)
+    differ = []
+    for name, kwargs in (("plain", {}), ("left-padded", {"attention_mask": mask})):
+        expected = eager(test_generate._eager, row.original, ids, eos_token_id=None, **kwargs)
+        got = ts.generate(row.placed, ids, max_new_tokens=test_generate.NEW, eos_token_id=[], **kwargs)
+        work.began = True
+        new = expected[:, seq:].numel()
+        wrong = int((got[:, seq:] != expected[:, seq:]).sum()) if got.shape == expected.shape else new
+        if wrong:
+            differ.append(f"{wrong}/{new} tokens differ ({name})")
+    return row.noted(Cell("fail", "; ".join(differ)) if differ else Cell("ok", "= eager"))
+
+
+def generate(row: Row, work: Work) -> Cell:
+    return _generate(row, work, SHORT)
+
+
+def generate_long(row: Row, work: Work) -> Cell:
+    return _generate(row, work, LONG)
+
+
+def _packed(row: Row, work: Work, axes: dict[str, int], rules: Any, batch_spec: Any, **kwargs: Any) -> Cell:
+    data = test_packed.packed_batches(2, lengths=PACKED_ROWS)
+    expected = eager(test_packed.eager_losses, row.fresh(), data)
+    model = row.fresh()
+    plan = ts.plan(model, ts.make_mesh(axes), rules(model) if rules else None)
+    trainer = ts.Trainer(model, test_packed.packed_loss, test_packed.adamw(), plan, batch_spec=batch_spec, **kwargs)
+    got = []
+    for batch in data:
+        got.append(float(trainer.step(batch)["loss"]))
+        work.began = True
+    return losses_cell(got, expected, test_families.RTOL)
+
+
+def cp_ring(row: Row, work: Work) -> Cell:
+    context = ts.ContextParallel(attention="ring")
+    return _packed(row, work, {"data": 2, "context": 4}, None, ("data", "context"), context=context)
+
+
+def cp_all_gather(row: Row, work: Work) -> Cell:
+    context = ts.ContextParallel(attention="all_gather")
+    return _packed(row, work, {"data": 2, "context": 4}, None, ("data", "context"), context=context)
+
+
+NOT_MOE = Cell("n/a", "")
+
+
+def a2a(row: Row, work: Work) -> Cell:
+    if not row.moe:
+        return NOT_MOE
+    data = test_families._batches()
+    ref = row.fresh()
+    expected = eager(torch_losses, ref, lm_loss, test_families._torch_adamw(ref), data)
+    trainer = test_families.trainer_for(row.fresh(), "expert_parallel")
+    got = []
+    for ids in data:
+        got.append(float(trainer.step(ids)["loss"]))
+        work.began = True
+    cell = losses_cell(got, expected, test_families.RTOL)
+    moved = trainer.expert_dispatch == ts.ExpertDispatch("all_to_all")
+    return cell if moved else Cell(cell.status, f"{cell.text} (dispatch: {trainer.expert_dispatch})")
+
+
+def bf16(row: Row, work: Work) -> Cell:
+    if not row.moe:
+        return NOT_MOE
+    data = test_families._batches()
+    expected = eager(test_precision.torch_mixed_precision, row.fresh(), lm_loss, data)
+    trainer = test_families.trainer_for(row.fresh(), "expert_model", precision=ts.MixedPrecision())
+    got = []
+    for ids in data:
+        got.append(float(trainer.step(ids)["loss"]))
+        work.began = True
+    return losses_cell(got, list(expected), test_precision.RTOL)
+
+
+def cp_a2a(row: Row, work: Work) -> Cell:
+    if not row.moe:
+        return NOT_MOE
+    rules = functools.partial(ts.presets.hf_rules, axis=None, expert_axis="expert", fsdp_axis=None)
+    return _packed(row, work, {"context": 2, "expert": 4}, rules, ("expert", "context"), context=ts.ContextParallel())
+
+
+def lora_targets(model: torch.nn.Module) -> list[str]:
+    """The names of the Linear layers the model's tp_plan splits column- or row-wise (peft's target_modules)."""
+    plan = getattr(model.config, "base_model_tp_plan", None) or {}
+    names = {key.rsplit(".", 1)[-1] for key, style in plan.items() if "colwise" in style or "rowwise" in style}
+    linear = {name.rsplit(".", 1)[-1] for name, m in model.named_modules() if isinstance(m, torch.nn.Linear)}
+    return sorted(names & linear)
+
+
+def lora(row: Row, work: Work) -> Cell:
+    targets = lora_targets(row.original)
+    if not targets:
+        return Cell("n/a", "no Linear layer in the tp_plan")
+    torch.manual_seed(0)  # peft's initialisation of the adapters
+    model = test_lora.lora(row.fresh(), targets)
+    ref = copy.deepcopy(model)
+    data = test_families._batches()
+    trainable = [p for p in ref.parameters() if p.requires_grad]
+    optimizer = torch.optim.AdamW(trainable, lr=test_lora.LR, weight_decay=test_lora.WD)
+    expected = eager(torch_losses, ref, test_lora.lm_loss, optimizer, data)
+    axes, rules = test_lora.RULES["fsdp_tp"]
+    plan = ts.plan(model, ts.make_mesh(axes), rules(model))
+    trainer = ts.Trainer(model, test_lora.lm_loss, optax.adamw(test_lora.LR, weight_decay=test_lora.WD), plan)
+    got = []
+    for ids in data:
+        got.append(float(trainer.step(ids)["loss"]))
+        work.began = True
+    return losses_cell(got, expected, test_families.RTOL)
+
+
+def plan_compile(row: Row, work: Work) -> Cell:
+    from torchshard.__main__ import EXIT_INVALID_PLAN, main
+
+    argv = ["plan", f"tools.families:FACTORIES.{row.family.model_type}", "--mesh", "data=4,model=2", "--preset",
+            "hf", "--compile", "--batch", "8x16", "--format", "json"]  # fmt: skip
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        code = main(argv)
+    lines = [x for x in err.getvalue().splitlines() if x.strip() and not x.startswith(("note:", "error: invalid"))]
+    if code == EXIT_INVALID_PLAN:
+        return Cell("refused", f"ShardingError: {lines[0] if lines else ''}"[:300])
+    if code:
+        return Cell("fail", f"exit {code}: {lines[-1] if lines else ''}"[:300])
+    compiled = json.loads(out.getvalue())["compiled"]
+    return Cell("ok", f"peak {compiled['peak_bytes'] / 2**20:.2f} MiB")
+
+
+CAPABILITIES: dict[str, Callable[[Row, Work], Cell]] = {
+    "train": train,
+    "evaluate": evaluate,
+    "load_meta": load_meta,
+    "load_trainer": load_trainer,
+    "generate": generate,
+    "generate_long": generate_long,
+    "cp_ring": cp_ring,
+    "cp_all_gather": cp_all_gather,
+    "a2a": a2a,
+    "bf16": bf16,
+    "cp_a2a": cp_a2a,
+    "lora": lora,
+    "plan_compile": plan_compile,
+}
+assert list(CAPABILITIES) == [c.key for c in COLUMNS]
+
+
+def skip_reason(model_type: str) -> str | None:
+    """Why a family has no row of results (not a text causal LM, or no tiny build), or None."""
+    import transformers
+    from transformers.models.auto import configuration_auto, modeling_auto
+
+    config_class = getattr(transformers, configuration_auto.CONFIG_MAPPING_NAMES.get(model_type, ""), None)
+    lm_class = getattr(transformers, modeling_auto.MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.get(model_type, ""), None)
+    if config_class is None or lm_class is None:
+        return "transformers names no config or causal-LM class for it"
+    sub = [k for k in ("text_config", "vision_config", "audio_config") if k in getattr(config_class, "sub_configs", {})]
+    if sub:
+        return f"not a text-only causal LM (its config nests {', '.join(sub)})"
+    return None
+
+
+def _row(model_type: str, folder: Path) -> tuple[Row | None, str]:
+    """The family's `Row`, or why it has none: its tiny model does not build, or eager torch cannot run it."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # transformers' notes on tiny configs
+        try:
+            row = Row(model_type, folder)
+            logits = row.eager_outputs["logits"]
+            changed = row.batch.clone()
+            changed[:, -1] = (changed[:, -1] + 1) % 128
+            with torch.no_grad():
+                sees_later = not torch.equal(_forward(row.original, changed)["logits"][:, :-1], logits[:, :-1])
+        except Exception as err:  # no truth to compare with
+            return None, f"cannot build or run eagerly from a tiny config: {type(err).__name__}: {first_line(err)}"
+    if sees_later:
+        return None, "not causal: its eager logits change with later tokens (an encoder; is_decoder=False)"
+    return row, ""
+
+
+def run_family(model_type: str, keys: list[str] | None = None) -> Iterator[tuple[str, Cell]]:
+    """("kind", dense or MoE), then each capability's cell on ``model_type`` in `COLUMNS` order (``keys`` limits them).
+
+    Yields ("skipped", reason) alone when the family has no row: not a text causal LM, no tiny
+    build, or eager torch cannot run it (there is then no truth to compare with).
+    """
+    reason = skip_reason(model_type)
+    with tempfile.TemporaryDirectory() as folder:
+        row, reason = (None, reason) if reason else _row(model_type, Path(folder))
+        if row is None:
+            yield "skipped", Cell("n/a", reason)
+            return
+        yield "kind", Cell("n/a", "MoE" if row.moe else "dense")
+        for key in keys or list(CAPABILITIES):
+            yield key, run_cell(CAPABILITIES[key], row)

@@ -1,0 +1,388 @@
+"""The conformance matrix: every causal-LM family of the installed transformers × every torchshard capability.
+
+    python3 dev.py conformance                   # every family, 2 worker processes; writes docs/conformance.md
+    python3 dev.py conformance --families llama,mixtral   # those rows, printed (add --out to write them)
+    python3 dev.py conformance --check           # exit 1 if any cell is ✗ (CI)
+
+Each family runs in a worker process (tools/capabilities.py does one row), so an XLA abort takes down
+one family, whose remaining cells say so, and a fresh worker carries on with the next.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import dataclasses
+import datetime
+import json
+import os
+import queue
+import re
+import resource
+import shlex
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parent.parent
+if __package__ in (None, ""):
+    sys.path.insert(0, str(ROOT))  # run as a script: `tools` is a folder of the clone, not an installed package
+
+DOC, DATA = ROOT / "docs" / "conformance.md", ROOT / "docs" / "conformance.json"
+BEGIN, END = "<!-- conformance:begin (written by tools/conformance.py) -->", "<!-- conformance:end -->"
+VERSIONS = ("torch", "jax", "torchax", "transformers", "peft")
+# what ends a process: XLA's and glog's fatal checks (F1126 12:00:00.1 ... file.cc:123] ...), Python's fatal errors
+FATAL = re.compile(r"F\d{4} |Fatal Python error|.*Check failed")
+XLA_FLAGS: set[str] = set()  # what the workers ran with (conftest.py picks them)
+
+
+# ---------------------------------------------------------------- the worker: one family at a time, cells as JSON
+
+
+def _setup_worker() -> None:
+    """The test suite's process setup (root conftest.py): its XLA flags, 8 CPU devices, one OpenMP thread."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("_torchshard_test_setup", ROOT / "conftest.py")
+    assert spec is not None and spec.loader is not None
+    spec.loader.exec_module(importlib.util.module_from_spec(spec))
+
+
+def worker(keys: list[str] | None) -> None:
+    """Reads family names on stdin; writes one JSON line per cell, then {"done": ...}, on the original stdout."""
+    protocol = os.fdopen(os.dup(1), "w")
+    os.dup2(2, 1)  # anything else printed (tqdm, transformers, XLA) goes to stderr
+    sys.stdout = sys.stderr
+    _setup_worker()
+    from tools.capabilities import run_family
+
+    print(json.dumps({"xla_flags": os.environ.get("XLA_FLAGS", "")}), file=protocol, flush=True)
+
+    for line in sys.stdin:
+        name, begun, cpu = line.strip(), time.perf_counter(), _cpu_seconds()
+        for key, cell in run_family(name, keys):
+            print(json.dumps({"family": name, "key": key, "cell": dataclasses.asdict(cell)}), file=protocol, flush=True)
+        done = {"done": round(time.perf_counter() - begun, 1), "cpu": round(_cpu_seconds() - cpu, 1)}
+        print(json.dumps({"family": name, **done}), file=protocol, flush=True)
+
+
+def _cpu_seconds() -> float:
+    """CPU time of this process, all threads (XLA compiles on several): a family's cost on an idle machine."""
+    usage = resource.getrusage(resource.RUSAGE_SELF)
+    return usage.ru_utime + usage.ru_stime
+
+
+# ---------------------------------------------------------------- the pool
+
+
+@dataclasses.dataclass
+class Result:
+    kind: str = ""
+    skipped: str = ""
+    seconds: float = 0.0
+    cpu_seconds: float = 0.0
+    cells: dict[str, dict[str, Any]] = dataclasses.field(default_factory=dict)
+
+
+class Worker:
+    """A worker process, its stdout lines on a queue, its stderr in a file (read back after a crash)."""
+
+    def __init__(self, keys: list[str] | None, command: list[str] | None = None) -> None:
+        only = ["--only", ",".join(keys)] if keys else []
+        cmd = command or [sys.executable, str(Path(__file__).resolve()), "--worker", *only]
+        self.stderr = tempfile.TemporaryFile(mode="w+")  # noqa: SIM115 (closed by stop(), after the process)
+        env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
+        self.proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self.stderr, text=True,
+                                     cwd=ROOT, env=env, start_new_session=True)  # fmt: skip
+        self.lines: queue.Queue[str | None] = queue.Queue()
+        self.reader = threading.Thread(target=self._read, daemon=True)
+        self.reader.start()
+
+    def _read(self) -> None:
+        assert self.proc.stdout is not None
+        for line in self.proc.stdout:
+            self.lines.put(line)
+        self.lines.put(None)
+
+    def send(self, name: str) -> int:
+        """Starts a family; returns where its stderr begins."""
+        self.stderr.seek(0, os.SEEK_END)
+        start = self.stderr.tell()
+        assert self.proc.stdin is not None
+        self.proc.stdin.write(name + "\n")
+        self.proc.stdin.flush()
+        return start
+
+    def tail(self, start: int) -> str:
+        """The last lines the worker wrote to stderr since ``start`` (an XLA check's message, a traceback's end)."""
+        self.stderr.seek(start)
+        lines = [x.strip() for x in self.stderr.read().splitlines() if x.strip()]
+        fatal = [x for x in lines if FATAL.match(x)]  # a check's message comes before its stack trace
+        return " / ".join(fatal[-1:] or lines[-3:])[-400:]
+
+    def kill(self) -> None:
+        if self.proc.poll() is None:
+            os.killpg(self.proc.pid, signal.SIGKILL)  # its own session: XLA's threads and anything it started
+        self.proc.wait()
+
+    def stop(self) -> None:
+        self.kill()
+        self.reader.join()  # the pipe ends once the process is gone
+        for pipe in (self.proc.stdin, self.proc.stdout, self.stderr):
+            with contextlib.suppress(OSError):  # stdin: a dead reader's pipe
+                if pipe is not None:
+                    pipe.close()
+
+
+def _death(proc: subprocess.Popen[str]) -> str:
+    code = proc.wait()
+    return f"killed by {signal.Signals(-code).name}" if code < 0 else f"exited {code}"
+
+
+def _run_one(worker: Worker, name: str, keys: list[str], timeout: float) -> tuple[Result, bool]:
+    """One family on ``worker``: its result, and whether the worker is still usable."""
+    result, start, begun = Result(), worker.send(name), time.perf_counter()
+    while True:
+        try:
+            line = worker.lines.get(timeout=max(1.0, timeout - (time.perf_counter() - begun)))
+        except queue.Empty:
+            line, why = None, f"timed out after {timeout:.0f} s"
+            worker.kill()
+        else:
+            why = "" if line is not None else f"crashed ({_death(worker.proc)})"
+        if line is None:
+            tail = worker.tail(start)
+            for key in keys:
+                result.cells.setdefault(key, {"status": "fail", "text": f"{why}: {tail}", "seconds": 0.0})
+            result.seconds = round(time.perf_counter() - begun, 1)
+            return result, False
+        message = json.loads(line)
+        if "xla_flags" in message:
+            XLA_FLAGS.add(message["xla_flags"])
+            continue
+        if "done" in message:
+            result.seconds, result.cpu_seconds = message["done"], message["cpu"]
+            return result, True
+        cell = message["cell"]
+        if message["key"] == "kind":
+            result.kind = cell["text"]
+        elif message["key"] == "skipped":
+            result.skipped = cell["text"]
+        else:
+            result.cells[message["key"]] = cell
+
+
+def _summary(result: Result) -> str:
+    if result.skipped:
+        return f"skipped: {result.skipped}"
+    counts = {s: sum(c["status"] == s for c in result.cells.values()) for s in ("ok", "refused", "fail")}
+    return f"{counts['ok']} ✓, {counts['refused']} refused, {counts['fail']} ✗"
+
+
+def run_pool(
+    names: list[str], keys: list[str], *, jobs: int, timeout: float, done: Callable[[dict[str, Result]], None]
+) -> dict[str, Result]:
+    """Every family on ``jobs`` workers; a worker that dies or hangs is replaced. Prints a line per family
+    and calls ``done`` with the results so far."""
+    todo: queue.Queue[str] = queue.Queue()
+    for name in names:
+        todo.put(name)
+    results: dict[str, Result] = {}
+    lock, begun = threading.Lock(), time.perf_counter()
+
+    def slot() -> None:
+        worker = None
+        while True:
+            try:
+                name = todo.get_nowait()
+            except queue.Empty:
+                break
+            worker = worker or Worker(keys)
+            result, usable = _run_one(worker, name, keys, timeout)
+            if not usable:
+                worker.stop()
+                worker = None
+            with lock:
+                results[name] = result
+                elapsed = time.perf_counter() - begun
+                print(f"[{len(results)}/{len(names)} {elapsed:5.0f} s] {name}: {result.seconds:.0f} s "
+                      f"(CPU {result.cpu_seconds:.0f} s), {_summary(result)}", flush=True)  # fmt: skip
+                done({n: results[n] for n in names if n in results})
+        if worker is not None:
+            worker.stop()
+
+    threads = [threading.Thread(target=slot) for _ in range(max(1, min(jobs, len(names))))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    return {name: results[name] for name in names}
+
+
+# ---------------------------------------------------------------- the table
+
+
+def _versions() -> dict[str, str]:
+    import importlib.metadata
+
+    return {name: importlib.metadata.version(name) for name in VERSIONS}
+
+
+def _cell_text(cell: dict[str, Any] | None) -> str:
+    if cell is None:
+        return ""
+    prefix = {"ok": "✓ ", "refused": "refused: ", "fail": "✗ ", "n/a": "— "}[cell["status"]]
+    return (prefix + cell["text"]).strip().replace("|", "\\|").replace("\n", " ")
+
+
+def render(report: dict[str, Any]) -> str:
+    """The markdown between the markers: how to read it, the tolerances, versions and command, then the table."""
+    from tools.capabilities import COLUMNS
+
+    families = report["families"]
+    counted = [c for r in families.values() for c in r["cells"].values()]
+    totals = {s: sum(c["status"] == s for c in counted) for s in ("ok", "refused", "fail")}
+    versions = ", ".join(f"{k} {v}" for k, v in report["versions"].items())
+    cpu = sum(r["cpu_seconds"] for r in families.values())
+    lines = [
+        BEGIN,
+        "",
+        f"Generated by `{report['command']}` on {report['date']} in {report['seconds'] / 60:.1f} min with "
+        f"{report['jobs']} worker processes (the families' CPU time: {cpu / 60:.1f} min); {versions}; "
+        f"XLA_FLAGS `{report['xla_flags']}`. Column s: a family's wall-clock seconds."
+        + (f" **Partial: {report['partial']} so far.**" if report.get("partial") else ""),
+        "",
+        "How to read a cell: **✓ d**: the capability ran and agrees with eager, unsharded torch on CPU; d is the "
+        "largest difference found (relative, for losses; scaled by max(1, max|eager|), for logits) — for generate, "
+        "every token is equal; for plan --compile, the compiled step's peak bytes per device. **refused: reason**: "
+        "torchshard raised a typed error (ShardingError, ArgumentError, CheckpointError) before producing any "
+        "result. **✗ reason**: anything else — a difference over the tolerance, an untyped exception, a typed "
+        "error after work began, a crash or a timeout of the worker process (with the end of its stderr). "
+        "**—**: does not apply (MoE columns on dense families; LoRA where the tp_plan names no Linear layer). "
+        "`(warned: ...)` quotes a torchshard warning the capability raised; `(FSDP: no tp_plan)` marks a cell run "
+        "on FSDP alone because hf_rules refuses a family without a tensor-parallel plan. Every family is a tiny "
+        "config (tools/families.py: hidden 64, 2 layers, vocab 128, windows of 8 tokens, 4 experts, 2 per token).",
+        "",
+        f"Cells: {totals['ok']} ✓, {totals['refused']} refused, {totals['fail']} ✗; "
+        f"{sum(bool(r['skipped']) for r in families.values())} of {len(families)} families skipped.",
+        "",
+        "| column | what runs, and its truth and tolerance |",
+        "|---|---|",
+        *(f"| {c.title} | {c.truth} |" for c in COLUMNS),
+        "",
+        "| family | kind | s | " + " | ".join(c.title for c in COLUMNS) + " |",
+        "|---|---|---|" + "---|" * len(COLUMNS),
+    ]
+    for name, r in sorted(families.items()):
+        if r["skipped"]:
+            cells = [f"skipped: {r['skipped']}"] + [""] * (len(COLUMNS) - 1)
+        else:
+            cells = [_cell_text(r["cells"].get(c.key)) for c in COLUMNS]
+        lines.append(f"| {name} | {r['kind']} | {r['seconds']:.0f} | " + " | ".join(cells) + " |")
+    return "\n".join([*lines, "", END])
+
+
+def write_markdown(path: Path, block: str) -> None:
+    """Puts ``block`` between the markers of ``path`` (created with a title when missing); the rest stays."""
+    text = path.read_text() if path.exists() else f"# Conformance matrix\n\n{BEGIN}\n{END}\n"
+    head, _, rest = text.partition(BEGIN)
+    _, _, tail = rest.partition(END)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(head + block + tail)
+
+
+def failures(families: dict[str, Any]) -> list[str]:
+    """``family/column`` of every ✗ cell of a report's families."""
+    return [f"{n}/{k}" for n, r in families.items() for k, c in r["cells"].items() if c["status"] == "fail"]
+
+
+# ---------------------------------------------------------------- the command line
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="python3 dev.py conformance", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)  # fmt: skip
+    parser.add_argument("--families", help="comma-separated model types (default: every causal LM of transformers)")
+    parser.add_argument("--only", help="comma-separated capability columns (default: all)")
+    parser.add_argument("--jobs", type=int, default=2, help="worker processes (default: 2)")
+    parser.add_argument("--timeout", type=float, default=900, help="seconds one family may take (default: 900)")
+    parser.add_argument("--check", action="store_true", help="exit 1 if any cell is ✗")
+    parser.add_argument("--out", type=Path, help=f"markdown to write (default: {DOC.relative_to(ROOT)} for a full run)")
+    parser.add_argument("--json", type=Path, help=f"results JSON (default: {DATA.relative_to(ROOT)} for a full run)")
+    parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    return parser
+
+
+def _suite_first(names: list[str]) -> list[str]:
+    """The families the test suite trains first (a run cut short has them), then the others."""
+    from tools.families import DENSE, MOE
+
+    suite = {f.model_type for f in DENSE + MOE}
+    return sorted(names, key=lambda n: n not in suite)
+
+
+def _report(argv: list[str], args: argparse.Namespace, results: dict[str, Result], seconds: float, of: int) -> dict:
+    return {
+        "command": " ".join(["python3 dev.py conformance", *map(shlex.quote, argv)]),
+        "date": datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M UTC"),
+        "seconds": round(seconds, 1),
+        "jobs": args.jobs,
+        "versions": _versions(),
+        "xla_flags": " | ".join(sorted(XLA_FLAGS)) or "(none)",
+        "partial": f"{len(results)} of {of} families" if len(results) < of else "",
+        "families": {name: dataclasses.asdict(r) for name, r in results.items()},
+    }
+
+
+def _write(report: dict[str, Any], out: Path | None, data: Path | None) -> None:
+    if out:
+        write_markdown(out, render(report))
+    if data:
+        data.parent.mkdir(parents=True, exist_ok=True)
+        data.write_text(json.dumps(report, indent=1, ensure_ascii=False) + "\n")
+
+
+def main(argv: list[str]) -> int:
+    args = _parser().parse_args(argv)
+    keys = args.only.split(",") if args.only else None
+    if args.worker:
+        worker(keys)
+        return 0
+    from tools.capabilities import COLUMNS
+    from tools.families import causal_lm_types
+
+    known = causal_lm_types()
+    names = args.families.split(",") if args.families else _suite_first(known)
+    unknown = [n for n in names if n not in known] + [k for k in keys or [] if k not in {c.key for c in COLUMNS}]
+    if unknown or args.jobs < 1:
+        print(f"conformance: unknown families or columns {unknown} (or --jobs < 1)", file=sys.stderr)
+        return 2
+    full = not args.families and not args.only
+    out, data = args.out or (DOC if full else None), args.json or (DATA if full else None)
+    begun = time.perf_counter()
+
+    def save(partial: dict[str, Result]) -> None:  # after each family: a run cut short keeps what it did
+        _write(_report(argv, args, partial, time.perf_counter() - begun, len(names)), out, data)
+
+    results = run_pool(names, keys or [c.key for c in COLUMNS], jobs=args.jobs, timeout=args.timeout, done=save)
+    report = _report(argv, args, results, time.perf_counter() - begun, len(names))
+    _write(report, out, data)
+    if not out:
+        print(render(report))
+    cpu = sum(r.cpu_seconds for r in results.values())
+    print(f"conformance: {len(names)} families in {report['seconds'] / 60:.1f} min (CPU {cpu / 60:.1f} min)")
+    failed = failures(report["families"])
+    if args.check and failed:
+        print(f"conformance --check: {len(failed)} ✗ cell(s): {', '.join(failed)}", file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
