@@ -13,7 +13,9 @@ LAYERS = (
     "_search", "_report", "_interop", "_ckpt", "_generate", "_train", "_hlo", "_parallel", "_multihost", "_spmd",
     "_presets", "_sharding", "_bridge", "_base",
 )  # fmt: skip
-PUBLIC_FACES = ("__init__", "__main__", "launch", "presets", "collectives", "distributed", "inspect", "lm_eval", "track")
+PUBLIC_FACES = (
+    "__init__", "__main__", "launch", "presets", "collectives", "distributed", "inspect", "lm_eval", "track",
+)  # fmt: skip
 
 
 def _module_name(path: pathlib.Path) -> str:

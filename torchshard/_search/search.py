@@ -14,8 +14,8 @@ from torchshard._base.errors import ShardingError
 from torchshard._base.format import fmt_bytes
 from torchshard._base.schedule import bubble_fraction
 from torchshard._hlo.costs import StepCosts
-from torchshard._report.fit import lm_loss, simulated_devices
 from torchshard._hlo.hardware import Hardware, hardware
+from torchshard._report.fit import lm_loss, simulated_devices
 from torchshard._report.memory import training_memory
 from torchshard._search.compile_worker import CompileFailed, Compiler
 from torchshard._search.estimate import estimate

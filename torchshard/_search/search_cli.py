@@ -10,8 +10,8 @@ from typing import Any
 
 from torchshard._base.errors import ArgumentError
 from torchshard._base.format import columns, fmt_bytes
-from torchshard._report.fit import parse_batch, parse_size, simulated_devices
 from torchshard._hlo.hardware import PROFILES, hardware, load_profiles
+from torchshard._report.fit import parse_batch, parse_size, simulated_devices
 from torchshard._report.usage import UsageError
 from torchshard._search.search import REMATS, Candidate, search
 

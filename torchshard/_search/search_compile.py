@@ -15,14 +15,14 @@ import optax
 import torch
 
 from torchshard._base.errors import ShardingError
+from torchshard._hlo.costs import StepCosts, step_costs
+from torchshard._hlo.hardware import Hardware
+from torchshard._hlo.hlo import axes_of
+from torchshard._hlo.memory import CompiledMemory
 from torchshard._parallel.context import ContextParallel
 from torchshard._parallel.pipeline import Pipeline
 from torchshard._presets.hf import hf_rules
 from torchshard._presets.tables import common_tensor_parallel, fsdp
-from torchshard._hlo.memory import CompiledMemory
-from torchshard._hlo.costs import StepCosts, step_costs
-from torchshard._hlo.hardware import Hardware
-from torchshard._hlo.hlo import axes_of
 from torchshard._search.space import ModelDims, SearchLayout
 from torchshard._sharding.mesh import make_mesh
 from torchshard._sharding.plan import ShardingPlan, plan
