@@ -232,9 +232,26 @@ def test_the_search_records_candidates_that_raise_or_abort_as_failed_and_ranks_t
     with torch.device("meta"):
         model = faulty_llama()
     found = ts.inspect.search(model, devices=2, batch=(8, 15), max_compiles=4, **FAULTY)
-    _assert_failures_recorded(found, abort="failed: the compiling process was killed by SIGABRT",
-                              raised="failed: RuntimeError: injected failure at 2 rows")  # fmt: skip
-    assert "plan search: data=2 accum=2 scan bf16 failed to compile: the compiling process was killed" in caplog.text
+    abort = "failed: the compiling process was killed by SIGABRT: hlo_instruction.cc:1] injected check failure"
+    _assert_failures_recorded(found, abort=abort, raised="failed: RuntimeError: injected failure at 2 rows")
+    assert f"plan search: data=2 accum=2 scan bf16 failed to compile: {abort[8:]}" in caplog.text
+
+
+@pytest.mark.slow
+def test_a_search_whose_loss_cannot_be_sent_to_a_child_compiles_here_and_records_errors_as_failed(caplog):
+    from search_faults import faulty_llama
+
+    def loss(model, ids):  # a local function: pickle cannot send it
+        if ids.shape[0] != 8:
+            raise ValueError(f"no micro-batches here ({ids.shape[0]} rows)")
+        return model(input_ids=ids, labels=ids).loss
+
+    with torch.device("meta"):
+        model = faulty_llama()
+    found = ts.inspect.search(model, devices=2, batch=(8, 15), loss_fn=loss, max_compiles=2, **FAULTY)
+    assert "compiling in this process, as the model or loss cannot be sent to a child" in caplog.text
+    assert found[0].layout.microbatches == 1 and found[0].fits
+    assert found[1].note == "failed: ValueError: no micro-batches here (4 rows)"
 
 
 @pytest.mark.slow

@@ -73,7 +73,10 @@ class Compiler:
         self.child: subprocess.Popen[bytes] | None = None
         self.stderr: collections.deque[str] = collections.deque(maxlen=64)
         self.reader: threading.Thread | None = None
+        self.ready = False
         self.payload: bytes | None = self._payload()
+        if self.payload is not None:
+            self._spawn()  # it starts JAX while this process plans the first layouts
 
     def _payload(self) -> bytes | None:
         try:
@@ -103,7 +106,9 @@ class Compiler:
                 raise
             except Exception as e:
                 raise CompileFailed(_first_line(e)) from e
-        if self.child is None and not self._start():
+        if self.child is None:
+            self._spawn()
+        if not self.ready and not self._await_ready():
             return self.measure(layout)  # in this process from now on
         return self._ask(layout)
 
@@ -120,22 +125,29 @@ class Compiler:
             raise CompileFailed(value)
         return value
 
-    def _start(self) -> bool:
-        """Starts a child and hands it the problem; False (and compiles stay here) where it cannot take it."""
+    def _spawn(self) -> None:
+        """Starts a child and sends it the devices and the problem."""
         env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in sys.path if isinstance(p, str) and p))
         command = [sys.executable, "-m", "torchshard._report.compile_worker"]
         self.stderr.clear()
         self.child = subprocess.Popen(command, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                                       env=env)  # fmt: skip
+        self.ready = False
         self.reader = threading.Thread(target=self._drain, args=(self.child.stderr,), daemon=True)
         self.reader.start()
-        assert self.child.stdin is not None and self.child.stdout is not None
-        try:
+        assert self.child.stdin is not None
+        with contextlib.suppress(OSError):  # a child dead at once is found out by _await_ready
             _send(self.child.stdin, (len(self.devices), self.payload))
+
+    def _await_ready(self) -> bool:
+        """Whether the child took the problem; where it cannot, compiles stay in this process from now on."""
+        assert self.child is not None and self.child.stdout is not None
+        try:
             kind, why = _receive(self.child.stdout)
         except (EOFError, OSError):
             kind, why = "unavailable", self._died()
-        if kind == "ready":
+        self.ready = kind == "ready"
+        if self.ready:
             return True
         self.close()
         _log.warning("plan search: compiling in this process, as a child process cannot take the problem (%s); a "
