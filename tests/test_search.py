@@ -14,6 +14,7 @@ from models import tiny_llama
 import torchshard as ts
 from torchshard.__main__ import main
 from torchshard._base.errors import ArgumentError, ShardingError
+from torchshard._report.compile_worker import Compiler
 from torchshard._report.costs import StepCosts, step_costs
 from torchshard._report.estimate import crosses_hosts, estimate, moved_bytes
 from torchshard._report.hardware import hardware, load_profiles
@@ -226,7 +227,7 @@ def _assert_failures_recorded(found, *, abort: str, raised: str) -> None:
 
 
 @pytest.mark.slow
-def test_the_search_records_candidates_that_raise_or_abort_as_failed_and_ranks_the_rest(caplog):
+def test_the_search_records_candidates_that_raise_or_abort_as_failed_and_ranks_the_rest(caplog, monkeypatch):
     from search_faults import faulty_llama
 
     with torch.device("meta"):
@@ -235,6 +236,10 @@ def test_the_search_records_candidates_that_raise_or_abort_as_failed_and_ranks_t
     abort = "failed: the compiling process was killed by SIGABRT: hlo_instruction.cc:1] injected check failure"
     _assert_failures_recorded(found, abort=abort, raised="failed: RuntimeError: injected failure at 2 rows")
     assert f"plan search: data=2 accum=2 scan bf16 failed to compile: {abort[8:]}" in caplog.text
+    with monkeypatch.context() as m:  # another hardware: ranked again from what was measured, failures included
+        m.setattr(Compiler, "_spawn", lambda self: pytest.fail("the second search started a compile"))
+        again = ts.inspect.search(model, devices=2, batch=(8, 15), max_compiles=4, hardware_name="a100", **FAULTY)
+    assert [c.note for c in again] == [c.note for c in found] and again[0].step_seconds != found[0].step_seconds
 
 
 @pytest.mark.slow

@@ -36,6 +36,16 @@ _SIZE = struct.Struct("<Q")
 _FATAL = re.compile(r"^(?:F\d{4} [\d:.]+\s+\d+ (.*)|(Fatal Python error: .*))$")
 
 
+# what children measured or why they could not, kept here: a second search in this process (another hardware)
+# compiles nothing, nor retries a layout that aborted
+_MEASURED: dict[tuple[Any, ...], Compiled | tuple[type[Exception], str]] = {}
+
+
+def forget() -> None:
+    """Forgets what the children measured (tests)."""
+    _MEASURED.clear()
+
+
 class CompileFailed(Exception):
     """A candidate whose compile raised or killed the compiling process; the message says why."""
 
@@ -75,8 +85,6 @@ class Compiler:
         self.reader: threading.Thread | None = None
         self.ready = False
         self.payload: bytes | None = self._payload()
-        if self.payload is not None:
-            self._spawn()  # it starts JAX while this process plans the first layouts
 
     def _payload(self) -> bytes | None:
         try:
@@ -106,11 +114,20 @@ class Compiler:
                 raise
             except Exception as e:
                 raise CompileFailed(_first_line(e)) from e
-        if self.child is None:
-            self._spawn()
-        if not self.ready and not self._await_ready():
-            return self.measure(layout)  # in this process from now on
-        return self._ask(layout)
+        key = (id(self.problem.model), layout, self.problem.batch, self.problem.loss_fn)
+        if key not in _MEASURED:
+            if self.child is None:
+                self._spawn()
+            if not self.ready and not self._await_ready():
+                return self.measure(layout)  # in this process from now on
+            try:
+                _MEASURED[key] = self._ask(layout)
+            except (ShardingError, CompileFailed) as e:
+                _MEASURED[key] = (type(e), str(e))
+        found = _MEASURED[key]
+        if isinstance(found[0], type):
+            raise found[0](found[1])
+        return found
 
     def _ask(self, layout: Layout) -> Compiled:
         assert self.child is not None and self.child.stdin is not None and self.child.stdout is not None

@@ -12,6 +12,7 @@ import torch
 
 from torchshard._base.errors import ShardingError
 from torchshard._base.format import fmt_bytes
+from torchshard._report import compile_worker, search_compile
 from torchshard._report.compile_worker import CompileFailed, Compiler
 from torchshard._report.costs import StepCosts
 from torchshard._report.estimate import estimate
@@ -24,7 +25,6 @@ from torchshard._report.search_compile import (  # noqa: F401  (re-exported: tes
     _options,
     _plan,
     at_depth,
-    cache_clear,
     compile_layout,
     measure,
 )
@@ -283,3 +283,9 @@ def search(
                       loss_fn or lm_loss)  # fmt: skip
     options = {"microbatches": microbatches, "remat": remat, "scan": scan, "precision": precision}
     return run_search(problem, options, max_compiles=max_compiles, refine_meshes=refine_meshes, progress=progress)
+
+
+def cache_clear() -> None:
+    """Forgets every compiled program and measurement (tests)."""
+    search_compile.cache_clear()
+    compile_worker.forget()
