@@ -89,7 +89,7 @@ class Compiler:
     def _payload(self) -> bytes | None:
         try:
             return pickle.dumps(self.problem)
-        except (pickle.PicklingError, AttributeError, TypeError) as e:  # a lambda loss, a class of __main__
+        except Exception as e:  # a lambda loss, a class of __main__ (PicklingError, AttributeError, TypeError)
             _log.warning("plan search: compiling in this process, as the model or loss cannot be sent to a child "
                          "(%s); a fatal XLA error will end the search", _first_line(e))  # fmt: skip
             return None
@@ -108,18 +108,13 @@ class Compiler:
             CompileFailed: the compile raised anything else, or killed the compiling process.
         """
         if self.payload is None:
-            try:
-                return measure(self.problem, layout, self.devices)
-            except ShardingError:
-                raise
-            except Exception as e:
-                raise CompileFailed(_first_line(e)) from e
+            return self._here(layout)
         key = (id(self.problem.model), layout, self.problem.batch, self.problem.loss_fn)
         if key not in _MEASURED:
             if self.child is None:
                 self._spawn()
             if not self.ready and not self._await_ready():
-                return self.measure(layout)  # in this process from now on
+                return self._here(layout)  # and so from now on
             try:
                 _MEASURED[key] = self._ask(layout)
             except (ShardingError, CompileFailed) as e:
@@ -128,6 +123,14 @@ class Compiler:
         if isinstance(found[0], type):
             raise found[0](found[1])
         return found
+
+    def _here(self, layout: Layout) -> Compiled:
+        try:
+            return measure(self.problem, layout, self.devices)
+        except ShardingError:
+            raise
+        except Exception as e:
+            raise CompileFailed(_first_line(e)) from e
 
     def _ask(self, layout: Layout) -> Compiled:
         assert self.child is not None and self.child.stdin is not None and self.child.stdout is not None
