@@ -255,8 +255,14 @@ def search(
         refine_meshes: how many of the best fitting meshes get their options searched one at a time.
         progress: called with (done, total, what) before each candidate.
 
+    Compiles run in a child process (started once, reused, replaced if it dies): a candidate whose
+    compile raises, or kills the process as a fatal XLA check does, gets ``note`` ``"failed:
+    <reason>"`` and the search goes on. A model or loss pickle cannot send (a lambda) is compiled
+    in this process instead (a warning says so), where an abort would end the search.
+
     Returns:
-        Every `Candidate`: fitting ones by estimated step time, then those that do not fit, then the rest.
+        Every `Candidate`: fitting ones by estimated step time, then those that do not fit, then the rest
+        (failed ones among them, by their ``note``).
 
     Raises:
         ArgumentError: an unknown hardware name (the known ones listed).
