@@ -19,7 +19,8 @@ class FaultyLlama(transformers.LlamaForCausalLM):
 
     def forward(self, input_ids=None, **kwargs):
         rows = input_ids.shape[0]
-        if rows == ABORT_ROWS:
+        if rows == ABORT_ROWS:  # as XLA's fatal checks do: a glog line, then SIGABRT
+            os.write(2, b"F1126 17:00:00.000000   42 hlo_instruction.cc:1] injected check failure\n")
             os.abort()
         if rows == RAISE_ROWS:
             raise RuntimeError(f"injected failure at {rows} rows")

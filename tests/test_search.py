@@ -17,6 +17,7 @@ from torchshard._base.errors import ArgumentError, ShardingError
 from torchshard._hlo.costs import StepCosts, step_costs
 from torchshard._hlo.hardware import hardware, load_profiles
 from torchshard._hlo.hlo import Collective
+from torchshard._search.compile_worker import Compiler
 from torchshard._search.estimate import crosses_hosts, estimate, moved_bytes
 from torchshard._search.search import FAST_COMPILE, Problem, _options, _plan, at_depth, compile_layout, measure
 from torchshard._search.space import ModelDims, SearchLayout, layouts
@@ -228,15 +229,36 @@ def _assert_failures_recorded(found, *, abort: str, raised: str) -> None:
 
 
 @pytest.mark.slow
-def test_the_search_records_candidates_that_raise_or_abort_as_failed_and_ranks_the_rest(caplog):
+def test_the_search_records_candidates_that_raise_or_abort_as_failed_and_ranks_the_rest(caplog, monkeypatch):
     from search_faults import faulty_llama
 
     with torch.device("meta"):
         model = faulty_llama()
     found = ts.inspect.search(model, devices=2, batch=(8, 15), max_compiles=4, **FAULTY)
-    _assert_failures_recorded(found, abort="failed: the compiling process was killed by SIGABRT",
-                              raised="failed: RuntimeError: injected failure at 2 rows")  # fmt: skip
-    assert "plan search: data=2 accum=2 scan bf16 failed to compile: the compiling process was killed" in caplog.text
+    abort = "failed: the compiling process was killed by SIGABRT: hlo_instruction.cc:1] injected check failure"
+    _assert_failures_recorded(found, abort=abort, raised="failed: RuntimeError: injected failure at 2 rows")
+    assert f"plan search: data=2 accum=2 scan bf16 failed to compile: {abort[8:]}" in caplog.text
+    with monkeypatch.context() as m:  # another hardware: ranked again from what was measured, failures included
+        m.setattr(Compiler, "_spawn", lambda self: pytest.fail("the second search started a compile"))
+        again = ts.inspect.search(model, devices=2, batch=(8, 15), max_compiles=4, hardware_name="a100", **FAULTY)
+    assert [c.note for c in again] == [c.note for c in found] and again[0].step_seconds != found[0].step_seconds
+
+
+@pytest.mark.slow
+def test_a_search_whose_loss_cannot_be_sent_to_a_child_compiles_here_and_records_errors_as_failed(caplog):
+    from search_faults import faulty_llama
+
+    def loss(model, ids):  # a local function: pickle cannot send it
+        if ids.shape[0] != 8:
+            raise ValueError(f"no micro-batches here ({ids.shape[0]} rows)")
+        return model(input_ids=ids, labels=ids).loss
+
+    with torch.device("meta"):
+        model = faulty_llama()
+    found = ts.inspect.search(model, devices=2, batch=(8, 15), loss_fn=loss, max_compiles=2, **FAULTY)
+    assert "compiling in this process, as the model or loss cannot be sent to a child" in caplog.text
+    assert found[0].layout.microbatches == 1 and found[0].fits
+    assert found[1].note == "failed: ValueError: no micro-batches here (4 rows)"
 
 
 @pytest.mark.slow

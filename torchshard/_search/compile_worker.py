@@ -36,6 +36,16 @@ _SIZE = struct.Struct("<Q")
 _FATAL = re.compile(r"^(?:F\d{4} [\d:.]+\s+\d+ (.*)|(Fatal Python error: .*))$")
 
 
+# what children measured or why they could not, kept here: a second search in this process (another hardware)
+# compiles nothing, nor retries a layout that aborted
+_MEASURED: dict[tuple[Any, ...], Compiled | tuple[type[Exception], str]] = {}
+
+
+def forget() -> None:
+    """Forgets what the children measured (tests)."""
+    _MEASURED.clear()
+
+
 class CompileFailed(Exception):
     """A candidate whose compile raised or killed the compiling process; the message says why."""
 
@@ -73,12 +83,13 @@ class Compiler:
         self.child: subprocess.Popen[bytes] | None = None
         self.stderr: collections.deque[str] = collections.deque(maxlen=64)
         self.reader: threading.Thread | None = None
+        self.ready = False
         self.payload: bytes | None = self._payload()
 
     def _payload(self) -> bytes | None:
         try:
             return pickle.dumps(self.problem)
-        except (pickle.PicklingError, AttributeError, TypeError) as e:  # a lambda loss, a class of __main__
+        except Exception as e:  # a lambda loss, a class of __main__ (PicklingError, AttributeError, TypeError)
             _log.warning("plan search: compiling in this process, as the model or loss cannot be sent to a child "
                          "(%s); a fatal XLA error will end the search", _first_line(e))  # fmt: skip
             return None
@@ -97,15 +108,29 @@ class Compiler:
             CompileFailed: the compile raised anything else, or killed the compiling process.
         """
         if self.payload is None:
+            return self._here(layout)
+        key = (id(self.problem.model), layout, self.problem.batch, self.problem.loss_fn)
+        if key not in _MEASURED:
+            if self.child is None:
+                self._spawn()
+            if not self.ready and not self._await_ready():
+                return self._here(layout)  # and so from now on
             try:
-                return measure(self.problem, layout, self.devices)
-            except ShardingError:
-                raise
-            except Exception as e:
-                raise CompileFailed(_first_line(e)) from e
-        if self.child is None and not self._start():
-            return self.measure(layout)  # in this process from now on
-        return self._ask(layout)
+                _MEASURED[key] = self._ask(layout)
+            except (ShardingError, CompileFailed) as e:
+                _MEASURED[key] = (type(e), str(e))
+        found = _MEASURED[key]
+        if isinstance(found[0], type):
+            raise found[0](found[1])
+        return found
+
+    def _here(self, layout: SearchLayout) -> Compiled:
+        try:
+            return measure(self.problem, layout, self.devices)
+        except ShardingError:
+            raise
+        except Exception as e:
+            raise CompileFailed(_first_line(e)) from e
 
     def _ask(self, layout: SearchLayout) -> Compiled:
         assert self.child is not None and self.child.stdin is not None and self.child.stdout is not None
@@ -120,22 +145,29 @@ class Compiler:
             raise CompileFailed(value)
         return value
 
-    def _start(self) -> bool:
-        """Starts a child and hands it the problem; False (and compiles stay here) where it cannot take it."""
+    def _spawn(self) -> None:
+        """Starts a child and sends it the devices and the problem."""
         env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in sys.path if isinstance(p, str) and p))
         command = [sys.executable, "-m", "torchshard._search.compile_worker"]
         self.stderr.clear()
         self.child = subprocess.Popen(command, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                                       env=env)  # fmt: skip
+        self.ready = False
         self.reader = threading.Thread(target=self._drain, args=(self.child.stderr,), daemon=True)
         self.reader.start()
-        assert self.child.stdin is not None and self.child.stdout is not None
-        try:
+        assert self.child.stdin is not None
+        with contextlib.suppress(OSError):  # a child dead at once is found out by _await_ready
             _send(self.child.stdin, (len(self.devices), self.payload))
+
+    def _await_ready(self) -> bool:
+        """Whether the child took the problem; where it cannot, compiles stay in this process from now on."""
+        assert self.child is not None and self.child.stdout is not None
+        try:
             kind, why = _receive(self.child.stdout)
         except (EOFError, OSError):
             kind, why = "unavailable", self._died()
-        if kind == "ready":
+        self.ready = kind == "ready"
+        if self.ready:
             return True
         self.close()
         _log.warning("plan search: compiling in this process, as a child process cannot take the problem (%s); a "

@@ -17,6 +17,7 @@ from torchshard._hlo.costs import StepCosts
 from torchshard._hlo.hardware import Hardware, hardware
 from torchshard._report.fit import lm_loss, simulated_devices
 from torchshard._report.memory import training_memory
+from torchshard._search import compile_worker, search_compile
 from torchshard._search.compile_worker import CompileFailed, Compiler
 from torchshard._search.estimate import estimate
 from torchshard._search.search_compile import (  # noqa: F401  (re-exported: tests and benchmarks use them)
@@ -25,7 +26,6 @@ from torchshard._search.search_compile import (  # noqa: F401  (re-exported: tes
     _options,
     _plan,
     at_depth,
-    cache_clear,
     compile_layout,
     measure,
 )
@@ -259,8 +259,14 @@ def search(
         refine_meshes: how many of the best fitting meshes get their options searched one at a time.
         progress: called with (done, total, what) before each candidate.
 
+    Compiles run in a child process (started once, reused, replaced if it dies): a candidate whose
+    compile raises, or kills the process as a fatal XLA check does, gets ``note`` ``"failed:
+    <reason>"`` and the search goes on. A model or loss pickle cannot send (a lambda) is compiled
+    in this process instead (a warning says so), where an abort would end the search.
+
     Returns:
-        Every `Candidate`: fitting ones by estimated step time, then those that do not fit, then the rest.
+        Every `Candidate`: fitting ones by estimated step time, then those that do not fit, then the rest
+        (failed ones among them, by their ``note``).
 
     Raises:
         ArgumentError: an unknown hardware name (the known ones listed).
@@ -287,3 +293,9 @@ def search(
                       loss_fn or lm_loss)  # fmt: skip
     options = {"microbatches": microbatches, "remat": remat, "scan": scan, "precision": precision}
     return run_search(problem, options, max_compiles=max_compiles, refine_meshes=refine_meshes, progress=progress)
+
+
+def cache_clear() -> None:
+    """Forgets every compiled program and measurement (tests)."""
+    search_compile.cache_clear()
+    compile_worker.forget()

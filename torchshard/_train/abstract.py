@@ -21,7 +21,9 @@ def _leaf_struct(leaf: Any) -> tuple[tuple[int, ...], Any]:
     if not hasattr(leaf, "dtype"):
         leaf = jnp.asarray(leaf)  # a Python scalar: its shape and dtype are jax's
     dtype = jax_dtype(leaf.dtype) if isinstance(leaf.dtype, torch.dtype) else jnp.dtype(leaf.dtype)
-    return tuple(leaf.shape), dtype
+    # an int64 leaf is int32 to JAX without x64, as a real batch's int64 tensor becomes: say so here, where jax
+    # 0.12 warns at lowering (an error under -W error) and older versions truncated silently
+    return tuple(leaf.shape), jax.dtypes.canonicalize_dtype(dtype)
 
 
 class AbstractTrainer(Trainer):
