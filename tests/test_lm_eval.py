@@ -273,3 +273,18 @@ def test_a_model_whose_output_is_not_logits_is_named():
     model = ts.shard(model, ts.plan(model, ts.make_mesh({"data": 8})))
     with pytest.raises(ts.ArgumentError, match=r"could not score with _NotLogits.*logits \[batch, seq, vocab\]"):
         TorchshardLM(model, _tokenizer()).loglikelihood(_requests("loglikelihood", [("the", " cat")]))
+
+
+def test_any_module_mapping_ids_to_logits_is_scored_as_eager_torch():
+    torch.manual_seed(0)
+    eager = torch.nn.Sequential(torch.nn.Embedding(64, 16), torch.nn.Linear(16, 64))
+    model = copy.deepcopy(eager)
+    model = ts.shard(model, ts.plan(model, ts.make_mesh({"data": 8}), ts.presets.fsdp(min_size=64)))
+    (got,) = TorchshardLM(model, _tokenizer(), batch_size=2).loglikelihood(
+        _requests("loglikelihood", [("the cat", " sat on")])
+    )
+    ids = torch.tensor(_tokenizer()("the cat sat on")["input_ids"])  # <s> the cat | sat on
+    with torch.no_grad():
+        logp = torch.log_softmax(eager(ids[:-1]), dim=-1)[torch.arange(2, 4), ids[3:]]
+    assert abs(got[0] - float(logp.sum())) <= 1e-5 * max(1.0, abs(float(logp.sum())))
+    assert got[1] == bool((eager(ids[:-1])[2:].argmax(-1) == ids[3:]).all())

@@ -28,9 +28,9 @@ except ImportError as err:  # an optional extra: the rest of torchshard does not
     ) from err
 
 from torchshard._base.errors import ArgumentError, raise_if_any
+from torchshard._generate import scoring
+from torchshard._generate.generate import generate
 from torchshard._sharding.mesh import use_cpu_devices
-from torchshard._train import scoring
-from torchshard._train.generate import generate
 from torchshard._train.trainer import Trainer
 
 __all__ = ["TorchshardLM", "main"]
@@ -295,7 +295,7 @@ def _from_pretrained(path: str, target: Any, tokenizer: Any, mesh: Any, pad_toke
     """A ``save_pretrained`` folder's model, sharded by `presets.hf_rules` on ``mesh``, and its tokenizer."""
     import transformers
 
-    from torchshard._ckpt.pretrained import load_safetensors
+    from torchshard._interop.pretrained import load_safetensors
     from torchshard._presets.hf import hf_rules
     from torchshard._sharding.mesh import make_mesh
     from torchshard._train.staged_init import init_sharded

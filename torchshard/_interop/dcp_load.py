@@ -16,7 +16,12 @@ import torch
 from torchshard._base.errors import CheckpointError, raise_if_any
 from torchshard._base.validate import instance_problems, raise_for_arguments
 from torchshard._bridge.module_tensors import state_dict_names
-from torchshard._ckpt.pretrained import (
+from torchshard._ckpt.restore import Destination, load_trainer
+from torchshard._ckpt.state import Target, model_of, torch_dtypes
+from torchshard._ckpt.stepdir import path_problems
+from torchshard._interop import dcp_names
+from torchshard._interop.dcp_io import BoxReader, read_metadata, stored_tensors
+from torchshard._interop.pretrained import (
     Rename,
     _arrays,
     _Build,
@@ -27,11 +32,6 @@ from torchshard._ckpt.pretrained import (
     _rename_problems,
     _renamer,
 )
-from torchshard._ckpt.restore import Destination, load_trainer
-from torchshard._ckpt.state import Target, model_of, torch_dtypes
-from torchshard._ckpt.stepdir import path_problems
-from torchshard._interop import dcp_names
-from torchshard._interop.dcp_io import BoxReader, read_metadata, stored_tensors
 from torchshard._sharding.plan import ShardingPlan
 from torchshard._train.trainer import Trainer
 

@@ -17,8 +17,8 @@ from torchshard._base.errors import ArgumentError
 from torchshard._bridge.layer_view import LayerView
 from torchshard._bridge.module_tensors import canonical_names, named_tensors
 from torchshard._bridge.tensors import unwrap, wrap
-from torchshard._train.decoders import _logits, _traced
-from torchshard._train.generate import _compiled_for, _target, kv_sharding
+from torchshard._generate.decoders import _logits, _traced
+from torchshard._generate.generate import _compiled_for, _target, kv_sharding
 from torchshard._train.trainer import Trainer
 
 
