@@ -33,7 +33,7 @@ from torch.distributed.checkpoint.planner import LoadPlan, ReadItem, SavePlan, T
 from torch.distributed.checkpoint.planner_helpers import create_read_items_for_chunk_list
 
 from torchshard._base.errors import CheckpointError
-from torchshard._ckpt.safetensors_files import DTYPES
+from torchshard._interop.safetensors_files import DTYPES
 from torchshard._multihost.agree import gathered
 
 Box = tuple[tuple[int, ...], tuple[int, ...]]  # offsets, sizes

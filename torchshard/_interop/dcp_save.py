@@ -16,11 +16,11 @@ from torchshard._base.validate import instance_problems, raise_for_arguments
 from torchshard._bridge.module_tensors import canonical_names, custom_state_dict, state_dict_names
 from torchshard._bridge.tensors import to_torch
 from torchshard._ckpt.checkpoint import primary, together
-from torchshard._ckpt.safetensors_files import normalized
 from torchshard._ckpt.state import Target, export_arrays, model_of, torch_dtypes
 from torchshard._ckpt.stepdir import TMP, commit, discard, path_problems, settle, write_failure
 from torchshard._interop import dcp_names
 from torchshard._interop.dcp_io import Chunk, write_chunks
+from torchshard._interop.safetensors_files import normalized
 from torchshard._multihost.agree import gathered
 from torchshard._train.trainer import Trainer
 
