@@ -249,6 +249,24 @@ def test_optimizer_state_that_does_not_map_is_named(trained, tmp_path):
                                                ts.to_torch_state_dict(trained)["0.weight"])  # fmt: skip
 
 
+def test_torchtitans_layout_loads_and_its_training_loop_state_is_reported(tmp_path, caplog):
+    """Model tensors at the top level, AdamW state flattened (flatten_optimizer_state_dict), loop state beside."""
+    model = _mlp().state_dict()
+    optimizer = {
+        f"state.{n}.{field}": value
+        for n, t in model.items()
+        for field, value in (("exp_avg", t * 0.5), ("exp_avg_sq", t * t), ("step", torch.tensor(2.0)))
+    }
+    loop = {"train_state": {"step": torch.tensor(2)}, "lr_scheduler": {"last_epoch": 2}}  # fmt: skip
+    dcp.save({**model, "optimizer": optimizer, **loop}, checkpoint_id=tmp_path, no_dist=True)
+    trainer = _trainer()
+    with caplog.at_level(logging.INFO, logger="torchshard"):
+        ts.load_dcp(tmp_path, trainer)
+    assert trainer.step_count == 2 and _values(ts.to_torch_state_dict(trainer)) == _values(model)
+    assert torch.equal(torch.from_numpy(np.asarray(trainer.state.opt_state[0].mu["2.weight"])), model["2.weight"] * 0.5)
+    assert "train_state.step" in caplog.text and "lr_scheduler.last_epoch" in caplog.text
+
+
 @pytest.mark.parametrize(
     ("steps", "drop", "match"),
     [

@@ -22,7 +22,7 @@ import pytest
 import torch
 from helpers import assert_close, torch_losses
 
-from torchshard import ArgumentError, distributed
+from torchshard import ArgumentError, ShardingError, distributed
 from torchshard._multihost import runtime as _runtime
 from torchshard._multihost import torchrun as _torchrun
 
@@ -111,6 +111,13 @@ def test_process_0_publishes_a_free_port_once_and_every_restart_reuses_it(store_
     assert host == "127.0.0.1" and int(port) != int(environ["MASTER_PORT"])
     assert [_torchrun.coordinator_address(_env(environ, r)) for r in (3, 0)] == [first, first]
     assert store.get(_torchrun.PORT_KEY).decode() == port
+
+
+def test_an_unreachable_store_is_named(monkeypatch):
+    monkeypatch.setattr(_torchrun, "STORE_TIMEOUT_S", 0.2)
+    env = _torchrun.parse({**TWO_NODES, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(_free_port())})
+    with pytest.raises(ShardingError, match=r"process 3 cannot agree .* store at \$MASTER_ADDR:\$MASTER_PORT = 127"):
+        _torchrun.coordinator_address(env)
 
 
 def test_without_an_agent_store_the_port_is_master_port_plus_one():

@@ -51,7 +51,7 @@ def preempted(trainer: Any) -> bool:
     the platform gives one. Every process must call it once per step at the same point of its
     loop: it agrees through a tiny collective (the max of one flag per process). Save and exit
     when it says True; ``python -m torchshard.launch`` forwards SIGTERM to its processes and
-    gives them time to do so.
+    gives them time to do so, and so does torchrun (30 s before it kills them).
 
     Args:
         trainer: the `Trainer` being trained (its step count is the step agreed on).

@@ -18,6 +18,7 @@ import datetime
 import socket
 from collections.abc import Mapping
 
+from torchshard._base.errors import ShardingError
 from torchshard._base.validate import raise_for_arguments
 
 RUN_ID_ENV = "TORCHELASTIC_RUN_ID"
@@ -132,15 +133,26 @@ def _agreed_port(env: TorchrunEnv) -> int:
     from torch.distributed import TCPStore
 
     assert env.master_addr is not None and env.master_port is not None
-    store = TCPStore(env.master_addr, env.master_port, is_master=False, wait_for_workers=False,
-                     timeout=datetime.timedelta(seconds=STORE_TIMEOUT_S))  # fmt: skip
-    if env.rank == 0:  # first writer wins: a restarted group reuses the port its first process 0 chose
-        return int(store.compare_set(PORT_KEY, "", str(_free_port(env.master_addr))).decode())
-    return int(store.get(PORT_KEY).decode())  # waits until process 0 has published it
+    try:
+        store = TCPStore(env.master_addr, env.master_port, is_master=False, wait_for_workers=False,
+                         timeout=datetime.timedelta(seconds=STORE_TIMEOUT_S))  # fmt: skip
+        if env.rank == 0:  # first writer wins: a restarted group reuses the port its first process 0 chose
+            return int(store.compare_set(PORT_KEY, "", str(_free_port(env.master_addr))).decode())
+        return int(store.get(PORT_KEY).decode())  # waits until process 0 has published it
+    except (RuntimeError, OSError) as e:  # torch's DistStoreError is a RuntimeError
+        raise ShardingError(
+            f"process {env.rank} cannot agree on the JAX coordinator's port through torchrun's store at "
+            f"$MASTER_ADDR:$MASTER_PORT = {env.master_addr}:{env.master_port} ({type(e).__name__}: {e}); start the "
+            f"script with torchrun, or set {AGENT_STORE_ENV}=False to use $MASTER_PORT + {PORT_OFFSET}"
+        ) from e
 
 
 def coordinator_address(env: TorchrunEnv) -> str:
-    """``host:port`` of process 0's JAX coordinator (agreed through torchrun's store where there is one)."""
+    """``host:port`` of process 0's JAX coordinator (agreed through torchrun's store where there is one).
+
+    Raises:
+        ShardingError: torchrun's store cannot be reached, or process 0 never published the port.
+    """
     assert env.master_addr is not None and env.master_port is not None
     port = _agreed_port(env) if env.agent_store else env.master_port + PORT_OFFSET
     return f"{env.master_addr}:{port}"
