@@ -400,3 +400,27 @@ def test_context_parallel_with_all_to_all_trains_hf_moe_like_torch(family):
     opt = torch.optim.AdamW(reference.parameters(), lr=1e-3, weight_decay=0.01)
     np.testing.assert_allclose(losses, torch_losses(reference, lm_loss, opt, data), rtol=RTOL)
     assert ts.inspect.collectives(trainer, data[0]).count("all-to-all", axes="expert") >= 2 * 2
+
+
+class Tempered(nn.Module):
+    """A linear layer under a learnable temperature (CLIP's ``logit_scale``): a 0-d parameter, which has no dim 0."""
+
+    def __init__(self):
+        super().__init__()
+        self.proj = nn.Linear(DIM, DIM)
+        self.logit_scale = nn.Parameter(torch.tensor(0.5))
+
+    def forward(self, x):
+        return self.proj(x) * self.logit_scale.exp()
+
+
+def test_a_model_with_a_0d_parameter_builds_a_trainer_and_trains_like_torch():
+    torch.manual_seed(0)
+    reference = Tempered()
+    model = copy.deepcopy(reference)
+    plan = ts.plan(model, ts.make_mesh({"data": 8}), presets.fsdp(min_size=1))
+    trainer = ts.Trainer(model, mse, optax.adamw(1e-2), plan, batch_spec=P("data"))
+    assert trainer.expert_dispatch is None
+    losses, _ = _losses(trainer, _batches())
+    opt = torch.optim.AdamW(reference.parameters(), lr=1e-2, weight_decay=1e-4)
+    np.testing.assert_allclose(losses, torch_losses(reference, mse, opt, _batches()), rtol=RTOL)

@@ -9,7 +9,7 @@ from torchshard._ckpt.export import from_torch_state_dict, to_torch_state_dict
 from torchshard._ckpt.pretrained import load_safetensors
 from torchshard._ckpt.safetensors import save_safetensors
 from torchshard._ckpt.stepdir import checkpoint_steps
-from torchshard._parallel.context import ContextParallel
+from torchshard._parallel.context import ContextParallel, ContextParallelWarning
 from torchshard._parallel.documents import document_mask
 from torchshard._parallel.experts import ExpertDispatch, ExpertDispatchWarning
 from torchshard._parallel.pipeline import Pipeline
@@ -33,6 +33,7 @@ __all__ = [
     "ArgumentError",
     "CheckpointError",
     "ContextParallel",
+    "ContextParallelWarning",
     "ExpertDispatch",
     "ExpertDispatchWarning",
     "MixedPrecision",

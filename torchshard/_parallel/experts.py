@@ -112,11 +112,14 @@ def routing_signature(module: torch.nn.Module) -> inspect.Signature | None:
 
 
 def _stacked(params: dict[str, torch.Tensor]) -> bool:
-    """Experts stacked on dim 0: one leading size, matrices (≥ 3-D) among them, biases (2-D) at least."""
+    """Experts stacked on dim 0: one leading size, matrices (≥ 3-D) among them, biases (2-D) at least.
+
+    The ranks are read first: a module may hold 0-d parameters (CLIP's ``logit_scale``), which have no dim 0.
+    """
     return (
-        len({t.shape[0] for t in params.values()}) == 1
-        and all(t.ndim >= 2 for t in params.values())
+        all(t.ndim >= 2 for t in params.values())
         and any(t.ndim >= 3 for t in params.values())
+        and len({t.shape[0] for t in params.values()}) == 1
     )
 
 
