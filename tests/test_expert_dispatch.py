@@ -381,27 +381,6 @@ def test_bf16_all_to_all_on_expert_x_model_compiles_and_trains_like_the_eager_bf
     np.testing.assert_allclose(json.loads(done.stdout.splitlines()[-1]), expected, rtol=RTOL)
 
 
-@pytest.mark.slow
-@pytest.mark.parametrize("family", ["mixtral", "qwen2_moe"])
-def test_context_parallel_with_all_to_all_trains_hf_moe_like_torch(family):
-    """transformers' experts build torch.arange inside the dispatch's shard_map, where the context axis stays
-    automatic: computing it while tracing (as context parallelism does with index constants) failed in JAX."""
-    from families import MOE, build, lm_loss
-
-    reference = build(next(f for f in MOE if f.model_type == family))
-    model = copy.deepcopy(reference)
-    g = torch.Generator().manual_seed(1)
-    data = [torch.randint(3, 128, (8, 16), generator=g) for _ in range(3)]
-    rules = presets.hf_rules(model, axis=None, expert_axis="expert", fsdp_axis=None)
-    plan = ts.plan(model, ts.make_mesh({"context": 2, "expert": 4}), rules)
-    trainer = ts.Trainer(model, lm_loss, optax.adamw(1e-3, weight_decay=0.01), plan, batch_spec=P("expert", "context"),
-                         context=ts.ContextParallel(), expert_dispatch=ts.ExpertDispatch())  # fmt: skip
-    losses = [float(trainer.step(ids)["loss"]) for ids in data]
-    opt = torch.optim.AdamW(reference.parameters(), lr=1e-3, weight_decay=0.01)
-    np.testing.assert_allclose(losses, torch_losses(reference, lm_loss, opt, data), rtol=RTOL)
-    assert ts.inspect.collectives(trainer, data[0]).count("all-to-all", axes="expert") >= 2 * 2
-
-
 class Tempered(nn.Module):
     """A linear layer under a learnable temperature (CLIP's ``logit_scale``): a 0-d parameter, which has no dim 0."""
 
