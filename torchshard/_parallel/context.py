@@ -41,8 +41,10 @@ class ContextParallel:
     Batch tensors are split on dim 1 (the sequence) over ``axis`` (``batch_spec=("data", "context")``);
     the model runs as written and every ``torch.nn.functional.scaled_dot_product_attention`` call in
     it (transformers' default ``sdpa`` attention included) runs as attention over the whole sequence
-    while each device holds only its part. Causal or not, no mask or the causal mask, grouped K/V
-    heads; other mesh axes keep sharding the batch, the heads and the weights as the plan says.
+    while each device holds only its part. Causal or not, no mask, the causal mask or a causal
+    sliding window, grouped K/V heads; other mesh axes keep sharding the batch, the heads and the
+    weights as the plan says. A model whose step calls no SDPA (its own attention, as
+    transformers' ``eager``) trains with the sequence gathered for it, said by a `ContextParallelWarning`.
 
     Args:
         axis: the mesh axis the sequence is split over.
@@ -151,7 +153,7 @@ def _mask_pattern(mask: Any, length: int) -> Pattern | None:
     if np.all(values):
         return False, None
     window = int(values[0].sum(-1).max())
-    rows, cols = np.indices((length, length))
+    rows, cols = np.arange(length)[:, None], np.arange(length)[None, :]  # an S×S bool band, not S×S indices
     if window < 1 or not np.all(values == ((rows >= cols) & (rows - cols < window))):
         return None
     return True, window if window < length else None
