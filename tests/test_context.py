@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import copy
 import functools
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -265,20 +266,75 @@ def test_attention_calls_it_cannot_take(mesh, model_fn, loss_fn, match):
         trainer.step(batches(1)[0])
 
 
-def test_masks_it_cannot_honour(mesh):
-    class Banded(CausalLM):
-        def forward(self, ids):
-            s = ids.shape[1]
-            band = torch.ones(s, s, dtype=torch.bool).tril() & torch.ones(s, s, dtype=torch.bool).triu(-8)
-            h = self.embed(ids)
-            q = h.view(*h.shape[:2], 4, 8).transpose(1, 2)
-            return self.head(nn.functional.scaled_dot_product_attention(q, q, q, attn_mask=band).transpose(1, 2)
-                             .reshape(h.shape))  # fmt: skip
+class Masked(CausalLM):
+    """One attention layer over a constant bool mask of its own: a causal band of ``window`` keys, or anti-causal."""
 
-    model = Banded(depth=1)
-    trainer = trainer_for(model, mesh, ContextParallel())
-    with pytest.raises(ShardingError, match=r"attn_mask bool\[256, 256\] is neither the causal mask nor all-visible"):
+    def __init__(self, window: int | None):
+        super().__init__(depth=1)
+        self.window = window
+
+    def forward(self, ids):
+        s, ones = ids.shape[1], torch.ones(ids.shape[1], ids.shape[1], dtype=torch.bool)
+        mask = ones.tril() & ones.triu(1 - self.window) if self.window else ones.triu()
+        h = self.embed(ids) + self.pos(torch.arange(s))
+        q = h.view(*h.shape[:2], 4, 8).transpose(1, 2)
+        y = nn.functional.scaled_dot_product_attention(q, q, q, attn_mask=mask)
+        return self.head(y.transpose(1, 2).reshape(h.shape))
+
+
+def test_masks_it_cannot_honour(mesh):
+    trainer = trainer_for(Masked(None), mesh, ContextParallel())
+    match = r"attn_mask bool\[256, 256\] is a constant mask but neither all-visible, causal nor a causal sliding window"
+    with pytest.raises(ShardingError, match=match):
         trainer.step(batches(1)[0])
+
+
+@SLOW
+@pytest.mark.parametrize("variant", ["ring-balanced", "all_gather"])
+def test_a_constant_sliding_window_mask_runs_as_a_windowed_ring_and_trains_like_torch(mesh, variant):
+    """A window of 40 keys: a device's 32-row runs (balanced) see two runs back at most; the rest is skipped."""
+    trainer = assert_trains_like_torch(functools.partial(Masked, 40), mesh, VARIANTS[variant], steps=2)
+    assert ts.inspect.collectives(trainer, batches(1)[0]).count("all-gather") == 0
+
+
+def _family(model_type: str, **extra):
+    from families import DENSE, Family, build
+
+    base = next(f for f in DENSE if f.model_type == model_type)
+    return build(Family(model_type, extra=(*base.extra, *extra.items())))
+
+
+def _family_trains_like_torch(mesh, model_type: str, **extra) -> ts.Trainer:
+    from families import lm_loss
+
+    ref = _family(model_type, **extra)
+    trainer = ts.Trainer(copy.deepcopy(ref), lambda m, b: lm_loss(m, b[0]), adamw(), ts.plan(ref, mesh),
+                         batch_spec=("data", "context"), context=ContextParallel())  # fmt: skip
+    data = [(ids % 125 + 3, None) for ids, _ in batches(3, seq=64)]
+    got = [float(trainer.step(b)["loss"]) for b in data]
+    opt = torch.optim.AdamW(ref.parameters(), lr=LR, betas=BETAS, eps=EPS, weight_decay=WEIGHT_DECAY)
+    np.testing.assert_allclose(got, torch_losses(ref, lambda m, b: lm_loss(m, b[0]), opt, data), rtol=1e-4)
+    return trainer
+
+
+@SLOW
+def test_a_mistral_with_a_sliding_window_trains_like_torch_in_the_ring(mesh):
+    """transformers builds the window as a constant banded mask: the ring reads its size and skips tiles outside."""
+    trainer = _family_trains_like_torch(mesh, "mistral", sliding_window=12)
+    assert trainer.model.config.sliding_window == 12
+    stats = ts.inspect.collectives(trainer, (batches(1, seq=64)[0][0] % 125 + 3, None))
+    assert stats.count("all-gather") == 0, stats
+
+
+@SLOW
+def test_gemma2_eager_attention_warns_once_that_the_sequence_is_gathered_and_trains_like_torch(mesh):
+    with pytest.warns(ts.ContextParallelWarning) as caught:
+        _family_trains_like_torch(mesh, "gemma2")
+    assert len(caught) == 1, [str(w.message) for w in caught]
+    assert re.match(r"Gemma2ForCausalLM \(model_type 'gemma2', transformers' attn_implementation='eager', "
+                    r"attn_logit_softcapping=50.0, which SDPA cannot apply\) calls no scaled_dot_product_attention"
+                    r"[\s\S]*GSPMD all-gathers the sequence for its own attention in every layer",
+                    str(caught[0].message))  # fmt: skip
 
 
 @pytest.mark.parametrize(

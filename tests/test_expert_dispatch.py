@@ -7,7 +7,10 @@ from __future__ import annotations
 
 import copy
 import inspect
+import json
 import re
+import subprocess
+import sys
 import warnings
 
 import numpy as np
@@ -338,3 +341,65 @@ def test_gpt_oss_experts_move_tokens_by_all_to_all_and_train_like_torch():
     capped = ts.Trainer(_gpt_oss(), _lm_loss, optax.adamw(1e-3), plan, batch_spec=BATCH_SPEC,
                         expert_dispatch=ts.ExpertDispatch(capacity_factor=1.0))  # fmt: skip
     assert "dropped_tokens" in capped.step(data[0])
+
+
+# bf16 MixedPrecision with all-to-all on data × expert × model: the step's gradient sum over the data axis
+# once ran as a bf16 psum inside the dispatch's shard_map, which XLA's CPU compiler aborted on ("Invalid
+# binary instruction opcode copy"), killing the process; so the Trainer runs in a child process
+BF16_ON_EXPERT_X_MODEL = """
+import json, sys
+sys.path.insert(0, sys.argv[1])
+import optax, torch
+import torchshard as ts
+from families import MOE, build, lm_loss
+from jax.sharding import PartitionSpec as P
+ts.use_cpu_devices(8)
+model = build(next(f for f in MOE if f.model_type == sys.argv[2]))
+rules = ts.presets.hf_rules(model, axis="model", expert_axis="expert", fsdp_axis="data")
+plan = ts.plan(model, ts.make_mesh({"data": 2, "expert": 2, "model": 2}), rules)
+trainer = ts.Trainer(model, lm_loss, optax.adamw(float(sys.argv[3]), weight_decay=float(sys.argv[4])), plan,
+                     batch_spec=P(("data", "expert")), expert_dispatch=ts.ExpertDispatch(),
+                     precision=ts.MixedPrecision())
+print(json.dumps([float(trainer.step(torch.tensor(ids))["loss"]) for ids in json.loads(sys.stdin.read())]))
+"""
+
+
+@pytest.mark.slow
+def test_bf16_all_to_all_on_expert_x_model_compiles_and_trains_like_the_eager_bf16_policy():
+    from pathlib import Path
+
+    from families import MOE, build, lm_loss
+    from test_precision import LR, RTOL, WD, torch_mixed_precision
+
+    g = torch.Generator().manual_seed(0)
+    data = [torch.randint(3, 128, (8, 16), generator=g) for _ in range(3)]
+    args = [str(Path(__file__).parent), "mixtral", str(LR), str(WD)]
+    done = subprocess.run([sys.executable, "-c", BF16_ON_EXPERT_X_MODEL, *args], input=json.dumps(
+        [ids.tolist() for ids in data]), capture_output=True, text=True, timeout=600)  # fmt: skip
+    assert done.returncode == 0, done.stderr[-3000:]
+    expected = torch_mixed_precision(build(next(f for f in MOE if f.model_type == "mixtral")), lm_loss, data)
+    np.testing.assert_allclose(json.loads(done.stdout.splitlines()[-1]), expected, rtol=RTOL)
+
+
+class Tempered(nn.Module):
+    """A linear layer under a learnable temperature (CLIP's ``logit_scale``): a 0-d parameter, which has no dim 0."""
+
+    def __init__(self):
+        super().__init__()
+        self.proj = nn.Linear(DIM, DIM)
+        self.logit_scale = nn.Parameter(torch.tensor(0.5))
+
+    def forward(self, x):
+        return self.proj(x) * self.logit_scale.exp()
+
+
+def test_a_model_with_a_0d_parameter_builds_a_trainer_and_trains_like_torch():
+    torch.manual_seed(0)
+    reference = Tempered()
+    model = copy.deepcopy(reference)
+    plan = ts.plan(model, ts.make_mesh({"data": 8}), presets.fsdp(min_size=1))
+    trainer = ts.Trainer(model, mse, optax.adamw(1e-2), plan, batch_spec=P("data"))
+    assert trainer.expert_dispatch is None
+    losses, _ = _losses(trainer, _batches())
+    opt = torch.optim.AdamW(reference.parameters(), lr=1e-2, weight_decay=1e-4)
+    np.testing.assert_allclose(losses, torch_losses(reference, mse, opt, _batches()), rtol=RTOL)

@@ -107,6 +107,8 @@ ATTENTION_CASES = [
     (True, True, True, 2, 2, 32),
     (True, False, False, 4, 2, 64),
 ]
+# (gathered, balanced, window, key_tile): causal sliding windows, shorter than a tile, a run, or spanning runs
+WINDOW_CASES = [(False, True, 100, 32), (False, False, 7, 64), (True, True, 200, 512), (False, True, 1, 512)]
 
 
 @pytest.mark.parametrize(("gathered", "balanced", "causal", "heads", "kv_heads", "key_tile"), ATTENTION_CASES)
@@ -122,6 +124,21 @@ def test_attention_matches_torch_sdpa(gathered, balanced, causal, heads, kv_head
 
     attend = functools.partial(context_attention, mesh=mesh, axis="context", causal=causal, key_tile=key_tile,
                                gathered=gathered, balanced=balanced)  # fmt: skip
+    assert_attention_matches(attend, torch_fn, mesh, q, k, v, w)
+
+
+@pytest.mark.parametrize(("gathered", "balanced", "window", "key_tile"), WINDOW_CASES)
+def test_a_sliding_window_matches_torch_sdpa_with_the_banded_mask(gathered, balanced, window, key_tile):
+    mesh = ts.make_mesh({"data": 2, "context": 4})
+    g = torch.Generator().manual_seed(2)
+    q, k, v, w = (torch.randn(4, heads, 512, 8, generator=g) for heads in (4, 2, 2, 4))
+    band = torch.ones(512, 512, dtype=torch.bool).tril() & torch.ones(512, 512, dtype=torch.bool).triu(1 - window)
+
+    def torch_fn(q, k, v):
+        return (nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=band, enable_gqa=True) * w).sum()
+
+    attend = functools.partial(context_attention, mesh=mesh, axis="context", causal=True, key_tile=key_tile,
+                               gathered=gathered, balanced=balanced, window=window)  # fmt: skip
     assert_attention_matches(attend, torch_fn, mesh, q, k, v, w)
 
 

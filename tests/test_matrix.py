@@ -7,7 +7,9 @@ eager, unsharded torch: fp32 losses rtol 1e-4; MixedPrecision losses match an ea
 policy within test_precision.RTOL (the spread measured there), or, for the MoE, the strategy-free Trainer
 under the same policy (see `Family.twin`). A checkpoint saved after 2 steps is loaded into a strategy-free
 Trainer on another mesh, whose third step must be eager torch's. Each unsupported pair asserts its
-ShardingError. COMBOS keeps runs of several features, and of two strategies, at once.
+ShardingError. COMBOS keeps runs of several features, and of two strategies, at once, some on transformers
+families. bf16 MixedPrecision × all-to-all on data × expert × model (a Mixtral) runs in a child process in
+test_expert_dispatch.py: the program XLA once aborted on took the process with it.
 """
 
 from __future__ import annotations
@@ -84,6 +86,26 @@ def _llama() -> nn.Module:
 LLAMA_LAYER = r"model\.layers\.\d+"
 
 
+def _hf(model_type: str) -> Callable[[], nn.Module]:
+    from families import MOE, build
+
+    return lambda: build(next(f for f in MOE if f.model_type == model_type))
+
+
+def hf_loss(model, ids):
+    return model(input_ids=ids, labels=ids, use_cache=False).loss
+
+
+def hf_batches(rows: int) -> list[Any]:
+    g = torch.Generator().manual_seed(3)
+    return [torch.randint(3, 128, (rows, SEQ), generator=g) for _ in range(STEPS)]
+
+
+def _hf_experts(model_type: str) -> Callable[[dict[str, int]], ts.Rules]:
+    """Experts split by expert over "expert" (transformers' ep_plan), the rest replicated."""
+    return lambda axes: presets.hf_rules(_hf(model_type)(), axis=None, expert_axis="expert", fsdp_axis=None)
+
+
 @dataclasses.dataclass(frozen=True)
 class Family:
     """A tiny model (built under seed 0), its loss, its batches and the names remat and the plan use."""
@@ -109,6 +131,9 @@ FAMILIES = {
                              [rf"{LLAMA_LAYER}\.self_attn\.o_proj", rf"{LLAMA_LAYER}\.mlp\.down_proj"])),
     "moe": Family(MoEStack, moe_loss, lambda: float_batches(16), r"layers\.\d+",
                   lambda axes: presets.expert_parallel([r".*experts\.(up|down)"], "expert"), twin=False),
+    # transformers MoE families: their experts build index tensors inside the dispatch (see COMBOS)
+    **{t: Family(_hf(t), hf_loss, lambda: hf_batches(8), LLAMA_LAYER, _hf_experts(t))
+       for t in ("mixtral", "qwen2_moe")},
 }  # fmt: skip
 
 
@@ -271,6 +296,10 @@ COMBOS = {
     "expert all_to_all + gpipe": dict(
         strategy="expert all_to_all", features=(), axes={"stage": 2, "expert": 4}, batch_spec=P("expert"),
         pipeline=Pipeline(microbatches=2)),
+    # transformers' experts call torch.arange inside the dispatch's shard_map, where "context" stays automatic
+    **{f"context ring + expert all_to_all ({t})": dict(
+        strategy="expert all_to_all", features=(), family=t, axes={"context": 2, "expert": 4},
+        batch_spec=P("expert", "context"), context=ContextParallel()) for t in ("mixtral", "qwen2_moe")},
 }  # fmt: skip
 
 

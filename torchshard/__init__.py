@@ -12,7 +12,7 @@ from torchshard._interop.dcp_save import save_dcp
 from torchshard._interop.export import from_torch_state_dict, to_torch_state_dict
 from torchshard._interop.pretrained import load_safetensors
 from torchshard._interop.safetensors import save_safetensors
-from torchshard._parallel.context import ContextParallel
+from torchshard._parallel.context import ContextParallel, ContextParallelWarning
 from torchshard._parallel.documents import document_mask
 from torchshard._parallel.experts import ExpertDispatch, ExpertDispatchWarning
 from torchshard._parallel.pipeline import Pipeline
@@ -35,6 +35,7 @@ __all__ = [
     "ArgumentError",
     "CheckpointError",
     "ContextParallel",
+    "ContextParallelWarning",
     "ExpertDispatch",
     "ExpertDispatchWarning",
     "MixedPrecision",

@@ -41,10 +41,23 @@ def _folding(dispatch: Callable[..., Any]) -> Callable[..., Any]:
     def fold_index_constants(func: Any, types: Any, args: Any, kwargs: Any) -> Any:
         if not _folds(func, args, kwargs):
             return dispatch(func, types, args, kwargs)
-        with jax.ensure_compile_time_eval():
+        with jax.ensure_compile_time_eval(), _outside_manual_axes():
             return dispatch(func, types, args, kwargs)
 
     return fold_index_constants
+
+
+def _outside_manual_axes() -> contextlib.AbstractContextManager[Any]:
+    """Inside a ``shard_map`` body, an empty abstract mesh for the op computed now (else nothing changes).
+
+    JAX computes an eager op there against the body's mesh, partly manual, and fails on its own
+    sharding (``NotImplementedError: Unhandled OpSharding type ... last_tile_dims={manual,
+    replicated}`` from ``jnp.arange(0, n, 1)``: transformers' experts build ``torch.arange(n)``
+    inside the all-to-all dispatch's shard_map). The value is a per-device constant either way.
+    """
+    if not jax.sharding.get_abstract_mesh().manual_axes:
+        return contextlib.nullcontext()
+    return jax.sharding.use_abstract_mesh(jax.sharding.AbstractMesh((), ()))
 
 
 @contextlib.contextmanager

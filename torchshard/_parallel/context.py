@@ -4,12 +4,15 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import warnings
+import weakref
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+import torch
 from jax.sharding import Mesh, PartitionSpec
 
 from torchshard._base.errors import raise_if_any
@@ -25,9 +28,10 @@ from torchshard._parallel.ring_attention import context_attention
 ATTENTIONS = ("ring", "all_gather")
 SUPPORTED = (
     "context-parallel attention supports no mask, is_causal=True, a constant causal mask (e.g. "
-    "torch.ones(S, S, dtype=torch.bool).tril()), or packed documents (ts.document_mask(position_ids), or "
-    "transformers' position_ids restarting per document), with dropout 0"
+    "torch.ones(S, S, dtype=torch.bool).tril()) or causal sliding window (transformers' sliding_window), or packed "
+    "documents (ts.document_mask(position_ids), or transformers' position_ids restarting per document), with dropout 0"
 )
+Pattern = tuple[bool, int | None]  # (causal, the causal sliding window or None) of a constant mask
 
 
 @dataclasses.dataclass(frozen=True)
@@ -37,8 +41,10 @@ class ContextParallel:
     Batch tensors are split on dim 1 (the sequence) over ``axis`` (``batch_spec=("data", "context")``);
     the model runs as written and every ``torch.nn.functional.scaled_dot_product_attention`` call in
     it (transformers' default ``sdpa`` attention included) runs as attention over the whole sequence
-    while each device holds only its part. Causal or not, no mask or the causal mask, grouped K/V
-    heads; other mesh axes keep sharding the batch, the heads and the weights as the plan says.
+    while each device holds only its part. Causal or not, no mask, the causal mask or a causal
+    sliding window, grouped K/V heads; other mesh axes keep sharding the batch, the heads and the
+    weights as the plan says. A model whose step calls no SDPA (its own attention, as
+    transformers' ``eager``) trains with the sequence gathered for it, said by a `ContextParallelWarning`.
 
     Args:
         axis: the mesh axis the sequence is split over.
@@ -126,8 +132,10 @@ def sequence_problems(context: ContextParallel | None, mesh: Mesh, what: str, sh
     return _split_problem(f"{what} {tuple(shape)}", shape[1], context, mesh)
 
 
-def _causal_pattern(mask: Any, length: int) -> bool | None:
-    """True for torch's causal mask, False for an all-visible one, None for anything else (or a traced mask).
+def _mask_pattern(mask: Any, length: int) -> Pattern | None:
+    """(True, None) for torch's causal mask, (True, w) for a causal sliding window of ``w`` keys (query ``i`` sees
+    ``i - w < j <= i``, transformers' ``sliding_window``), (False, None) for an all-visible mask, and None for
+    anything else (or a traced mask).
 
     Bool masks keep ``True``; float (additive) masks keep 0 and drop -inf or values near the dtype's minimum.
     """
@@ -143,9 +151,12 @@ def _causal_pattern(mask: Any, length: int) -> bool | None:
         values = ~dropped
     values = values.reshape(-1, length, length)
     if np.all(values):
-        return False
-    causal = np.tril(np.ones((length, length), bool))
-    return True if np.all(values == causal) else None
+        return False, None
+    window = int(values[0].sum(-1).max())
+    rows, cols = np.arange(length)[:, None], np.arange(length)[None, :]  # an S×S bool band, not S×S indices
+    if window < 1 or not np.all(values == ((rows >= cols) & (rows - cols < window))):
+        return None
+    return True, window if window < length else None
 
 
 def _segments(mask: Any, batch: int, length: int) -> tuple[jax.Array | None, list[str]]:
@@ -181,45 +192,87 @@ def _call_problems(context: ContextParallel, mesh: Mesh, query: Any, key: Any, m
                         f"{kv_heads} == 0, as in torch")  # fmt: skip
     segments, unreadable = _segments(mask, query.shape[0], length) if length == kv_length else (None, [])
     problems += unreadable
-    if (
-        segments is None
-        and mask is not None
-        and length == kv_length
-        and not unreadable
-        and (_causal_pattern(mask, length) is None)
-    ):
-        where = "is computed from the step's inputs (e.g. a padding attention_mask in the batch)"
-        if not isinstance(mask, jax.core.Tracer):
-            where = "is neither the causal mask nor all-visible"
-        problems.append(
-            f"attn_mask {mask.dtype}{list(mask.shape)} {where}; {SUPPORTED}: drop attention_mask from the batch "
-            f"and train on unpadded (packed) sequences"
-        )
+    if segments is None and mask is not None and length == kv_length and not unreadable:
+        problems += _mask_problems(mask, length)
     return problems + _split_problem("the attention's", length, context, mesh)
 
 
-def _sdpa(context: ContextParallel, mesh: Mesh, row_axes: tuple[str, ...]) -> Callable[..., jax.Array]:
+def _mask_problems(mask: Any, length: int) -> list[str]:
+    if _mask_pattern(mask, length) is not None:
+        return []
+    what = f"attn_mask {mask.dtype}{list(mask.shape)}"
+    if isinstance(mask, jax.core.Tracer):
+        inputs = "is computed from the step's inputs (e.g. a padding attention_mask in the batch)"
+        return [f"{what} {inputs}; {SUPPORTED}: drop attention_mask from the batch and train on unpadded (packed) "
+                f"sequences"]  # fmt: skip
+    return [f"{what} is a constant mask but neither all-visible, causal nor a causal sliding window; {SUPPORTED}: "
+            f"build one of those, or train without context="]  # fmt: skip
+
+
+def _sdpa(
+    context: ContextParallel, mesh: Mesh, row_axes: tuple[str, ...], calls: list[int]
+) -> Callable[..., jax.Array]:
     """``scaled_dot_product_attention`` (a JAX-level lowering) as context-parallel attention over the axis."""
 
     def sdpa(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False):
+        calls.append(1)
         problems = _call_problems(context, mesh, query, key, attn_mask, dropout_p, enable_gqa)
         shapes = f"query {list(query.shape)}, key {list(key.shape)}"
         raise_if_any(
             problems, header=f"scaled_dot_product_attention({shapes}) under {context} on {describe_mesh(mesh)}"
         )
         segments = _segments(attn_mask, query.shape[0], query.shape[2])[0]
-        causal = bool(is_causal) or segments is not None  # documents are causal within themselves
-        causal = causal or (attn_mask is not None and bool(_causal_pattern(attn_mask, query.shape[2])))
+        pattern = _mask_pattern(attn_mask, query.shape[2]) if attn_mask is not None and segments is None else None
+        causal, window = pattern or (False, None)
+        causal = causal or bool(is_causal) or segments is not None  # documents are causal within themselves
         return context_attention(query, key, value, mesh=mesh, axis=context.axis, causal=causal, scale=scale,
                                  gathered=context.attention == "all_gather", balanced=context.load_balance,
-                                 segments=segments, rows=row_axes)  # fmt: skip
+                                 segments=segments, rows=row_axes, window=window)  # fmt: skip
 
     return sdpa
 
 
+class ContextParallelWarning(UserWarning):
+    """A step under `ContextParallel` calls no ``scaled_dot_product_attention``: no attention runs as a ring."""
+
+
+_WARNED: weakref.WeakSet[torch.nn.Module] = weakref.WeakSet()  # models a ContextParallelWarning has named
+
+
+def _attention_of(model: torch.nn.Module) -> str:
+    """The model, and for a transformers model its attention implementation and any logit softcapping."""
+    config = getattr(model, "config", None)
+    implementation = getattr(config, "_attn_implementation", None)
+    if implementation is None:
+        return type(model).__name__
+    text = f"{type(model).__name__} (model_type {getattr(config, 'model_type', '?')!r}, transformers' " \
+           f"attn_implementation={implementation!r}"  # fmt: skip
+    softcap = getattr(config, "attn_logit_softcapping", None)
+    return text + (f", attn_logit_softcapping={softcap}, which SDPA cannot apply)" if softcap else ")")
+
+
+def _warn_no_attention(context: ContextParallel, model: torch.nn.Module) -> None:
+    if model in _WARNED:
+        return
+    _WARNED.add(model)
+    warnings.warn(
+        f"{_attention_of(model)} calls no scaled_dot_product_attention in its step, so {context} runs no ring "
+        f"attention: GSPMD all-gathers the sequence for its own attention in every layer (every device holds all "
+        f"keys and values and S×S scores per head, as without context parallelism; the other layers stay split). "
+        f"Use an SDPA attention (transformers: attn_implementation='sdpa' where the family has it and computes the "
+        f"same) to split the attention too, or train without context=",
+        ContextParallelWarning,
+        stacklevel=2,
+    )
+
+
 @contextlib.contextmanager
-def tracing(context: ContextParallel, mesh: Mesh, row_axes: tuple[str, ...] = ()) -> Iterator[None]:
+def tracing(context: ContextParallel, mesh: Mesh, row_axes: tuple[str, ...] = (),
+            model: torch.nn.Module | None = None) -> Iterator[None]:  # fmt: skip
     """While a step is traced: SDPA runs as context-parallel attention over ``context.axis``.
+
+    A ``model`` whose trace calls no SDPA (an attention of its own: transformers' ``eager``
+    attention, as Gemma2's) gets one `ContextParallelWarning`: its attention is not split.
 
     Lowerings that flatten tokens keep them split over ``row_axes`` (the batch's rows) and the
     context axis (`tokens.TokenLayout`): a linear layer's dot and the loss see each device's rows.
@@ -229,7 +282,8 @@ def tracing(context: ContextParallel, mesh: Mesh, row_axes: tuple[str, ...] = ()
     sequences and passes ``is_causal=True`` with no mask, as in eager torch (with traced positions it
     builds a ``[B, 1, S, S]`` mask), and a constant mask a model builds can be read and recognised.
     """
-    sdpa = _sdpa(context, mesh, row_axes)
+    calls: list[int] = []
+    sdpa = _sdpa(context, mesh, row_axes, calls)
     with contextlib.ExitStack() as stack:
         for op in ATTENTION_OPS:
             stack.enter_context(overriding(op, sdpa, jax_function=True))
@@ -238,3 +292,5 @@ def tracing(context: ContextParallel, mesh: Mesh, row_axes: tuple[str, ...] = ()
         stack.enter_context(hf_documents.segments_from_position_ids())
         stack.enter_context(tokens.laid_out(tokens.TokenLayout(mesh.shape[context.axis], mesh, row_axes, context.axis)))
         yield
+    if not calls and model is not None:
+        _warn_no_attention(context, model)

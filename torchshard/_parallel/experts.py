@@ -112,11 +112,14 @@ def routing_signature(module: torch.nn.Module) -> inspect.Signature | None:
 
 
 def _stacked(params: dict[str, torch.Tensor]) -> bool:
-    """Experts stacked on dim 0: one leading size, matrices (≥ 3-D) among them, biases (2-D) at least."""
+    """Experts stacked on dim 0: one leading size, matrices (≥ 3-D) among them, biases (2-D) at least.
+
+    The ranks are read first: a module may hold 0-d parameters (CLIP's ``logit_scale``), which have no dim 0.
+    """
     return (
-        len({t.shape[0] for t in params.values()}) == 1
-        and all(t.ndim >= 2 for t in params.values())
+        all(t.ndim >= 2 for t in params.values())
         and any(t.ndim >= 3 for t in params.values())
+        and len({t.shape[0] for t in params.values()}) == 1
     )
 
 
@@ -274,6 +277,7 @@ def _moved(experts: Experts, dispatch: ExpertDispatch, mesh: Mesh, original: Any
         weights = jnp.take_along_axis(weights, index, axis=1)
 
     def body(x, index, weights, *values):
+        values = tuple(v[0] for v in values)  # this device's copy (see `_copies`)
         pairs = index.size
         dest, row, fits = _routes(index, local, n, capacity)
         token = jnp.arange(pairs) // k
@@ -292,12 +296,30 @@ def _moved(experts: Experts, dispatch: ExpertDispatch, mesh: Mesh, original: Any
         dropped = jnp.sum(~fits)
         return (picked * scale[:, None]).reshape(-1, k, picked.shape[-1]).sum(1).astype(x.dtype), dropped[None]
 
-    rows, stacked = PartitionSpec(experts.token_axes), PartitionSpec(experts.axis)
+    copies, stacked = _copies(experts, mesh, params)
+    rows = PartitionSpec(experts.token_axes)
     manual = frozenset({experts.axis, *experts.token_axes}) | vmapped_axes()
     sharded = jax.shard_map(body, mesh=mesh, in_specs=(rows, rows, rows, *(stacked for _ in params)),
                             out_specs=(rows, rows), axis_names=manual, check_vma=False)  # fmt: skip
-    out, dropped = sharded(x, index, weights, *params)
+    out, dropped = sharded(x, index, weights, *copies)
     return out, dropped.sum()
+
+
+def _copies(experts: Experts, mesh: Mesh, params: Sequence[jax.Array]) -> tuple[list[jax.Array], PartitionSpec]:
+    """The stacked parameters with a leading dim of one copy per device along the token axes besides the expert
+    axis, and the spec that hands each device its copy and its experts.
+
+    Passed in with a spec naming the expert axis alone, a parameter would be replicated over the
+    other token axes inside the shard_map, whose transpose then sums its gradient with a ``psum``
+    in the partly manual region. JAX lowers that psum's reducer with a sharding annotation (a
+    ``copy`` once partitioned), and XLA's CPU pass that widens bf16 all-reduces aborts the process
+    on it (``Invalid binary instruction opcode copy``: MixedPrecision on expert × model with a
+    data axis). With a copy per device the gradients are summed over the copies outside, by GSPMD.
+    """
+    others = tuple(a for a in experts.token_axes if a != experts.axis)
+    count = math.prod(mesh.shape[a] for a in others)
+    copies = [jnp.broadcast_to(p[None], (count, *p.shape)) for p in params]
+    return copies, PartitionSpec(others or None, experts.axis)
 
 
 def _local_experts(experts: Experts, original: Any, local: int, x, ids, used, values) -> jax.Array:

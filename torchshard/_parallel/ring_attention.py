@@ -46,6 +46,7 @@ class Ring:
     key_tile: int = KEY_TILE
     vmapped: frozenset[str] = frozenset()  # a pipeline's stage axis, manual here too (see `vmapped_axes`)
     rows: tuple[str, ...] = ()  # the batch's row axes, manual with documents: tiles are skipped per device
+    window: int | None = None  # causal sliding window: a query sees itself and the window - 1 keys before it
 
 
 def _varying(x: jax.Array, ring: Ring) -> jax.Array:
@@ -76,27 +77,31 @@ def _pass_keys(block: Keys, ring: Ring) -> Keys:
 
 
 def _logits(q: jax.Array, k: jax.Array, q_start: jax.Array, k_start: jax.Array, causal: bool, q_seg: Seg,
-            k_seg: Seg) -> jax.Array:  # fmt: skip
+            k_seg: Seg, window: int | None = None) -> jax.Array:  # fmt: skip
     """f32 scores of [b, kv, g, q, d] queries (already scaled) against [b, kv, k, d] keys; -inf where masked."""
     s = jnp.einsum("bkgqh,bksh->bkgqs", q, k, preferred_element_type=jnp.float32)
     keep = None
     if causal:
         rows = jax.lax.broadcasted_iota(jnp.int32, s.shape[-2:], 0) + q_start
         cols = jax.lax.broadcasted_iota(jnp.int32, s.shape[-2:], 1) + k_start
-        keep = rows >= cols
+        keep = rows >= cols if window is None else (rows >= cols) & (rows - cols < window)
     if q_seg is not None and k_seg is not None:
         same = (q_seg[:, :, None] == k_seg[:, None, :])[:, None, None]
         keep = same if keep is None else same & keep
     return s if keep is None else jnp.where(keep, s, -jnp.inf)
 
 
-def _sees(q_start: jax.Array, q_seg: Seg, rows: int, k_start: jax.Array, k_seg: Seg, causal: bool) -> jax.Array:
-    """Whether any of ``rows`` queries from ``q_start`` sees a key of the tile from ``k_start`` (else it is skipped).
+def _sees(q_start: jax.Array, q_seg: Seg, rows: int, k_start: jax.Array, k_seg: Seg, ring: Ring,
+          keys: int) -> jax.Array:  # fmt: skip
+    """Whether any of ``rows`` queries from ``q_start`` sees one of the ``keys`` keys from ``k_start`` (else the tile
+    is skipped): a window's first query sees back to ``q_start - window + 1``.
 
     Segment ids never decrease along a run, so a row's query and key segments share an id only if
     their ranges overlap.
     """
-    seen = k_start <= q_start + rows - 1 if causal else jnp.bool_(True)
+    seen = k_start <= q_start + rows - 1 if ring.causal else jnp.bool_(True)
+    if ring.causal and ring.window is not None:
+        seen = seen & (q_start - (k_start + keys - 1) < ring.window)
     if q_seg is not None and k_seg is not None:
         seen = seen & jnp.any((k_seg[:, -1] >= q_seg[:, 0]) & (k_seg[:, 0] <= q_seg[:, -1]))
     return seen
@@ -128,9 +133,9 @@ def _untiled(x: jax.Array) -> jax.Array:
 
 @jax.named_scope(TILE_SCOPE)
 def _update(stats: Stats, q: jax.Array, k: jax.Array, v: jax.Array, q_start: jax.Array, k_start: jax.Array,
-            causal: bool, q_seg: Seg, k_seg: Seg) -> Stats:  # fmt: skip
+            causal: bool, q_seg: Seg, k_seg: Seg, window: int | None) -> Stats:  # fmt: skip
     """One key block folded into the running (max, sum, weighted values) of a query run."""
-    return online_softmax.fold(stats, _logits(q, k, q_start, k_start, causal, q_seg, k_seg), v)
+    return online_softmax.fold(stats, _logits(q, k, q_start, k_start, causal, q_seg, k_seg, window), v)
 
 
 def _fold(stats: Stats, q: jax.Array, q_start: jax.Array, q_seg: Seg, block: Keys, k_start: jax.Array,
@@ -144,8 +149,8 @@ def _fold(stats: Stats, q: jax.Array, q_start: jax.Array, q_seg: Seg, block: Key
         i, k_tile, v_tile, seg_tile = xs
         start = k_start + i * size
         update = functools.partial(_update, q=q, k=k_tile, v=v_tile, q_start=q_start, k_start=start, causal=causal,
-                                   q_seg=q_seg, k_seg=seg_tile)  # fmt: skip
-        seen = _sees(q_start, q_seg, q.shape[3], start, seg_tile, causal)
+                                   q_seg=q_seg, k_seg=seg_tile, window=ring.window)  # fmt: skip
+        seen = _sees(q_start, q_seg, q.shape[3], start, seg_tile, ring, size)
         return jax.lax.cond(seen, update, lambda s: s, stats), None
 
     if tiles == 1:
@@ -208,9 +213,9 @@ def _forward(ring: Ring, me: jax.Array, q: jax.Array, block: Keys, q_seg: Seg) -
 @jax.named_scope(TILE_SCOPE)
 def _grads(q: jax.Array, k: jax.Array, v: jax.Array, do: jax.Array, lse: jax.Array, delta: jax.Array,
            q_start: jax.Array, k_start: jax.Array, causal: bool, q_seg: Seg,
-           k_seg: Seg) -> tuple[jax.Array, jax.Array, jax.Array]:  # fmt: skip
+           k_seg: Seg, window: int | None) -> tuple[jax.Array, jax.Array, jax.Array]:  # fmt: skip
     """(dq, dk, dv) of one (query run, key run) pair, recomputing its probabilities from the saved lse."""
-    s = _logits(q, k, q_start, k_start, causal, q_seg, k_seg)
+    s = _logits(q, k, q_start, k_start, causal, q_seg, k_seg, window)
     return online_softmax.unfold(s, lse, delta, q, k, v, do)[:3]
 
 
@@ -246,10 +251,10 @@ def _unfold(dq: jax.Array, saved: tuple, q_start: jax.Array, block: Keys, k_star
         start = k_start + i * size
 
         def grads(dq: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
-            g = _grads(q, k_tile, v_tile, do, lse, delta, q_start, start, ring.causal, q_seg, seg_tile)
+            g = _grads(q, k_tile, v_tile, do, lse, delta, q_start, start, ring.causal, q_seg, seg_tile, ring.window)
             return dq + g[0], g[1], g[2]
 
-        seen = _sees(q_start, q_seg, q.shape[3], start, seg_tile, ring.causal)
+        seen = _sees(q_start, q_seg, q.shape[3], start, seg_tile, ring, size)
         dq, dk, dv = jax.lax.cond(seen, grads, lambda dq: (dq, nothing, nothing), dq)
         return dq, (dk, dv)
 
@@ -343,6 +348,7 @@ def context_attention(
     key_tile: int = KEY_TILE,
     segments: jax.Array | None = None,
     rows: tuple[str, ...] = (),
+    window: int | None = None,
 ) -> jax.Array:
     """softmax(q·kᵀ·scale)·v in torch's [batch, heads, seq, dim] layout, the sequence split over ``axis``.
 
@@ -362,6 +368,8 @@ def context_attention(
             `segment_ids`): a query sees only keys of its own document (and, when ``causal``, not after it).
         rows: the mesh axes ``b`` is split over; with ``segments`` they are manual too, so each device
             skips the tiles its own rows do not see.
+        window: with ``causal``, a sliding window (transformers' ``sliding_window``): query ``i`` sees
+            keys ``i - window < j <= i``; tiles wholly outside it are skipped.
 
     Examples:
         >>> auto = (jax.sharding.AxisType.Auto,)
@@ -378,7 +386,7 @@ def context_attention(
     q = (query * jnp.asarray(scale, query.dtype)).reshape(b, kv_heads, heads // kv_heads, s, d)
     rows = _manual_rows(mesh, rows, b) if segments is not None else ()
     layout = SequenceLayout(s, mesh.shape[axis], balanced and causal)
-    ring = Ring(axis, layout, causal, gathered, key_tile, vmapped_axes(), rows)
+    ring = Ring(axis, layout, causal, gathered, key_tile, vmapped_axes(), rows, window if causal else None)
     batch = rows or None
     q_spec, kv_spec = PartitionSpec(batch, None, None, axis, None), PartitionSpec(batch, None, axis, None)
     args, in_specs = [q, key, value], [q_spec, kv_spec, kv_spec]

@@ -21,12 +21,13 @@ class Contextual(Bound):
     option: ContextParallel
     mesh: Mesh
     row_axes: tuple[str, ...] = ()  # the batch_spec's axes for dim 0 (the rows)
+    model: Any = dataclasses.field(default=None, compare=False, repr=False)  # named if it calls no SDPA
 
     def batch_problems(self, what: str, shape: Sequence[int]) -> list[str]:
         return sequence_problems(self.option, self.mesh, what, shape)
 
     def tracing(self) -> contextlib.AbstractContextManager[Any]:
-        return tracing(self.option, self.mesh, self.row_axes)
+        return tracing(self.option, self.mesh, self.row_axes, self.model)
 
 
 def bind(context: Any, setting: Setting) -> Bound:
@@ -41,4 +42,4 @@ def bind(context: Any, setting: Setting) -> Bound:
         return Bound()
     assert isinstance(setting.plan.mesh, Mesh)  # checked with the other Trainer arguments
     rows = entry_axes(setting.batch_spec[0]) if len(setting.batch_spec) else ()
-    return Contextual(option=context, mesh=setting.plan.mesh, row_axes=tuple(rows))
+    return Contextual(option=context, mesh=setting.plan.mesh, row_axes=tuple(rows), model=setting.model)
