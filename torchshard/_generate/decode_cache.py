@@ -42,7 +42,10 @@ def layer_kinds(model: torch.nn.Module) -> tuple[tuple[str, ...], list[str]]:
     try:
         layers = StaticCache(config=config, max_cache_len=1).layers
     except Exception as err:  # any config transformers cannot lay a static cache out for
-        return (), [f"{name}: transformers cannot lay out a static KV cache for its config ({err})"]
+        return (), [
+            f"{name}: transformers cannot lay out a static KV cache for its config ({type(err).__name__}: {err}); "
+            f"generate decodes over full-attention and sliding-window caches only, so it refuses this model"
+        ]
     kinds = {StaticLayer: FULL, StaticSlidingWindowLayer: SLIDING, DummyLayer: NONE}
     found = tuple(kinds.get(type(layer), type(layer).__name__) for layer in layers)
     others = sorted({k for k in found if k not in (FULL, SLIDING, NONE)})
