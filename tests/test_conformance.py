@@ -90,7 +90,10 @@ FAKE_WORKER = textwrap.dedent("""
 """)
 
 
-@pytest.mark.parametrize(("how", "why"), [("abort", "crashed (killed by SIGABRT)"), ("hang", "timed out after 3 s")])
+@pytest.mark.parametrize(
+    ("how", "why"),
+    [("abort", "crashed (killed by SIGABRT)"), pytest.param("hang", "timed out after 3 s", marks=pytest.mark.slow)],
+)
 def test_a_worker_that_dies_or_hangs_fails_its_familys_remaining_cells(how, why):
     worker = conformance.Worker(None, command=[sys.executable, "-c", FAKE_WORKER, how])
     result, usable = conformance._run_one(worker, "mixtral", ["train", "bf16", "lora"], timeout=3)
