@@ -298,14 +298,14 @@ def test_a_constant_sliding_window_mask_runs_as_a_windowed_ring_and_trains_like_
 
 
 def _family(model_type: str, **extra):
-    from families import DENSE, Family, build
+    from tools.families import DENSE, Family, build
 
     base = next(f for f in DENSE if f.model_type == model_type)
     return build(Family(model_type, extra=(*base.extra, *extra.items())))
 
 
 def _family_trains_like_torch(mesh, model_type: str, **extra) -> ts.Trainer:
-    from families import lm_loss
+    from tools.families import lm_loss
 
     ref = _family(model_type, **extra)
     trainer = ts.Trainer(copy.deepcopy(ref), lambda m, b: lm_loss(m, b[0]), adamw(), ts.plan(ref, mesh),

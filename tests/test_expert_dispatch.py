@@ -351,7 +351,7 @@ import json, sys
 sys.path.insert(0, sys.argv[1])
 import optax, torch
 import torchshard as ts
-from families import MOE, build, lm_loss
+from tools.families import MOE, build, lm_loss
 from jax.sharding import PartitionSpec as P
 ts.use_cpu_devices(8)
 model = build(next(f for f in MOE if f.model_type == sys.argv[2]))
@@ -368,8 +368,9 @@ print(json.dumps([float(trainer.step(torch.tensor(ids))["loss"]) for ids in json
 def test_bf16_all_to_all_on_expert_x_model_compiles_and_trains_like_the_eager_bf16_policy():
     from pathlib import Path
 
-    from families import MOE, build, lm_loss
     from test_precision import LR, RTOL, WD, torch_mixed_precision
+
+    from tools.families import MOE, build, lm_loss
 
     g = torch.Generator().manual_seed(0)
     data = [torch.randint(3, 128, (8, 16), generator=g) for _ in range(3)]

@@ -11,9 +11,9 @@ import copy
 
 import pytest
 import torch
-from families import Family, build
 
 import torchshard as ts
+from tools.families import Family, build
 
 transformers = pytest.importorskip("transformers")
 

@@ -87,7 +87,7 @@ LLAMA_LAYER = r"model\.layers\.\d+"
 
 
 def _hf(model_type: str) -> Callable[[], nn.Module]:
-    from families import MOE, build
+    from tools.families import MOE, build
 
     return lambda: build(next(f for f in MOE if f.model_type == model_type))
 

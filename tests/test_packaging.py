@@ -10,8 +10,8 @@ import tomllib
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-# what the suite runs: the tests, and the examples and benchmarks they run
-SOURCES = [*ROOT.glob("tests/*.py"), *ROOT.glob("examples/*.py"), *ROOT.glob("benchmarks/*.py")]
+# what the suite runs: the tests, and the examples, benchmarks and tools (the conformance matrix) they run
+SOURCES = [path for folder in ("tests", "examples", "benchmarks", "tools") for path in ROOT.glob(f"{folder}/*.py")]
 
 
 def _name(requirement: str) -> str:
@@ -26,7 +26,7 @@ def _imported() -> set[str]:
                 found |= {alias.name.split(".")[0] for alias in node.names}
             elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
                 found.add(node.module.split(".")[0])
-    local = {p.stem for p in SOURCES} | {"torchshard"}
+    local = {p.stem for p in SOURCES} | {"torchshard", "tools"}
     return {m for m in found if m not in sys.stdlib_module_names and m not in local}
 
 

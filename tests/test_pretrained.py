@@ -8,11 +8,11 @@ import numpy as np
 import optax
 import pytest
 import torch
-from families import DENSE, build
 from helpers import assert_close, torch_losses
 from models import tiny_llama
 
 import torchshard as ts
+from tools.families import DENSE, build
 from torchshard import presets
 
 transformers = pytest.importorskip("transformers")
