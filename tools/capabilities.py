@@ -372,11 +372,14 @@ def _row(model_type: str, folder: Path) -> tuple[Row | None, str]:
     return row, ""
 
 
-def run_family(model_type: str, keys: list[str] | None = None) -> Iterator[tuple[str, Cell]]:
+def run_family(
+    model_type: str, keys: list[str] | None = None, *, starting: Callable[[str], None] = lambda key: None
+) -> Iterator[tuple[str, Cell]]:
     """("kind", dense or MoE), then each capability's cell on ``model_type`` in `COLUMNS` order (``keys`` limits them).
 
     Yields ("skipped", reason) alone when the family has no row: not a text causal LM, no tiny
-    build, or eager torch cannot run it (there is then no truth to compare with).
+    build, or eager torch cannot run it (there is then no truth to compare with). ``starting(key)``
+    is called as each capability starts (a process that dies in it can then say where).
     """
     reason = skip_reason(model_type)
     with tempfile.TemporaryDirectory() as folder:
@@ -386,4 +389,5 @@ def run_family(model_type: str, keys: list[str] | None = None) -> Iterator[tuple
             return
         yield "kind", Cell("n/a", "MoE" if row.moe else "dense")
         for key in keys or list(CAPABILITIES):
+            starting(key)
             yield key, run_cell(CAPABILITIES[key], row)

@@ -66,7 +66,11 @@ def worker(keys: list[str] | None) -> None:
 
     for line in sys.stdin:
         name, begun, cpu = line.strip(), time.perf_counter(), _cpu_seconds()
-        for key, cell in run_family(name, keys):
+
+        def starting(key: str, name: str = name) -> None:
+            print(json.dumps({"family": name, "start": key}), file=protocol, flush=True)
+
+        for key, cell in run_family(name, keys, starting=starting):
             print(json.dumps({"family": name, "key": key, "cell": dataclasses.asdict(cell)}), file=protocol, flush=True)
         done = {"done": round(time.perf_counter() - begun, 1), "cpu": round(_cpu_seconds() - cpu, 1)}
         print(json.dumps({"family": name, **done}), file=protocol, flush=True)
@@ -148,23 +152,30 @@ def _death(proc: subprocess.Popen[str]) -> str:
 def _run_one(worker: Worker, name: str, keys: list[str], timeout: float) -> tuple[Result, bool]:
     """One family on ``worker``: its result, and whether the worker is still usable."""
     result, start, begun = Result(), worker.send(name), time.perf_counter()
+    current = None  # the capability running now
     while True:
         try:
             line = worker.lines.get(timeout=max(1.0, timeout - (time.perf_counter() - begun)))
         except queue.Empty:
-            line, why = None, f"timed out after {timeout:.0f} s"
+            line, why, tail = None, f"timed out after {timeout:.0f} s", ""
             worker.kill()
         else:
             why = "" if line is not None else f"crashed ({_death(worker.proc)})"
+            tail = "" if line is not None else f": {worker.tail(start)}"
         if line is None:
-            tail = worker.tail(start)
             for key in keys:
-                result.cells.setdefault(key, {"status": "fail", "text": f"{why}: {tail}", "seconds": 0.0})
+                text = (
+                    f"{why}{tail}" if key == current or current is None else f"not run: the worker {why} in {current}"
+                )
+                result.cells.setdefault(key, {"status": "fail", "text": text, "seconds": 0.0})
             result.seconds = round(time.perf_counter() - begun, 1)
             return result, False
         message = json.loads(line)
         if "xla_flags" in message:
             XLA_FLAGS.add(message["xla_flags"])
+            continue
+        if "start" in message:
+            current = message["start"]
             continue
         if "done" in message:
             result.seconds, result.cpu_seconds = message["done"], message["cpu"]
