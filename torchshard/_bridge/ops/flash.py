@@ -170,9 +170,8 @@ def _unfold(tiling: Tiling, masked: bool, tensors: tuple, grads: Grads, i: Index
     dq, dk, dv, dbias = grads
     rows, cols = (i * tiling.rows, tiling.rows, 3), (j * tiling.keys, tiling.keys, 2)
     qi, doi, kj, vj = _slice(q, *rows), _slice(do, *rows), _slice(k, *cols), _slice(v, *cols)
-    with jax.named_scope(RECOMPUTE_SCOPE):
-        s = _scores(tiling, masked, i, j, qi, kj, mask, bias)
-    p = jnp.exp(s - _slice(lse, *rows)[..., None])
+    with jax.named_scope(RECOMPUTE_SCOPE):  # with its exp: XLA names a fused matmul by its fusion's last op
+        p = jnp.exp(_scores(tiling, masked, i, j, qi, kj, mask, bias) - _slice(lse, *rows)[..., None])
     dp = jnp.einsum("bkgqh,bksh->bkgqs", doi, vj, preferred_element_type=jnp.float32)
     ds = p * (dp - _slice(delta, *rows)[..., None])
     f32 = jnp.float32
