@@ -15,6 +15,7 @@
    rounds and its median reported. Checked: at most 1.02.
 
     python benchmarks/metrics.py                # both; exits 1 when a check fails
+    python benchmarks/metrics.py --rounds 8 --steps 20 --batch 8 --seq 128   # the README's run (a shorter one)
     python benchmarks/metrics.py --rounds 2 --steps 10 --layers 1 --seq 64   # a smoke run (checks FLOPs only)
 """
 

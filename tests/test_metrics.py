@@ -130,6 +130,20 @@ def test_tokens_are_counted_from_the_token_ids(mesh_fsdp, tmp_path):
 
 
 @pytest.mark.slow
+def test_a_llamas_model_flops_are_the_analytic_count_and_recomputed_scores_come_on_top(mesh_fsdp):
+    model = tiny_llama(layers=1)  # width 64 (4 heads), MLP 128, vocab 128, untied head
+    loss = lambda m, ids: m(input_ids=ids, labels=ids).loss  # noqa: E731
+    trainer = ts.Trainer(model, loss, optax.sgd(0.1), ts.plan(model, mesh_fsdp))
+    trainer.step(torch.randint(0, 128, (8, 256)))  # one row of 256 tokens per device: 4 × 4 attention tiles
+    embedding = model.get_input_embeddings().weight.numel()  # a lookup, not a matmul
+    matmul_params = sum(p.numel() for p in model.parameters() if p.ndim == 2) - embedding
+    tokens, width, seq = 256, 64, 256
+    assert trainer.model_flops_per_step == tokens * (6 * matmul_params + 12 * width * seq)  # torchtitan's count
+    # the tiled attention's backward computes the scores once more, as FlashAttention's does
+    assert trainer.flops_per_step - trainer.model_flops_per_step == tokens * 2 * width * seq
+
+
+@pytest.mark.slow
 def test_module_calls_are_named_by_their_state_dict_prefix_in_the_hlo(mesh_fsdp):
     model = tiny_llama(layers=2)
     loss = lambda m, ids: m(input_ids=ids, labels=ids).loss  # noqa: E731

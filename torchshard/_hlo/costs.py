@@ -166,22 +166,45 @@ def step_costs(text: str) -> StepCosts:
     comps = {c.name: c for c, _ in parsed}
     entry = next(c.name for c, is_entry in parsed if is_entry)
     runs, inlined = _multipliers(comps, entry)
+    callers = _caller_names(comps)
     flops = recompute = traffic = on_chip = 0.0
     for name, n in runs.items():
         comp = comps[name]
         for line in comp.lines:
             if (m := _INSTRUCTION.match(line)) and m.group("op") == "dot":
                 dot = n * _dot_flops(line, m.group("op"), m.group("args"), m.group("type"), comp.types)
-                flops, recompute = flops + dot, recompute + (dot if _recomputed(line) else 0.0)
+                op_name = m_.group(1) if (m_ := _OP_NAME.search(line)) else callers.get(name, "")
+                flops, recompute = flops + dot, recompute + (dot if _recomputed(op_name) else 0.0)
         if name not in inlined:
             moved, kept = _traffic(comps, comp)
             traffic, on_chip = traffic + n * moved, on_chip + n * kept
     return StepCosts(flops, traffic, _collectives(text, comps, runs), on_chip, recompute)
 
 
-def _recomputed(line: str) -> bool:
-    m = _OP_NAME.search(line)
-    return m is not None and not RECOMPUTED.isdisjoint(m.group(1).split("/"))
+def _caller_names(comps: dict[str, _Computation]) -> dict[str, str]:
+    """Computation → the op_name of the instruction that calls it (a fused dot has no metadata of its own).
+
+    A fusion XLA made without metadata (XLA:CPU's matmul fusions) is named by its first user that has one.
+    """
+    found: dict[str, str] = {}
+    for comp in comps.values():
+        parsed = [(m, line) for line in comp.lines if (m := _INSTRUCTION.match(line))]
+        users: dict[str, str] = {}
+        for m, line in parsed:
+            if op_name := _OP_NAME.search(line):
+                for operand in _operands(m.group("args")):
+                    users.setdefault(operand, op_name.group(1))
+        for m, line in parsed:
+            if called := _CALLED.search(line):
+                own = _OP_NAME.search(line)
+                name = own.group(1) if own else users.get(m.group("name"), "")
+                for callee in re.findall(r"%([\w.\-]+)", called.group("names")):
+                    found.setdefault(callee, name)
+    return found
+
+
+def _recomputed(op_name: str) -> bool:
+    return not RECOMPUTED.isdisjoint(op_name.split("/"))
 
 
 def _traffic(comps: dict[str, _Computation], comp: _Computation) -> tuple[int, int]:

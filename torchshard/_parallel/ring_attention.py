@@ -215,8 +215,8 @@ def _grads(q: jax.Array, k: jax.Array, v: jax.Array, do: jax.Array, lse: jax.Arr
            q_start: jax.Array, k_start: jax.Array, causal: bool, q_seg: Seg,
            k_seg: Seg, window: int | None) -> tuple[jax.Array, jax.Array, jax.Array]:  # fmt: skip
     """(dq, dk, dv) of one (query run, key run) pair, recomputing its probabilities from the saved lse."""
-    s = _logits(q, k, q_start, k_start, causal, q_seg, k_seg, window)
-    return online_softmax.unfold(s, lse, delta, q, k, v, do)[:3]
+    p = online_softmax.probabilities(_logits(q, k, q_start, k_start, causal, q_seg, k_seg, window), lse)
+    return online_softmax.unfold(p, delta, q, k, v, do)[:3]
 
 
 def _backward_step(ring: Ring, me: jax.Array, saved: tuple[list, ...], dqs: list[jax.Array], block: Keys,

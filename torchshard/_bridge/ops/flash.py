@@ -166,9 +166,9 @@ def _unfold(tiling: Tiling, masked: bool, tensors: tuple, grads: Grads, i: Index
     dq, dk, dv, dbias = grads
     rows, cols = (i * tiling.rows, tiling.rows, 3), (j * tiling.keys, tiling.keys, 2)
     qi, doi, kj, vj = _slice(q, *rows), _slice(do, *rows), _slice(k, *cols), _slice(v, *cols)
-    with jax.named_scope(RECOMPUTE_SCOPE):
-        s = _scores(tiling, masked, i, j, qi, kj, mask, bias)
-    dqi, dkj, dvj, ds = online_softmax.unfold(s, _slice(lse, *rows), _slice(delta, *rows), qi, kj, vj, doi)
+    with jax.named_scope(RECOMPUTE_SCOPE):  # with its exp: XLA names a fused matmul by its fusion's last op
+        p = online_softmax.probabilities(_scores(tiling, masked, i, j, qi, kj, mask, bias), _slice(lse, *rows))
+    dqi, dkj, dvj, ds = online_softmax.unfold(p, _slice(delta, *rows), qi, kj, vj, doi)
     dq, dk, dv = _add(dq, dqi, rows[0], 3), _add(dk, dkj, cols[0], 2), _add(dv, dvj, cols[0], 2)
     if dbias is not None:  # summed over the dims the bias broadcasts
         summed = tuple(d for d in range(5) if dbias.shape[d] == 1 < ds.shape[d])

@@ -29,12 +29,16 @@ def fold(stats: Stats, s: jax.Array, v: jax.Array) -> Stats:
     return m_new, alpha * total + p.sum(-1), alpha[..., None] * acc + pv
 
 
+def probabilities(s: jax.Array, lse: jax.Array) -> jax.Array:
+    """A tile's softmax probabilities, recomputed from its scores ``s`` and the saved log-sum-exp of each row."""
+    return jnp.exp(s - lse[..., None])
+
+
 def unfold(
-    s: jax.Array, lse: jax.Array, delta: jax.Array, q: jax.Array, k: jax.Array, v: jax.Array, do: jax.Array
+    p: jax.Array, delta: jax.Array, q: jax.Array, k: jax.Array, v: jax.Array, do: jax.Array
 ) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array]:
-    """(dq, dk, dv, dscores) of one tile from its recomputed scores ``s``, the saved log-sum-exp and
-    ``delta`` (the row sums of ``do · out``)."""
-    p = jnp.exp(s - lse[..., None])
+    """(dq, dk, dv, dscores) of one tile from its `probabilities` ``p`` and ``delta`` (the row sums of
+    ``do · out``)."""
     dp = jnp.einsum("bkgqh,bksh->bkgqs", do, v, preferred_element_type=F32)
     ds = p * (dp - delta[..., None])
     dq = jnp.einsum("bkgqs,bksh->bkgqh", ds.astype(k.dtype), k, preferred_element_type=F32)
