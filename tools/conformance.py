@@ -197,10 +197,17 @@ def _summary(result: Result) -> str:
 
 
 def run_pool(
-    names: list[str], keys: list[str], *, jobs: int, timeout: float, done: Callable[[dict[str, Result]], None]
+    names: list[str],
+    keys: list[str],
+    *,
+    jobs: int,
+    timeout: float,
+    done: Callable[[dict[str, Result]], None],
+    budget: float = float("inf"),
 ) -> dict[str, Result]:
     """Every family on ``jobs`` workers; a worker that dies or hangs is replaced. Prints a line per family
-    and calls ``done`` with the results so far."""
+    and calls ``done`` with the results so far. No family starts after ``budget`` seconds: those left out
+    are missing from the results (the report counts them)."""
     todo: queue.Queue[str] = queue.Queue()
     for name in names:
         todo.put(name)
@@ -209,7 +216,7 @@ def run_pool(
 
     def slot() -> None:
         worker = None
-        while True:
+        while time.perf_counter() - begun < budget:
             try:
                 name = todo.get_nowait()
             except queue.Empty:
@@ -233,7 +240,7 @@ def run_pool(
         t.start()
     for t in threads:
         t.join()
-    return {name: results[name] for name in names}
+    return {name: results[name] for name in names if name in results}
 
 
 # ---------------------------------------------------------------- the table
@@ -313,6 +320,18 @@ def failures(families: dict[str, Any]) -> list[str]:
     return [f"{n}/{k}" for n, r in families.items() for k, c in r["cells"].items() if c["status"] == "fail"]
 
 
+def regressions(failed: list[str], baseline: dict[str, Any]) -> tuple[list[str], list[str]]:
+    """(``failed`` cells the baseline report had as ✓, refused or not applying; those it has no cell for).
+
+    Examples:
+        >>> base = {"llama": {"cells": {"train": {"status": "ok"}, "generate": {"status": "fail"}}}}
+        >>> regressions(["llama/train", "llama/generate", "gemma/train"], base)
+        (['llama/train'], ['gemma/train'])
+    """
+    known = {f"{n}/{k}": c["status"] for n, r in baseline.items() for k, c in r["cells"].items()}
+    return [f for f in failed if known.get(f, "fail") != "fail"], [f for f in failed if f not in known]
+
+
 # ---------------------------------------------------------------- the command line
 
 
@@ -323,7 +342,9 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--only", help="comma-separated capability columns (default: all)")
     parser.add_argument("--jobs", type=int, default=2, help="worker processes (default: 2)")
     parser.add_argument("--timeout", type=float, default=900, help="seconds one family may take (default: 900)")
-    parser.add_argument("--check", action="store_true", help="exit 1 if any cell is ✗")
+    parser.add_argument("--check", action="store_true", help="exit 1 if any cell is ✗ (with --baseline: any new ✗)")
+    parser.add_argument("--baseline", type=Path, help="a results JSON: --check fails only on cells it had as ✓/refused")
+    parser.add_argument("--budget", type=float, default=float("inf"), help="start no family after this many seconds")
     parser.add_argument("--out", type=Path, help=f"markdown to write (default: {DOC.relative_to(ROOT)} for a full run)")
     parser.add_argument("--json", type=Path, help=f"results JSON (default: {DATA.relative_to(ROOT)} for a full run)")
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
@@ -376,19 +397,27 @@ def main(argv: list[str]) -> int:
         return 2
     full = not args.families and not args.only
     out, data = args.out or (DOC if full else None), args.json or (DATA if full else None)
+    baseline = json.loads(args.baseline.read_text())["families"] if args.baseline else None  # before it is rewritten
     begun = time.perf_counter()
 
     def save(partial: dict[str, Result]) -> None:  # after each family: a run cut short keeps what it did
         _write(_report(argv, args, partial, time.perf_counter() - begun, len(names)), out, data)
 
-    results = run_pool(names, keys or [c.key for c in COLUMNS], jobs=args.jobs, timeout=args.timeout, done=save)
+    columns = keys or [c.key for c in COLUMNS]
+    results = run_pool(names, columns, jobs=args.jobs, timeout=args.timeout, done=save, budget=args.budget)
     report = _report(argv, args, results, time.perf_counter() - begun, len(names))
     _write(report, out, data)
     if not out:
         print(render(report))
     cpu = sum(r.cpu_seconds for r in results.values())
     print(f"conformance: {len(names)} families in {report['seconds'] / 60:.1f} min (CPU {cpu / 60:.1f} min)")
+    if len(results) < len(names):
+        print(f"conformance: {len(names) - len(results)} families not started within --budget {args.budget:.0f} s")
     failed = failures(report["families"])
+    if baseline is not None:
+        failed, unseen = regressions(failed, baseline)
+        if unseen:
+            print(f"conformance --check: ✗ cells the baseline has no row for (not failing): {', '.join(unseen)}")
     if args.check and failed:
         print(f"conformance --check: {len(failed)} ✗ cell(s): {', '.join(failed)}", file=sys.stderr)
         return 1
