@@ -203,5 +203,6 @@ def test_metrics_benchmark_runs():
     cells = {row[0]: row[1:] for row in (line.split("|")[1:-1] for line in stdout.splitlines() if "| " in line)}
     cells = {name.strip(): [c.strip() for c in rest] for name, rest in cells.items()}
     assert 0.95 <= float(cells["HLO: model_flops_per_step × 8"][1]) <= 1.05  # the benchmark checks it as well
-    assert float(cells["HLO: flops_per_step × 8"][1]) > float(cells["HLO: model_flops_per_step × 8"][1])
+    # one attention tile at sequence 64: no recomputed scores, so nothing on top of the model FLOPs
+    assert float(cells["HLO: flops_per_step × 8"][1]) == float(cells["HLO: model_flops_per_step × 8"][1])
     assert cells["rows written"] == ["2"]  # steps 10 and 20 of the logged Trainer's rounds (after 3 warm-up steps)
