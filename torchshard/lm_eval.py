@@ -43,7 +43,7 @@ Request = tuple[Any, list[int], list[int]]  # (cache key, context ids, continuat
 def bucket(length: int, cap: int) -> int:
     """The padded length for ``length`` tokens: the next power of two (≥ `MIN_BUCKET`), at most ``cap``.
 
-    Example:
+    Examples:
         >>> bucket(5, 2048), bucket(100, 2048), bucket(100, 120), bucket(130, 120)
         (16, 128, 120, 130)
     """
@@ -71,14 +71,15 @@ class TorchshardLM(TemplateLM):
         mesh: with ``pretrained``: mesh axes, ``"data=8"``, ``"data=4,model=2"`` or a dict; default
             every device on "data".
         pad_token: with ``pretrained``: the pad token to give a tokenizer that has none.
-        device, max_batch_size: lm_eval's CLI passes them; ignored (the mesh decides where it runs).
+        device: lm_eval's CLI passes it; ignored (the mesh decides where it runs).
+        max_batch_size: lm_eval's CLI passes it; ignored.
 
     Raises:
         ArgumentError: every bad argument at once, before anything runs: a target that is not a
             Trainer or a module on the mesh, layers stacked by ``scan_layers``/``pipeline``, a
             tokenizer without a pad token, a batch size or length that is not a positive int.
 
-    Example:
+    Examples:
         >>> import lm_eval
         >>> lm_eval.api.registry.get_model("torchshard") is TorchshardLM
         True

@@ -23,7 +23,7 @@ def named_scopes(model: torch.nn.Module) -> Iterator[None]:
     only on this thread and only for ``model``'s modules; the post-hook runs even when a forward
     raises, so the scopes always unwind.
 
-    Example:
+    Examples:
         >>> class Twice(torch.nn.Module):
         ...     def forward(self, x):
         ...         return x * 2

@@ -133,7 +133,7 @@ def hardware(name: str | Hardware, *, extra: Mapping[str, Hardware] | None = Non
 def for_device_kind(kind: str) -> Hardware | None:
     """The profile of a device as jax names it (``device.device_kind``), or None (CPUs, unknown chips).
 
-    Example:
+    Examples:
         >>> for_device_kind("NVIDIA H100 80GB HBM3").name, for_device_kind("TPU v5 lite").name, for_device_kind("cpu")
         ('h100', 'tpu-v5e', None)
     """

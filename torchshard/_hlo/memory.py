@@ -37,7 +37,7 @@ class CompiledMemory:
         alias_bytes: the part of ``output_bytes`` written over donated arguments.
         peak_bytes: the most the device holds at once while the program runs.
 
-    Example:
+    Examples:
         >>> memory = CompiledMemory(argument_bytes=100, temp_bytes=30, output_bytes=104, alias_bytes=100,
         ...                         peak_bytes=134)
         >>> memory.margin(200), memory.fits(120)

@@ -154,7 +154,7 @@ def _first_joinable(boxes: Sequence[Box]) -> tuple[int, int, Box] | None:
 def merged_boxes(indices: Sequence[tuple[slice, ...]], shape: tuple[int, ...]) -> list[Box]:
     """The distinct slices joined into as few boxes as adjacency allows (a process's devices' slices).
 
-    Example:
+    Examples:
         >>> merged_boxes([(slice(0, 2),), (slice(2, 4),), (slice(6, 8),)], (8,))
         [((6,), (2,)), ((0,), (4,))]
     """

@@ -224,7 +224,7 @@ def load_dcp(
         CheckpointError: not a DCP folder; missing, unexpected, mis-shaped or uncastable tensors,
             or optimizer state that does not map (each named with its shapes).
 
-    Example:
+    Examples:
         >>> import tempfile
         >>> import torch.distributed.checkpoint as dcp
         >>> source, folder = torch.nn.Linear(16, 4), tempfile.mkdtemp()

@@ -34,7 +34,7 @@ class Entries:
 def split(names: Iterable[str]) -> Entries:
     """The tensor entries by role (optimizer state is recognised by its ``state.<param>.<field>`` names).
 
-    Example:
+    Examples:
         >>> split(["model.w", "optimizer.state.w.exp_avg", "train_state.step"]).optimizer
         {'optimizer.state.w.exp_avg': ('w', 'exp_avg')}
     """
@@ -52,7 +52,7 @@ def split(names: Iterable[str]) -> Entries:
 def model_prefix(stored: Iterable[str], expected: Iterable[str]) -> str:
     """The prefix most stored names put before a model name (``""``, ``"model."``, ``"app.model."``...).
 
-    Example:
+    Examples:
         >>> model_prefix(["model.0.weight", "model.0.bias"], ["0.weight", "0.bias"])
         'model.'
     """
@@ -75,7 +75,7 @@ class Slot:
 def optax_slots(opt_state: Any, params: Iterable[str]) -> dict[str, Slot]:
     """Leaf path (``keystr``) → what fills it, for every leaf of an optax state that AdamW's names map to.
 
-    Example:
+    Examples:
         >>> import optax, jax.numpy as jnp
         >>> slots = optax_slots(optax.adamw(1e-3).init({"w": jnp.zeros(2)}), ["w"])
         >>> sorted((s.field, s.param) for s in slots.values())

@@ -140,7 +140,7 @@ def save_dcp(path: PathLike, target: Target) -> pathlib.Path:
         CheckpointError: the disk is full, ``path`` is a file, or another OS error; the previous
             checkpoint is intact.
 
-    Example:
+    Examples:
         >>> import tempfile
         >>> import torch.distributed.checkpoint as dcp
         >>> model = torch.nn.Linear(16, 4)

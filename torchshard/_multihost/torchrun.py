@@ -45,7 +45,7 @@ class TorchrunEnv:
 def is_torchrun(environ: Mapping[str, str]) -> bool:
     """Whether ``environ`` is a torchrun worker's (or another launcher's that sets torch's variables).
 
-    Example:
+    Examples:
         >>> is_torchrun({"RANK": "0", "WORLD_SIZE": "2", "MASTER_ADDR": "h"}), is_torchrun({"RANK": "0"})
         (True, False)
     """
@@ -96,7 +96,7 @@ def parse(environ: Mapping[str, str]) -> TorchrunEnv:
     Raises:
         ArgumentError: a variable that is not an integer, out of range, or inconsistent with another.
 
-    Example:
+    Examples:
         >>> parse({"RANK": "3", "WORLD_SIZE": "4", "LOCAL_RANK": "1", "LOCAL_WORLD_SIZE": "2",
         ...        "MASTER_ADDR": "n0", "MASTER_PORT": "29500"}).local_rank
         1

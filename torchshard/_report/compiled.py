@@ -25,7 +25,7 @@ def memory(target: Any, batch: Any = None) -> CompiledMemory:
     Raises:
         ShardingError: ``target`` is none of the above, or a Trainer was given no batch.
 
-    Example:
+    Examples:
         >>> import optax
         >>> model = torch.nn.Linear(256, 256)
         >>> p = ts.plan(model, ts.make_mesh({"data": 8}), ts.presets.fsdp(min_size=1024))

@@ -161,7 +161,7 @@ class Observed:
         Returns:
             The values logged, as floats (on every process; only the main one writes them).
 
-        Example:
+        Examples:
             >>> model = torch.nn.Linear(4, 1)
             >>> p = ts.plan(model, ts.make_mesh({"data": 8}))
             >>> trainer = ts.Trainer(model, lambda m, b: m(b).square().mean(), __import__("optax").sgd(0.1), p)
@@ -200,7 +200,7 @@ class Observed:
         Raises:
             ArgumentError: ``logdir`` cannot be written (before anything is traced).
 
-        Example:
+        Examples:
             >>> import tempfile
             >>> model = torch.nn.Linear(4, 1)
             >>> p = ts.plan(model, ts.make_mesh({"data": 8}))

@@ -54,7 +54,7 @@ def batch_counts(leaves: Sequence[Any]) -> tuple[int, int]:
 
     Tokens are 0 when no leaf looks like token ids (then only samples per second are logged).
 
-    Example:
+    Examples:
         >>> batch_counts([np.zeros((8, 128), np.int64), np.zeros((8, 128), np.float32)])
         (1024, 8)
     """
@@ -100,7 +100,7 @@ def host_rss() -> float:
 def step_line(step: int, metrics: Mapping[str, float], *, prefix: str = "") -> str:
     """One logged line, torchtitan's step line: step, loss, grad_norm, memory, tps, tflops, mfu, then the rest.
 
-    Example:
+    Examples:
         >>> step_line(10, {"loss": 2.3456, "grad_norm": 0.5, "tokens_per_s": 12345.6, "mfu": 0.4123,
         ...                "tflops_per_device": 407.8, "memory_peak_bytes": 3 * 2**30})
         'step: 10  loss: 2.3456  grad_norm: 0.5000  memory: 3.00GiB  tps: 12,346  tflops: 407.80  mfu: 41.23%'

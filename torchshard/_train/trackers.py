@@ -19,7 +19,7 @@ class Tracker(Protocol):
     The Trainer calls ``log`` on the main process only (``jax.process_index() == 0``), every
     ``log_every`` steps and for each `Trainer.log`, and ``close`` from `Trainer.close`.
 
-    Example:
+    Examples:
         >>> class Printed:
         ...     def log(self, step, metrics):
         ...         print(step, {k: round(v, 2) for k, v in metrics.items()})
@@ -42,7 +42,7 @@ def path_problem(path: Any, *, what: str, directory: bool) -> str | None:
     The nearest existing ancestor must be a writable directory; ``path`` itself, if it exists,
     must be the right kind. Nothing is created.
 
-    Example:
+    Examples:
         >>> path_problem("/proc/version/logs", what="logdir", directory=True)
         "logdir '/proc/version/logs' cannot be created: '/proc/version' is a file, not a directory"
     """
@@ -83,7 +83,7 @@ class JSONL:
     Raises:
         ArgumentError: ``path`` is a directory or cannot be created.
 
-    Example:
+    Examples:
         >>> import tempfile, pathlib
         >>> path = pathlib.Path(tempfile.mkdtemp()) / "metrics.jsonl"
         >>> tracker = JSONL(path)
@@ -119,7 +119,7 @@ class TensorBoard:
         ImportError: neither tensorboard nor tensorboardX is installed (``pip install "torchshard[tensorboard]"``).
         ArgumentError: ``logdir`` is a file or cannot be created.
 
-    Example:
+    Examples:
         >>> import tempfile
         >>> tracker = TensorBoard(tempfile.mkdtemp())
         >>> tracker.log(1, {"loss": 2.5})
