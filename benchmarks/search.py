@@ -26,8 +26,8 @@ import transformers
 
 import torchshard as ts
 from torchshard._hlo.hardware import hardware
-from torchshard._report import search as engine
 from torchshard._report.fit import lm_loss, simulated_devices
+from torchshard._search import search as engine
 from torchshard._search.space import AXES, SearchLayout
 
 MODELS = {  # Llama 3 8B / 70B and Llama 2 70B, as their Hugging Face configs give them
