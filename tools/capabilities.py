@@ -15,7 +15,7 @@ import io
 import json
 import tempfile
 import warnings
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -137,16 +137,22 @@ class Row:
 # ---------------------------------------------------------------- the capabilities
 
 
+def _step_losses(trainer: ts.Trainer, batches: Iterable[Any], work: Work) -> list[float]:
+    """Each batch's training loss; the cell's work has begun once the first step ran (a later error is a ✗)."""
+    got = []
+    for batch in batches:
+        got.append(float(trainer.step(batch)["loss"]))
+        work.began = True
+    return got
+
+
 def train(row: Row, work: Work) -> Cell:
     data = test_families._batches()
     ref = row.fresh()
     expected = eager(torch_losses, ref, lm_loss, test_families._torch_adamw(ref), data)
     # hf_rules refuses a family without a tp_plan: that refusal is this column's cell
     trainer = row.trainer if row.plan_kind == "hf_rules" else test_families.trainer_for(row.fresh(), "hf_rules")
-    got = []
-    for ids in data:
-        got.append(float(trainer.step(ids)["loss"]))
-        work.began = True
+    got = _step_losses(trainer, data, work)
     cell = losses_cell(got, expected, test_families.RTOL)
     known = row.family.mismatch
     return Cell(cell.status, f"{cell.text} (known: {known})") if known and cell.status == "fail" else cell
@@ -219,10 +225,7 @@ def _packed(row: Row, work: Work, axes: dict[str, int], rules: Any, batch_spec: 
     model = row.fresh()
     plan = ts.plan(model, ts.make_mesh(axes), rules(model) if rules else None)
     trainer = ts.Trainer(model, test_packed.packed_loss, test_packed.adamw(), plan, batch_spec=batch_spec, **kwargs)
-    got = []
-    for batch in data:
-        got.append(float(trainer.step(batch)["loss"]))
-        work.began = True
+    got = _step_losses(trainer, data, work)
     return losses_cell(got, expected, test_families.RTOL)
 
 
@@ -246,10 +249,7 @@ def a2a(row: Row, work: Work) -> Cell:
     ref = row.fresh()
     expected = eager(torch_losses, ref, lm_loss, test_families._torch_adamw(ref), data)
     trainer = test_families.trainer_for(row.fresh(), "expert_parallel")
-    got = []
-    for ids in data:
-        got.append(float(trainer.step(ids)["loss"]))
-        work.began = True
+    got = _step_losses(trainer, data, work)
     cell = losses_cell(got, expected, test_families.RTOL)
     moved = trainer.expert_dispatch == ts.ExpertDispatch("all_to_all")
     return cell if moved else Cell(cell.status, f"{cell.text} (dispatch: {trainer.expert_dispatch})")
@@ -261,10 +261,7 @@ def bf16(row: Row, work: Work) -> Cell:
     data = test_families._batches()
     expected = eager(test_precision.torch_mixed_precision, row.fresh(), lm_loss, data)
     trainer = test_families.trainer_for(row.fresh(), "expert_model", precision=ts.MixedPrecision())
-    got = []
-    for ids in data:
-        got.append(float(trainer.step(ids)["loss"]))
-        work.began = True
+    got = _step_losses(trainer, data, work)
     return losses_cell(got, list(expected), test_precision.RTOL)
 
 
@@ -297,10 +294,7 @@ def lora(row: Row, work: Work) -> Cell:
     axes, rules = test_lora.RULES["fsdp_tp"]
     plan = ts.plan(model, ts.make_mesh(axes), rules(model))
     trainer = ts.Trainer(model, test_lora.lm_loss, optax.adamw(test_lora.LR, weight_decay=test_lora.WD), plan)
-    got = []
-    for ids in data:
-        got.append(float(trainer.step(ids)["loss"]))
-        work.began = True
+    got = _step_losses(trainer, data, work)
     return losses_cell(got, expected, test_families.RTOL)
 
 
