@@ -250,7 +250,9 @@ def run_torch(args: argparse.Namespace) -> dict[str, Any]:
             "--warmup", str(args.warmup)] + (["--layers", str(args.layers)] if args.layers else []) + (
             ["--batch", str(args.batch)] if args.batch else [])  # fmt: skip
     env = dict(os.environ, CUDA_VISIBLE_DEVICES=os.environ.get("CUDA_VISIBLE_DEVICES", "0"))
-    done = subprocess.run(argv, capture_output=True, text=True, check=True, env=env)
+    done = subprocess.run(argv, capture_output=True, text=True, env=env)
+    if done.returncode:  # show why: the parent's JSON table is lost otherwise
+        raise SystemExit(f"eager torch worker failed ({done.returncode}):\n{done.stderr[-3000:]}")
     return json.loads(done.stdout.strip().splitlines()[-1])
 
 
@@ -294,13 +296,13 @@ def main(argv: list[str] | None = None) -> int:
     if args.cpu_devices:
         ts.use_cpu_devices(args.cpu_devices)
     preset = preset_of(args)
+    extra: dict[str, Any] = {}
+    if args.torch:  # first: once JAX starts on a GPU it preallocates most of its memory, and torch's run would OOM
+        extra["torch"] = run_torch(args)
     rows = []
     for variant in filter(None, args.variants.split(",")):
         rows.append(run_variant(variant, preset, args))
         print(f"{variant}: {rows[-1]['step_s']:.3f} s/step", file=sys.stderr, flush=True)
-    extra: dict[str, Any] = {}
-    if args.torch:
-        extra["torch"] = run_torch(args)
     if args.compile_layers:
         extra["compile"] = compile_scaling(preset, [int(d) for d in args.compile_layers.split(",")])
     peak = peak_tflops(args)
