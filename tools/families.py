@@ -59,7 +59,10 @@ SMALL: dict[str, Any] = {
     "v_head_dim": 16,
     "index_head_dim": 16,
     "index_n_heads": 4,
-    "index_topk": 8,
+    # the sparse-attention indexer keeps every key: its top-k is a discontinuous choice, and float noise
+    # of a different (sharded) summation order flips near-ties (deepseek_v32 at top-8 of 16: losses 1.2e-4
+    # apart by step 4, though equal to 1e-7 when nothing is dropped), which says nothing about torchshard
+    "index_topk": 128,
 }
 # fields set even where the default is None (the config then reads them)
 _EVEN_IF_NONE = ("head_dim", "pad_token_id", "num_experts_per_tok")
@@ -154,10 +157,7 @@ MOE = [
                                 "inkling_text", "kolibri1", "laguna", "llama4_text", "mellum", "mimo_v2_flash",
                                 "minimax", "minimax_m2", "minimax_m3_vl_text", "mixtral", "olmoe", "qwen2_moe",
                                 "qwen3_moe", "solar_open")),
-    # the sparse-attention indexer's forward already differs by 2e-6 (relative) before any update;
-    # by step 4 the losses are 1.2e-4 apart (not root-caused: its top-k over keys may break ties
-    # differently from torch's)
-    _f("deepseek_v32", moe=True, mismatch="losses 1.2e-4 apart by step 4 (indexer top-k)"),
+    _f("deepseek_v32", moe=True),  # its indexer keeps every key (SMALL's index_topk)
     _f("flint"),  # an MoE family whose 2-layer config builds dense MLPs only (no stacked experts)
     _f("bailing_hybrid", moe=True),
     _f("granitemoehybrid", moe=True, layer_types=["full_attention", "linear_attention"]),
