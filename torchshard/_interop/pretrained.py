@@ -344,7 +344,10 @@ def load_safetensors(
     ``load_state_dict``: every missing, unexpected, mis-shaped and uncastable tensor at once, with
     near misses suggested, and nothing changes on error. A Trainer (scanned and pipelined stacks
     included) gets the weights with a fresh optimizer state and step 0. The bytes this process
-    read are logged (``torchshard`` logger, INFO).
+    read are logged (``torchshard`` logger, INFO). A transformers model reads a checkpoint in the
+    Hub's names through transformers' own conversion mapping, as ``from_pretrained`` does: MoE
+    experts stored one by one fill the model's stacked expert tensors, each device reading only
+    its experts' source tensors.
 
     Args:
         path: the checkpoint folder or file.
