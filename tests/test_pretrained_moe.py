@@ -4,6 +4,7 @@ torchshard's exports of MoE models back into transformers' from_pretrained."""
 from __future__ import annotations
 
 import functools
+import re
 
 import numpy as np
 import optax
@@ -200,3 +201,19 @@ def test_a_missing_expert_is_named(hub, tmp_path):
     model = build(family("qwen2_moe"), seed=2)
     with pytest.raises(ts.ShardingError, match=r"experts.gate_up_proj \(from .*\): its parts have shapes"):
         ts.load_safetensors(tmp_path, model, ts.plan(model, ts.make_mesh({"data": 8})))
+
+
+@pytest.mark.slow
+@pytest.mark.filterwarnings("ignore:`is_gradient_checkpointing` is deprecated:FutureWarning")  # peft on transformers 5
+def test_a_peft_wrapped_moe_model_converts_with_the_wrapped_models_mapping(hub):
+    peft = pytest.importorskip("peft")
+    config = peft.LoraConfig(r=4, target_modules=["q_proj", "v_proj"], lora_dropout=0.0)
+    model = peft.get_peft_model(build(family("qwen2_moe"), seed=2), config)
+    plan = ts.plan(model, ts.make_mesh({"data": 8}))
+    peft_names = [(r"^", "base_model.model."), (r"\.(q_proj|v_proj)\.", r".\1.base_layer.")]
+    ts.load_safetensors(hub("qwen2_moe"), model, plan, rename=peft_names, strict=False)  # the adapters keep theirs
+    state = ts.to_torch_state_dict(model)
+    for name, value in _source("qwen2_moe").state_dict().items():
+        for pattern, replacement in peft_names:
+            name = re.sub(pattern, replacement, name)
+        assert torch.equal(state[name], value), name

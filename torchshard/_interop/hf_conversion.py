@@ -92,15 +92,18 @@ class Conversion:
 
 
 def transforms(model: torch.nn.Module) -> list[Any]:
-    """transformers' weight transforms for ``model`` (as ``from_pretrained`` uses them); none for other modules."""
+    """transformers' weight transforms for ``model`` (as ``from_pretrained`` uses them); none for other modules.
+
+    A wrapper (a peft model) gets those of the transformers model it wraps: they give that model's
+    names, which ``rename=`` then maps to the wrapper's.
+    """
     try:
         from transformers import PreTrainedModel
         from transformers.conversion_mapping import get_model_conversion_mapping
     except ImportError:  # transformers absent, or too old to convert checkpoints
         return []
-    if not isinstance(model, PreTrainedModel):
-        return []
-    return list(get_model_conversion_mapping(model, add_legacy=True))
+    inner = next((m for m in model.modules() if isinstance(m, PreTrainedModel)), None)
+    return [] if inner is None else list(get_model_conversion_mapping(inner, add_legacy=True))
 
 
 def convert(model: torch.nn.Module, shapes: Mapping[str, tuple[int, ...]], expected: set[str]) -> Conversion:
