@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import errno
 
 import jax
@@ -194,3 +195,27 @@ def test_a_full_disk_leaves_nothing_behind(trained, tmp_path, monkeypatch, merge
     assert written  # the fault struck midway, after a file was written
     assert ({p.name: p.read_bytes() for p in out.iterdir()} if out.exists() else None) == before
     assert sorted(p.name for p in tmp_path.iterdir()) == (["out"] if existing else [])  # no staging left
+
+
+@pytest.mark.slow
+@pytest.mark.filterwarnings("ignore::torchshard.UnusedRuleWarning")  # the tiny config leaves out the dense MLP
+@pytest.mark.filterwarnings("ignore:The following .*_pattern keys did not match:RuntimeWarning")  # peft's own
+@pytest.mark.filterwarnings("ignore:`is_gradient_checkpointing` is deprecated:FutureWarning")  # peft on transformers 5
+def test_lora_on_stacked_moe_experts_trains_like_eager():
+    """peft wraps transformers' stacked experts (gate_up_proj/down_proj parameters) in a ParamWrapper, whose
+    forward registers a parametrization: torch calls ``set_`` of the parameter onto itself every step."""
+    from tools.families import build, family
+
+    g = torch.Generator().manual_seed(0)
+    data = [torch.randint(0, 128, (8, 12), generator=g) for _ in range(4)]
+    torch.manual_seed(0)  # peft's initialisation of the adapters
+    model = lora(build(family("deepseek_v2")), ["gate_proj", "up_proj", "down_proj", "q_b_proj", "o_proj"])
+    assert any(isinstance(m, peft.tuners.lora.layer.ParamWrapper) for m in model.modules())  # the case under test
+    ref = copy.deepcopy(model)
+    trainable = [p for p in ref.parameters() if p.requires_grad]
+    expected = torch_losses(ref, lm_loss, torch.optim.AdamW(trainable, lr=LR, weight_decay=WD), data)
+    axes, rules = RULES["fsdp_tp"]
+    trainer = ts.Trainer(
+        model, lm_loss, optax.adamw(LR, weight_decay=WD), ts.plan(model, ts.make_mesh(axes), rules(model))
+    )
+    np.testing.assert_allclose([float(trainer.step(b)["loss"]) for b in data], expected, rtol=1e-4)

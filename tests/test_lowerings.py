@@ -5,6 +5,7 @@ import copy
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import pytest
 import torch
 import torchax
@@ -446,3 +447,20 @@ def test_a_model_asserting_with_assert_async_trains_like_torch():
     assert_close(torch.tensor(got), torch.tensor(expected), tol=1e-5, what="losses")
     with torchax.default_env(), pytest.raises(RuntimeError, match="rotary table shorter than sequence"):
         trainer.model(ts.shard_batch(torch.ones(8, 9, 16), trainer.mesh))  # eager: the condition has a value
+
+
+def test_set_of_a_tensor_onto_itself_is_a_no_op_as_in_torch():
+    """``register_parametrization`` calls it (peft's LoRA on stacked MoE experts, every forward)."""
+    (a,) = on_jax(_inputs(0, (2, 3)))
+    with env():
+        assert a.set_(a) is a
+    np_a = np.asarray(a.jax())
+    np.testing.assert_array_equal(np_a, _inputs(0, (2, 3))[0].numpy())
+
+
+def test_set_onto_another_tensor_is_refused_naming_the_fix():
+    from torchshard._base.errors import ShardingError
+
+    a, b = on_jax(_inputs(0, (2, 3), (3,)))
+    with env(), pytest.raises(ShardingError, match=r"set_\(source\) of a \(2, 3\) tensor onto another \(3,\) tensor"):
+        a.set_(b)

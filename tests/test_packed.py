@@ -278,3 +278,16 @@ def test_benchmark_reports_the_skipped_tiles():
         line = next(x for x in done.stdout.splitlines() if x.startswith("context=4: ring tiles skipped"))
         skipped.append(int(line.rsplit(" ", 1)[1].rstrip("%")))
     assert skipped == [44, 81], skipped
+
+
+@pytest.mark.filterwarnings("ignore::torchshard.UnusedRuleWarning")
+def test_a_model_with_a_sparse_attention_indexer_is_refused_up_front(mesh):
+    """DeepSeek-V3.2's indexer reads the attention mask in the model's own code (it failed with an OverflowError
+    inside the step on packed documents' integer mask)."""
+    from tools.families import build, family
+
+    model = build(family("deepseek_v32"))
+    with pytest.raises(ShardingError, match=r"DeepseekV32ForCausalLM has sparse-attention indexers \(model.layers.0."
+                       r"self_attn.indexer, 2 in all\) .* train it without context="):  # fmt: skip
+        ts.Trainer(model, packed_loss, adamw(), ts.plan(model, mesh), batch_spec=("data", "context"),
+                   context=ContextParallel())  # fmt: skip

@@ -12,7 +12,17 @@ import torch
 from torchshard._bridge import autocast, init_ops
 from torchshard._bridge.fixes import batch_norm_stats, captured_constants, narrow_dtypes
 from torchshard._bridge.loaded import Environment, torchax
-from torchshard._bridge.ops import asserts, attention, cross_entropy, embedding, gather, grouped_mm, linear, same_dtype
+from torchshard._bridge.ops import (
+    asserts,
+    attention,
+    cross_entropy,
+    embedding,
+    gather,
+    grouped_mm,
+    linear,
+    same_dtype,
+    tensor_set,
+)
 from torchshard._bridge.registry import register
 
 _fixed_envs: set[int] = set()
@@ -41,6 +51,7 @@ def _install_lowerings(tx: Environment) -> None:
     attention.install(tx)
     cross_entropy.install(tx)
     asserts.install(tx)
+    tensor_set.install(tx)
     same_dtype.install(tx)  # last: it wraps the lowerings above
 
 

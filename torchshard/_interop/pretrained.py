@@ -31,6 +31,7 @@ from torchshard._ckpt.restore import (
 )
 from torchshard._ckpt.state import Target, model_of, torch_dtypes
 from torchshard._ckpt.stepdir import path_problems
+from torchshard._interop.hf_conversion import convert
 from torchshard._interop.safetensors_files import DTYPES, Reader, checkpoint_files, index_of, normalized
 from torchshard._sharding.placement import assign, put, range_problems
 from torchshard._sharding.plan import ShardingPlan
@@ -310,7 +311,10 @@ def _read(
     index = index_of(root)
     unindexed = reader.restrict(index) if index is not None else []
     raise_if_any(unindexed, header=f"{root} does not match its index; save or download it", error=CheckpointError)
+    conversion = convert(model, {n: s.shape for n, s in reader.tensors.items()}, set(expected))
+    converted = conversion.problems + reader.convert(conversion.renamed, conversion.built)
     sources, problems = _model_names(list(reader.tensors), rename)
+    problems = converted + problems
     chosen, found = _problems(expected, dest, sources, reader, dtypes, strict=strict)
     header = f"checkpoint {root} does not fit {type(model).__name__}"
     raise_if_any(problems + found, header=f"{header}; pass rename= for other names, or the model it was saved from")
@@ -340,7 +344,10 @@ def load_safetensors(
     ``load_state_dict``: every missing, unexpected, mis-shaped and uncastable tensor at once, with
     near misses suggested, and nothing changes on error. A Trainer (scanned and pipelined stacks
     included) gets the weights with a fresh optimizer state and step 0. The bytes this process
-    read are logged (``torchshard`` logger, INFO).
+    read are logged (``torchshard`` logger, INFO). A transformers model reads a checkpoint in the
+    Hub's names through transformers' own conversion mapping, as ``from_pretrained`` does: MoE
+    experts stored one by one fill the model's stacked expert tensors, each device reading only
+    its experts' source tensors.
 
     Args:
         path: the checkpoint folder or file.

@@ -13,6 +13,7 @@ from typing import Any
 import torch
 
 from torchshard._base.errors import CheckpointError, raise_if_any
+from torchshard._interop.hf_conversion import Node, leaves
 
 INDEX = "model.safetensors.index.json"
 SINGLE = "model.safetensors"
@@ -126,6 +127,9 @@ class Reader:
                 view = handle.get_slice(name)
                 self.tensors[name] = Stored(file, tuple(view.get_shape()), view.get_dtype())
             self.release()
+        self._stored = self.tensors  # the stored tensors under their stored names; `convert` renames `tensors`
+        self._origin: dict[str, str] = {}
+        self._built: dict[str, Node] = {}
         raise_if_any(
             problems,
             header="unreadable safetensors files (truncated, corrupted or not safetensors); download or save them",
@@ -147,12 +151,33 @@ class Reader:
         """Keeps the tensors the index names; every name it puts in a file that lacks it is a problem."""
         wrong = [f"{n}: the index puts it in {f.name}, which does not hold it" for n, f in index.items()
                  if n not in self.tensors or self.tensors[n].file != f]  # fmt: skip
-        self.tensors = {n: s for n, s in self.tensors.items() if n in index}
+        self.tensors = self._stored = {n: s for n, s in self.tensors.items() if n in index}
         return wrong
 
+    def convert(self, renamed: Mapping[str, str], built: Mapping[str, Node]) -> list[str]:
+        """Names the tensors as the model does: ``renamed`` (model name → stored name) and ``built`` ones, each
+        read from the slices of its stored parts that a read needs; a built one whose parts differ in dtype is
+        a problem."""
+        stored = self._stored
+        self._origin = dict(renamed)
+        self._built = dict(built)
+        self.tensors = {new: stored[old] for new, old in renamed.items()}
+        problems = []
+        for name, node in built.items():
+            parts = [stored[n] for n in leaves(node)]
+            if len(dtypes := sorted({p.dtype for p in parts})) > 1:
+                problems.append(f"{name}: built from stored tensors of dtypes {dtypes} ({leaves(node)[0]}, ...)")
+            self.tensors[name] = Stored(parts[0].file, node.shape, parts[0].dtype)
+        return problems
+
     def read(self, name: str, index: tuple[slice, ...]) -> torch.Tensor:
-        """``tensor[index]`` as a CPU torch tensor in the stored dtype."""
-        stored = self.tensors[name]
+        """``tensor[index]`` as a CPU torch tensor in the stored dtype (a built tensor from its parts' slices)."""
+        if name in self._built:
+            return self._built[name].read(self._read, index)
+        return self._read(self._origin.get(name, name), index)
+
+    def _read(self, name: str, index: tuple[slice, ...]) -> torch.Tensor:
+        stored = self._stored[name]
         view = self._open(stored.file).get_slice(name)
         try:
             part = view[index] if stored.shape else view[()]
@@ -166,7 +191,7 @@ class Reader:
 
     def total_bytes(self) -> int:
         """The bytes of every tensor in the checkpoint."""
-        return sum(math.prod(s.shape) * s.itemsize for s in self.tensors.values())
+        return sum(math.prod(s.shape) * s.itemsize for s in self._stored.values())
 
 
 def index_of(path: pathlib.Path) -> dict[str, pathlib.Path] | None:

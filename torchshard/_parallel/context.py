@@ -125,6 +125,26 @@ def check_context(context: Any, mesh: AnyMesh, batch_spec: PartitionSpec) -> Non
     raise_if_any(problems, header=f"{context} does not fit {describe_mesh(mesh)}")
 
 
+def model_problems(context: ContextParallel | None, model: Any) -> list[str]:
+    """What in ``model`` context parallelism cannot split, found before a step is traced.
+
+    A sparse-attention indexer (transformers' DeepSeek-V3.2, A.X-K2, GLM-DSA... attentions hold
+    one as ``indexer``) picks each query's keys by a top-k over the whole sequence, from the
+    attention mask, in the model's own code: no SDPA to split, and packed rows' masks reach it as
+    document ids it cannot read.
+    """
+    if context is None or not isinstance(model, torch.nn.Module):
+        return []
+    found = [f"{name}.indexer" for name, m in model.named_modules()
+             if isinstance(getattr(m, "indexer", None), torch.nn.Module)]  # fmt: skip
+    if not found:
+        return []
+    return [f"{type(model).__name__} has sparse-attention indexers ({found[0]}, {len(found)} in all) that select "
+            f"each query's keys by a top-k over the whole sequence in the model's own code; {context} cannot split "
+            f"that selection, so it refuses rather than gather the sequence or read the mask wrong; train it without "
+            f"context= (data, FSDP, tensor and expert parallelism split it)"]  # fmt: skip
+
+
 def sequence_problems(context: ContextParallel | None, mesh: Mesh, what: str, shape: Sequence[int]) -> list[str]:
     """A batch leaf of rank ≥ 2 whose dim 1 (the sequence) the context axis cannot split."""
     if context is None or len(shape) < 2:

@@ -9,8 +9,9 @@ from typing import Any
 
 from jax.sharding import Mesh
 
+from torchshard._base.errors import raise_if_any
 from torchshard._base.specs import entry_axes
-from torchshard._parallel.context import ContextParallel, check_context, sequence_problems, tracing
+from torchshard._parallel.context import ContextParallel, check_context, model_problems, sequence_problems, tracing
 from torchshard._train.strategy import Bound, Setting
 
 
@@ -35,9 +36,11 @@ def bind(context: Any, setting: Setting) -> Bound:
 
     Raises:
         ArgumentError: ``context`` is not a `ContextParallel`.
-        ShardingError: its axis is not in the mesh, or ``batch_spec`` does not split dim 1 over it.
+        ShardingError: its axis is not in the mesh, ``batch_spec`` does not split dim 1 over it, or the model
+            has a sparse-attention indexer (which it cannot split).
     """
     check_context(context, setting.plan.mesh, setting.batch_spec)
+    raise_if_any(model_problems(context, setting.model), header=f"{context} does not fit the model")
     if context is None:
         return Bound()
     assert isinstance(setting.plan.mesh, Mesh)  # checked with the other Trainer arguments
