@@ -21,13 +21,13 @@ from torchshard._presets.hf import hf_rules
 from torchshard._presets.hf_plan import from_hf_tp_plan
 from torchshard._presets.tables import common_tensor_parallel, fsdp
 from torchshard._report.fit import (
-    COMPILE_ONLY,
     PRECISIONS,
+    compile_only,
     compile_report,
     compiled_lines,
     devices_for,
-    parse_pipeline,
     parse_size,
+    strategy_options,
     verdict,
 )
 from torchshard._report.memory import training_memory
@@ -271,7 +271,7 @@ def compare(args: argparse.Namespace, model: torch.nn.Module, plan: ShardingPlan
 
 def check_compile_args(args: argparse.Namespace) -> int | None:
     """Options that need ``--compile`` and what ``--compile`` needs; returns ``--device-memory`` in bytes."""
-    given = [f"--{name.replace('_', '-')}" for name in COMPILE_ONLY if getattr(args, name, None) is not None]
+    given = [f"--{name.replace('_', '-')}" for name in compile_only() if getattr(args, name, None) is not None]
     if given and not args.compile:
         raise UsageError(f"{', '.join(given)} given without --compile; add --compile to compile the training step")
     if args.compile and args.batch is None:
@@ -288,8 +288,8 @@ def run_plan(args: argparse.Namespace) -> tuple[str, bool]:
     """
     device_memory = check_compile_args(args)
     axes = parse_mesh(args.mesh)
-    if args.compile and getattr(args, "pipeline", None) is not None:
-        parse_pipeline(args.pipeline, axes)  # its mistakes before the model is built
+    if args.compile:
+        strategy_options(args, axes)  # the strategies' flags' mistakes before the model is built
     devices = devices_for(axes) if args.compile else None  # before anything starts JAX's backend
     model = build_on_meta(load_factory(args.target))
     mesh, abstract = (make_mesh(axes, devices=devices), False) if devices else build_mesh(axes)
