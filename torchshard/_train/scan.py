@@ -315,15 +315,13 @@ class ScanRun:
                 f"turns the config's use_cache off while it traces a step)"
             )
         pure = PureForward(self.template, self.forward, spec, sorted(self.group.buffers))
-        runner = self.group.runner
-        final, key = (runner or self).run(self, pure, arrays[0], arrays[1:])
+        if self.group.runner is not None:  # a strategy's execution hook (a pipeline's stages)
+            final, key = self.group.runner.run(self, pure, arrays[0], arrays[1:])
+        else:
+            final, key = self.scanned(pure, arrays[0], arrays[1:])
         continue_from(key)
         self.result = pure.rebuild([final])
         return self.result
-
-    def run(self, scan: ScanRun, pure: PureForward, h: jax.Array, others: Sequence[jax.Array]) -> tuple[Any, Any]:
-        """The stack as one ``lax.scan`` (the `StackRunner` of a stack no strategy took over)."""
-        return self.scanned(pure, h, others)
 
     def scanned(self, pure: PureForward, h: jax.Array, others: Sequence[jax.Array]) -> tuple[jax.Array, jax.Array]:
         """Runs the blocks as one ``lax.scan`` over the stacked weights; (final hidden state, key)."""
