@@ -156,10 +156,11 @@ def _write(tmp: pathlib.Path, save: _Save, data: dict[str, Any] | None) -> None:
     ``data`` is the metadata's entry for the data states every process wrote before (`write_data`).
     """
     try:
-        with concurrent.futures.ThreadPoolExecutor(1) as beside:  # numpy and os.write both release the GIL
-            sums = beside.submit(finish_checksums, save.checksums)
-            write_state(tmp / STATE, save.tree, key=f"torchshard-save-{next(_SAVES)}")
-            meta = save.describe(sums.result())
+        # beside the writes (numpy and os.write both release the GIL), on a thread of its own: a background
+        # save may still run at exit, when concurrent.futures pools take no more work
+        sums = pending.on_thread(lambda: finish_checksums(save.checksums), name="torchshard-checksums")
+        write_state(tmp / STATE, save.tree, key=f"torchshard-save-{next(_SAVES)}")
+        meta = save.describe(sums.result())
         if primary():
             write_meta(tmp, meta | {"files": file_sizes(tmp / STATE), "data": data})
     except (OSError, ValueError) as e:
