@@ -407,8 +407,11 @@ def load(
     header = f"checkpoint {step_dir} ({meta.get('module')}) does not fit {type(model).__name__}"
     raise_if_any(problems, header=f"{header}; load it into the architecture (and optimizer) it was saved from")
     restored, sums = read_state(step_dir / STATE, item, step_dir=step_dir)
-    raise_if_any(checksum_problems(meta, restored, sums), header=f"{step_dir} is corrupted; load an earlier step",
-                 error=CheckpointError)  # fmt: skip
+    raise_if_any(
+        checksum_problems(meta, restored, sums),
+        header=f"{step_dir} is corrupted; load an earlier step",
+        error=CheckpointError,
+    )
     arrays = destination_arrays(recipes_, restored["model"], dest)
     if data is not None:  # before the target changes: a loader that rejects its state leaves the target as it was
         restore_data(data, data_state, step_dir)

@@ -149,11 +149,16 @@ def preset_rules(name: str, model: torch.nn.Module, mesh: Any, *, fsdp_axis: str
 def replicated(plan: ShardingPlan, top: int) -> list[dict[str, Any]]:
     """The ``top`` largest tensors (bytes per device) that some mesh axis holds more than one copy of."""
     found: list[dict[str, Any]] = [
-        {"name": e.name, "shape": list(e.shape), "spec": str(e.spec), "replicated_over": over,
-         "bytes_per_device": e.bytes_per_device}
+        {
+            "name": e.name,
+            "shape": list(e.shape),
+            "spec": str(e.spec),
+            "replicated_over": over,
+            "bytes_per_device": e.bytes_per_device,
+        }
         for e in plan.unique_entries()
         if (over := replicated_over(e.spec, plan.mesh))
-    ]  # fmt: skip
+    ]
     return sorted(found, key=lambda r: -r["bytes_per_device"])[:top]
 
 

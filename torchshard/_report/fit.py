@@ -43,8 +43,18 @@ _UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
 _DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32, "half": torch.float16,
            "float": torch.float32, "long": torch.int64, "int": torch.int32}  # fmt: skip
 # options that only mean something with --compile (their argparse defaults are None), strategies' flags too
-COMPILE_ONLY = ("batch", "scan", "remat", "remat_policy", "precision", "optimizer", "grad_accum", "batch_spec", "loss",
-                "device_memory")  # fmt: skip
+COMPILE_ONLY = (
+    "batch",
+    "scan",
+    "remat",
+    "remat_policy",
+    "precision",
+    "optimizer",
+    "grad_accum",
+    "batch_spec",
+    "loss",
+    "device_memory",
+)
 
 
 def compile_only() -> list[str]:
@@ -305,19 +315,25 @@ def _options_line(c: dict[str, Any]) -> str:
     remat = f", remat {' | '.join(c['remat']['modules'])} ({c['remat']['policy']})" if c["remat"] else ""
     accum = f", grad_accum_steps={c['grad_accum_steps']}" if c["grad_accum_steps"] > 1 else ""
     staged = "".join(s.flag.summary(c[s.keyword]) for s in flagged() if s.flag is not None and c.get(s.keyword))
-    return (f"  {c['optimizer']}, {c['precision']}, scan_layers={c['scan_layers']}{remat}{accum}{staged}; "
-            f"batch {batch} over {c['batch_spec']}")  # fmt: skip
+    return (
+        f"  {c['optimizer']}, {c['precision']}, scan_layers={c['scan_layers']}{remat}{accum}{staged}; "
+        f"batch {batch} over {c['batch_spec']}"
+    )
 
 
 def compiled_lines(data: dict[str, Any]) -> list[str]:
     """The compiled figures as text, the plan's figure for the arguments, then the verdict of ``--device-memory``."""
     c, figures = data["compile"], data["compiled"]
-    head = (f"compiled training step per device (XLA:CPU on {c['devices']} simulated devices, compiled in "
-            f"{c['compile_seconds']:.0f} s):")  # fmt: skip
+    head = (
+        f"compiled training step per device (XLA:CPU on {c['devices']} simulated devices, compiled in "
+        f"{c['compile_seconds']:.0f} s):"
+    )
     rows = [(what, fmt_bytes(n)) for what, n in CompiledMemory(**figures).rows()]
     share = figures["argument_bytes"] / max(c["plan_argument_bytes"], 1)
-    check = (f"  (the plan's params + optimizer state + buffers + batch: {fmt_bytes(c['plan_argument_bytes'])}; "
-             f"compiled arguments / plan = {share:.3f})")  # fmt: skip
+    check = (
+        f"  (the plan's params + optimizer state + buffers + batch: {fmt_bytes(c['plan_argument_bytes'])}; "
+        f"compiled arguments / plan = {share:.3f})"
+    )
     lines = [head, _options_line(c), *columns(rows, indent="  "), check]
     if "device_memory" in data:
         lines.append(verdict_line(data["device_memory"], figures["peak_bytes"]))

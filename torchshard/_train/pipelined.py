@@ -51,9 +51,10 @@ def _found(model: torch.nn.Module, scanned: tuple[ScanGroup, ...]) -> ScanGroup:
         reasons = "; ".join(f"{n}: {block_problems(model, n)[0]}" for n in module_lists(model))
         raise ShardingError(
             f"Pipeline found no stack of identical layers in {type(model).__name__} (a torch.nn.ModuleList of "
-            f"blocks of one type, shapes and settings, called in turn)" + (f": {reasons}" if reasons else "")
+            f"blocks of one type, shapes and settings, called in turn)"
+            + (f": {reasons}" if reasons else "")
             + "; a pipeline splits such a stack into stages"
-        )  # fmt: skip
+        )
     raise ShardingError(
         f"Pipeline: {type(model).__name__} has several stacks of identical layers {[g.prefix for g in candidates]}; "
         f"name the one to pipeline with Pipeline(layers=...)"
@@ -112,8 +113,17 @@ class Staged:
 
         scan.new_buffers = {s: a for s, a in scan.params.items() if s in scan.group.buffers}
         where = f"Pipeline: {prefix}"
-        return schedule.run(self.stages, layer_fn, scan.params, h, others, current_key(), policy=scan.body_policy,
-                            where=where, names=argument_names(scan.forward, pure.inputs)[1:])  # fmt: skip
+        return schedule.run(
+            self.stages,
+            layer_fn,
+            scan.params,
+            h,
+            others,
+            current_key(),
+            policy=scan.body_policy,
+            where=where,
+            names=argument_names(scan.forward, pure.inputs)[1:],
+        )
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -129,8 +139,11 @@ class Pipelined(Bound):
         which stage holds each layer."""
         staged = dataclasses.replace(self.group, runner=Staged(self.stages))
         rest = tuple(g for g in setting.groups if g.prefix != staged.prefix)
-        where = {staged.name(block, suffix): self.stages.stage_of(block)
-                 for suffix in staged.suffixes for block in range(staged.count)}  # fmt: skip
+        where = {
+            staged.name(block, suffix): self.stages.stage_of(block)
+            for suffix in staged.suffixes
+            for block in range(staged.count)
+        }
         return dataclasses.replace(setting, groups=(*rest, staged), plan=setting.plan.with_stages(where))
 
     def rows(self) -> tuple[str, int]:
@@ -151,8 +164,10 @@ def bind(pipeline: Any, setting: Setting) -> Bound:
     """
     if pipeline is None:
         return Bound()
-    raise_for_arguments(instance_problems("pipeline", pipeline, Pipeline, "None or a torchshard.Pipeline"),
-                        header="invalid Trainer arguments")  # fmt: skip
+    raise_for_arguments(
+        instance_problems("pipeline", pipeline, Pipeline, "None or a torchshard.Pipeline"),
+        header="invalid Trainer arguments",
+    )
     mesh, batch_spec = setting.plan.mesh, setting.batch_spec
     assert isinstance(mesh, Mesh)  # checked with the other Trainer arguments
     model = setting.model
@@ -194,8 +209,9 @@ def parse(text: str, axes: dict[str, int]) -> Pipeline:
         raise ValueError(f"--pipeline {text!r}: name the stage axis and its size once, e.g. stage=4 (a --mesh axis)")
     (name, size), mesh = axis[0], ", ".join(f"{k}={v}" for k, v in axes.items())
     if axes.get(name) != (int(size) if size.isdigit() else size):
-        raise ValueError(f"--pipeline {name}={size}: --mesh {mesh} gives no axis {name} of size {size}; add "
-                         f"{name}={size} to --mesh")  # fmt: skip
+        raise ValueError(
+            f"--pipeline {name}={size}: --mesh {mesh} gives no axis {name} of size {size}; add {name}={size} to --mesh"
+        )
     try:
         return Pipeline(axis=name, **fields)
     except ArgumentError as err:
@@ -204,13 +220,18 @@ def parse(text: str, axes: dict[str, int]) -> Pipeline:
 
 def _figures(pipeline: Pipeline, trainer: Any) -> dict[str, Any]:
     stages = trainer.mesh.shape[pipeline.axis]
-    return dataclasses.asdict(pipeline) | {"stages": stages, "microbatches": pipeline.microbatches or stages,
-                                           "bubble": trainer.pipeline_bubble}  # fmt: skip
+    return dataclasses.asdict(pipeline) | {
+        "stages": stages,
+        "microbatches": pipeline.microbatches or stages,
+        "bubble": trainer.pipeline_bubble,
+    }
 
 
 def _summary(pipe: dict[str, Any]) -> str:
-    return (f", pipeline {pipe['schedule']} over {pipe['axis']}={pipe['stages']} × {pipe['microbatches']} "
-            f"micro-batches (bubble {pipe['bubble']:.3f})")  # fmt: skip
+    return (
+        f", pipeline {pipe['schedule']} over {pipe['axis']}={pipe['stages']} × {pipe['microbatches']} "
+        f"micro-batches (bubble {pipe['bubble']:.3f})"
+    )
 
 
 def _searched(axes: Mapping[str, int], microbatches: int) -> Pipeline | None:

@@ -127,8 +127,14 @@ def leaf_problems(
     if problems := [p for strategy in bound for p in strategy.batch_problems(what, shape)]:
         return problems
     factors = {0: row_factor(steps, bound)} if shape else {}
-    return spec_problems(what, shape, sharding.spec, layout.mesh, factors=factors,
-                         fix=lambda multiple: f"use a batch size that is a multiple of {multiple}")  # fmt: skip
+    return spec_problems(
+        what,
+        shape,
+        sharding.spec,
+        layout.mesh,
+        factors=factors,
+        fix=lambda multiple: f"use a batch size that is a multiple of {multiple}",
+    )
 
 
 def tracing_all(bound: Sequence[Bound]) -> Callable[[], contextlib.AbstractContextManager[Any]]:
