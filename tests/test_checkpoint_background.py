@@ -5,6 +5,8 @@ from __future__ import annotations
 import concurrent.futures
 import errno
 import os
+import subprocess
+import sys
 import threading
 import time
 from typing import Any
@@ -12,6 +14,7 @@ from typing import Any
 import jax
 import numpy as np
 import pytest
+import torch
 from checkpoint_runs import RUNS, host_tree, make_trainer, sharded, values
 from models import MLP
 
@@ -123,8 +126,7 @@ def test_a_background_save_writes_at_a_lower_cpu_priority_than_the_training_thre
     try:
         ts.save(tmp_path, sharded(MLP, mesh_dm), step=1, background=True).result()
     finally:
-        assert fresh.executor is not None
-        fresh.executor.shutdown(wait=True)
+        pending.wait()  # the fresh save's thread, before the real _pending returns
     lower = min(training + 10, 19)
     assert seen == [("torchshard-save", lower, lower)] and lower > training
 
@@ -156,3 +158,42 @@ def test_background_must_be_a_bool(tmp_path, mesh_dm, background):
     with pytest.raises(ts.ArgumentError, match=rf"background={background!r} must be True or False"):
         ts.save(tmp_path, model, background=background)
     assert not tmp_path.joinpath("step_00000000").exists()
+
+
+EXITING = """
+import sys, threading, time
+import jax, torch
+import torchshard as ts
+from torchshard._ckpt import checkpoint
+
+real = checkpoint.write_state
+
+
+def slow(*args, **kwargs):  # the save writes only once this process's main thread has ended
+    while threading.main_thread().is_alive():
+        time.sleep(0.05)
+    print("writing after the main thread ended", flush=True)
+    real(*args, **kwargs)
+
+
+checkpoint.write_state = slow
+torch.manual_seed(0)
+model = torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.Linear(64, 8))
+mesh = ts.make_mesh({"data": jax.device_count()})
+ts.save(sys.argv[1], ts.shard(model, ts.plan(model, mesh)), step=7, background=True)
+"""
+
+
+def two_linears() -> torch.nn.Module:
+    return torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.Linear(64, 8))
+
+
+@pytest.mark.slow
+def test_a_process_that_exits_right_after_a_background_save_leaves_it_complete(tmp_path, mesh_dm):
+    done = subprocess.run([sys.executable, "-c", EXITING, str(tmp_path)], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr
+    assert "writing after the main thread ended" in done.stdout
+    assert ts.checkpoint_steps(tmp_path) == [7]
+    probe = ts.load(tmp_path, sharded(two_linears, mesh_dm, seed=1))
+    torch.manual_seed(0)
+    jax.tree.map(np.testing.assert_array_equal, values(probe), values(two_linears()))

@@ -18,6 +18,7 @@ from torchshard._report.cli import PRESET_HELP, PRESETS, UsageError, build_on_me
 from torchshard._report.fit import EXIT_DOES_NOT_FIT, OPTIMIZERS, PRECISIONS
 from torchshard._search.search_cli import SEARCH_HELP, add_search_arguments, search_command
 from torchshard._train.remat import POLICIES
+from torchshard._train.strategies import flagged
 
 EXIT_OK, EXIT_INVALID_PLAN, EXIT_USAGE = 0, 1, 2
 
@@ -68,8 +69,10 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--precision", choices=tuple(PRECISIONS), help="bf16/fp16: MixedPrecision (fp32 master weights)")
     c.add_argument("--optimizer", choices=tuple(OPTIMIZERS), help="optax optimizer (default: adamw)")
     c.add_argument("--grad-accum", type=int, metavar="K", help="Trainer(grad_accum_steps=K)")
-    c.add_argument("--pipeline", metavar="AXIS=S,...", help="Trainer(pipeline=Pipeline(...)), e.g. "
-                   "stage=4,microbatches=8,schedule=1f1b (repeats=R, layers=REGEX; the axis as in --mesh)")  # fmt: skip
+    for strategy in flagged():  # each strategy's own flag, --KEYWORD
+        assert strategy.flag is not None
+        flag = f"--{strategy.keyword.replace('_', '-')}"
+        c.add_argument(flag, dest=strategy.keyword, metavar=strategy.flag.metavar, help=strategy.flag.help)
     c.add_argument("--device-memory", metavar="SIZE", help="e.g. 80GiB: say whether the peak fits (exit 3 if not)")
     add_search_arguments(p)
     return parser

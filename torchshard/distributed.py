@@ -74,6 +74,7 @@ def preempted(trainer: Any) -> bool:
         >>> trainer.step_count
         3
     """
-    raise_for_arguments(instance_problems("trainer", trainer, Trainer, "a torchshard.Trainer"),
-                        header="invalid preempted() arguments")  # fmt: skip
+    raise_for_arguments(
+        instance_problems("trainer", trainer, Trainer, "a torchshard.Trainer"), header="invalid preempted() arguments"
+    )
     return preempted_at(trainer.step_count)

@@ -156,8 +156,14 @@ class TorchshardLM(TemplateLM):
         windows = [(context + continuation)[-(self.max_length + 1) :] for _, context, continuation in requests]
         counts = [len(continuation) for _, _, continuation in requests]
         too_long = [i for i, c in enumerate(counts) if c > self.max_length]
-        raise_if_any([f"request {i}'s continuation has {counts[i]} tokens, more than max_length={self.max_length}"
-                      for i in too_long], header="loglikelihood", error=ArgumentError)  # fmt: skip
+        raise_if_any(
+            [
+                f"request {i}'s continuation has {counts[i]} tokens, more than max_length={self.max_length}"
+                for i in too_long
+            ],
+            header="loglikelihood",
+            error=ArgumentError,
+        )
         order = sorted(range(len(requests)), key=lambda i: -len(windows[i]))  # longest first, as HFLM
         results: list[tuple[float, bool]] = [(0.0, False)] * len(requests)
         for start in range(0, len(order), self.rows):
@@ -184,9 +190,12 @@ class TorchshardLM(TemplateLM):
         windows: list[Request] = []
         counts = []
         for (string,) in [req.args for req in requests]:
-            rolling = _utils.get_rolling_token_windows(token_list=self.tok_encode(string),
-                                                       prefix_token=self.prefix_token_id,
-                                                       max_seq_len=self.max_length, context_len=1)  # fmt: skip
+            rolling = _utils.get_rolling_token_windows(
+                token_list=self.tok_encode(string),
+                prefix_token=self.prefix_token_id,
+                max_seq_len=self.max_length,
+                context_len=1,
+            )
             made = [(None, *_utils.make_disjoint_window(w)) for w in rolling]
             windows += made
             counts.append(len(made))
@@ -198,8 +207,12 @@ class TorchshardLM(TemplateLM):
 
     def generate_until(self, requests: list, disable_tqdm: bool = False) -> list[str]:
         """Each context continued by `torchshard.generate`, cut at the first stop sequence, as ``HFLM``."""
-        collator = Collator([req.args for req in requests], sort_fn=lambda r: (-len(self.tok_encode(r[0])), r[0]),
-                            group_by="gen_kwargs", group_fn=lambda r: r[1])  # fmt: skip
+        collator = Collator(
+            [req.args for req in requests],
+            sort_fn=lambda r: (-len(self.tok_encode(r[0])), r[0]),
+            group_by="gen_kwargs",
+            group_fn=lambda r: r[1],
+        )
         out = []
         for chunk in collator.get_batched(n=self.rows):
             contexts, settings = zip(*chunk, strict=True)
@@ -214,15 +227,25 @@ class TorchshardLM(TemplateLM):
         until = handle_stop_sequences(kwargs.pop("until", None), eos=self.tok_decode([self.eot_token_id], False))
         new, sampled = int(kwargs.pop("max_gen_toks")), bool(kwargs.pop("do_sample", False))
         sampling = {k: kwargs.pop(k) for k in _SAMPLING if k in kwargs}
-        problems = [f"generation setting {k}={v!r} is not supported: only until, max_gen_toks, do_sample, "
-                    f"temperature, top_k and top_p" for k, v in kwargs.items()]  # fmt: skip
+        problems = [
+            f"generation setting {k}={v!r} is not supported: only until, max_gen_toks, do_sample, "
+            f"temperature, top_k and top_p"
+            for k, v in kwargs.items()
+        ]
         if new >= self.max_length:
             problems.append(f"max_gen_toks={new} leaves no room for a prompt in max_length={self.max_length}")
         raise_if_any(problems, header="generate_until", error=ArgumentError)
         ids, mask = self._prompts(contexts, self.max_length - new)
         settings = sampling if sampled else {}
-        tokens = generate(self.target, ids, max_new_tokens=new, attention_mask=mask,  # type: ignore[arg-type]
-                          pad_token_id=self.tokenizer.pad_token_id, eos_token_id=self._eos(), **settings)  # fmt: skip
+        tokens = generate(
+            self.target,  # type: ignore[arg-type]
+            ids,
+            max_new_tokens=new,
+            attention_mask=mask,
+            pad_token_id=self.tokenizer.pad_token_id,
+            eos_token_id=self._eos(),
+            **settings,
+        )
         made = tokens[: len(contexts), ids.shape[1] :].tolist()
         return [postprocess_generated_text(self.tok_decode(row), until, None) for row in made]
 
@@ -264,8 +287,10 @@ def _target_problems(target: Any) -> list[str]:
     except ArgumentError as err:
         return [str(err)]
     if stacked:
-        return [f"target: a Trainer built with scan_layers= or pipeline= keeps its layers stacked ({stacked[0]}, "
-                f"...); evaluate a Trainer without them, or a module placed by ts.shard with its weights"]  # fmt: skip
+        return [
+            f"target: a Trainer built with scan_layers= or pipeline= keeps its layers stacked ({stacked[0]}, "
+            f"...); evaluate a Trainer without them, or a module placed by ts.shard with its weights"
+        ]
     return []
 
 
@@ -274,9 +299,11 @@ def _tokenizer_problems(tokenizer: Any) -> list[str]:
         return [f"tokenizer is a {type(tokenizer).__name__}; pass a transformers tokenizer"]
     if tokenizer.pad_token_id is None:
         name = getattr(tokenizer, "name_or_path", "") or type(tokenizer).__name__
-        return [f"tokenizer {name!r} has no pad token, and TorchshardLM pads every batch: set one first, e.g. "
-                f"tokenizer.pad_token = tokenizer.eos_token (HFLM picks the unk or eos token silently), or "
-                f"pad_token=... in --model_args"]  # fmt: skip
+        return [
+            f"tokenizer {name!r} has no pad token, and TorchshardLM pads every batch: set one first, e.g. "
+            f"tokenizer.pad_token = tokenizer.eos_token (HFLM picks the unk or eos token silently), or "
+            f"pad_token=... in --model_args"
+        ]
     return []
 
 
@@ -307,8 +334,9 @@ def _from_pretrained(path: str, target: Any, tokenizer: Any, mesh: Any, pad_toke
     config = transformers.AutoConfig.from_pretrained(path)
     build = lambda: transformers.AutoModelForCausalLM.from_config(config)  # noqa: E731
     with torch.device("meta"):
-        rules = hf_rules(build(), axis="model" if "model" in axes else None,
-                         fsdp_axis="data" if "data" in axes else None)  # fmt: skip
+        rules = hf_rules(
+            build(), axis="model" if "model" in axes else None, fsdp_axis="data" if "data" in axes else None
+        )
     model = load_safetensors(path, init_sharded(build, make_mesh(axes), rules))
     tokenizer = transformers.AutoTokenizer.from_pretrained(path)
     if pad_token is not None:

@@ -88,6 +88,7 @@ def view_stacks(
         stacked[key] = stack = StackedArray(array)
         for i, name in enumerate(names):
             param = name in params
-            set_tensor(model, name, LayerView(stack, i, param=param, requires_grad=tensors[name].requires_grad),
-                       param=param)  # fmt: skip
+            set_tensor(
+                model, name, LayerView(stack, i, param=param, requires_grad=tensors[name].requires_grad), param=param
+            )
     return stacked

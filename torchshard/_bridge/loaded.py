@@ -10,8 +10,16 @@ with removed_aten.import_shim():
     # torchax imports these lazily when its first environment is created; importing them here,
     # inside the shim's window, keeps the window closed afterwards and creates no environment
     # (which would start the JAX backend). The torchax.ops tables are what Environment.load_ops imports.
-    for _name in ("torchax", "torchax.decompositions", "torchax.amp", "torchax.interop", "torchax.ops.jaten",
-                  "torchax.ops.jc10d", "torchax.ops.jtorch", "torchax.ops.jtorchvision_nms"):  # fmt: skip
+    for _name in (
+        "torchax",
+        "torchax.decompositions",
+        "torchax.amp",
+        "torchax.interop",
+        "torchax.ops.jaten",
+        "torchax.ops.jc10d",
+        "torchax.ops.jtorch",
+        "torchax.ops.jtorchvision_nms",
+    ):
         importlib.import_module(_name)
 
 import torchax

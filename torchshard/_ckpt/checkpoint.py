@@ -156,10 +156,11 @@ def _write(tmp: pathlib.Path, save: _Save, data: dict[str, Any] | None) -> None:
     ``data`` is the metadata's entry for the data states every process wrote before (`write_data`).
     """
     try:
-        with concurrent.futures.ThreadPoolExecutor(1) as beside:  # numpy and os.write both release the GIL
-            sums = beside.submit(finish_checksums, save.checksums)
-            write_state(tmp / STATE, save.tree, key=f"torchshard-save-{next(_SAVES)}")
-            meta = save.describe(sums.result())
+        # beside the writes (numpy and os.write both release the GIL), on a thread of its own: a background
+        # save may still run at exit, when concurrent.futures pools take no more work
+        sums = pending.on_thread(lambda: finish_checksums(save.checksums), name="torchshard-checksums")
+        write_state(tmp / STATE, save.tree, key=f"torchshard-save-{next(_SAVES)}")
+        meta = save.describe(sums.result())
         if primary():
             write_meta(tmp, meta | {"files": file_sizes(tmp / STATE), "data": data})
     except (OSError, ValueError) as e:
@@ -406,8 +407,11 @@ def load(
     header = f"checkpoint {step_dir} ({meta.get('module')}) does not fit {type(model).__name__}"
     raise_if_any(problems, header=f"{header}; load it into the architecture (and optimizer) it was saved from")
     restored, sums = read_state(step_dir / STATE, item, step_dir=step_dir)
-    raise_if_any(checksum_problems(meta, restored, sums), header=f"{step_dir} is corrupted; load an earlier step",
-                 error=CheckpointError)  # fmt: skip
+    raise_if_any(
+        checksum_problems(meta, restored, sums),
+        header=f"{step_dir} is corrupted; load an earlier step",
+        error=CheckpointError,
+    )
     arrays = destination_arrays(recipes_, restored["model"], dest)
     if data is not None:  # before the target changes: a loader that rejects its state leaves the target as it was
         restore_data(data, data_state, step_dir)

@@ -134,8 +134,10 @@ def finish_checksums(started: Started, local: list[tuple[int, int] | None] | Non
     """
     leaves, treedef = jax.tree.flatten(started.tree)
     have = local or [None] * len(leaves)
-    local_ = [list(_host_sums(x) if mine is None else mine) if i not in started.on_device else [0, 0]
-              for i, (x, mine) in enumerate(zip(leaves, have, strict=True))]  # fmt: skip
+    local_ = [
+        list(_host_sums(x) if mine is None else mine) if i not in started.on_device else [0, 0]
+        for i, (x, mine) in enumerate(zip(leaves, have, strict=True))
+    ]
     by_leaf = zip(*_everyones(local_), strict=True)  # per leaf: every process's [plain, weighted]
     sums = [[sum(column) % 2**32 for column in zip(*parts, strict=True)] for parts in by_leaf]
     for i, fingerprint in started.on_device.items():

@@ -69,8 +69,13 @@ def _ndarray(x: np.ndarray | np.generic) -> dict[str, Any]:
     if array.dtype.hasobject:
         raise TypeError("a numpy array of Python objects")  # its items would need pickle
     scalar = isinstance(x, np.generic)
-    return {TAG: "ndarray", "dtype": array.dtype.str, "shape": list(array.shape), "scalar": scalar,
-            "data": _b64(array.tobytes())}  # fmt: skip
+    return {
+        TAG: "ndarray",
+        "dtype": array.dtype.str,
+        "shape": list(array.shape),
+        "scalar": scalar,
+        "data": _b64(array.tobytes()),
+    }
 
 
 def _b64(raw: bytes) -> str:
@@ -259,8 +264,9 @@ def read_data(step_dir: pathlib.Path, meta: dict[str, Any]) -> Any:
     name = data_file(index)
     raw = (step_dir / name).read_bytes()
     if hashlib.sha256(raw).hexdigest() != entry["files"][name]["sha256"]:
-        raise CheckpointError(f"{step_dir / name}: checksum mismatch, the stored data state is not the one saved; "
-                              f"load an earlier step")  # fmt: skip
+        raise CheckpointError(
+            f"{step_dir / name}: checksum mismatch, the stored data state is not the one saved; load an earlier step"
+        )
     try:
         return decode(raw)
     except (ValueError, KeyError, TypeError) as e:

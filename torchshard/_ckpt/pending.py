@@ -1,17 +1,27 @@
-"""Saves that write in the background: one at a time, waited for by later saves, loads, listings and exit."""
+"""Saves that write in the background: one at a time, waited for by later saves, loads, listings and exit.
+
+Each save runs on a thread of its own that is not a daemon, so the interpreter waits for it at exit
+(after the main thread ends, before `atexit` handlers stop JAX). Nothing a save runs may use a
+``concurrent.futures`` pool: those refuse new work once the interpreter begins to exit, while the
+save may still be writing; `on_thread` runs its helpers instead.
+"""
 
 from __future__ import annotations
 
+import atexit
 import concurrent.futures
 import contextlib
+import itertools
 import logging
 import os
 import threading
 from collections.abc import Callable
-from typing import Any
+from typing import Any, TypeVar
 
 _THREAD = "torchshard-save"
 _NICENESS = 10  # added to the save thread's (and the threads it starts): the training step goes first
+_SAVES = itertools.count()
+T = TypeVar("T")
 logger = logging.getLogger(__name__)
 
 
@@ -20,25 +30,54 @@ class _Pending:
 
     def __init__(self) -> None:
         self.lock = threading.Lock()
-        self.executor: concurrent.futures.ThreadPoolExecutor | None = None
         self.future: concurrent.futures.Future[Any] | None = None
         self.raised = False  # its error has been raised by a later save (the Future raises it as well)
 
 
 _pending = _Pending()
+_hooked = False  # whether _at_exit is registered
+
+
+def on_thread(
+    work: Callable[[], T],
+    *,
+    name: str,
+    after: concurrent.futures.Future[Any] | None = None,
+    init: Callable[[], None] | None = None,
+) -> concurrent.futures.Future[T]:
+    """Runs ``work`` on a new non-daemon thread (after ``after`` finished, ``init`` first); its Future.
+
+    Examples:
+        >>> on_thread(lambda: 6 * 7, name="example").result()
+        42
+    """
+    future: concurrent.futures.Future[T] = concurrent.futures.Future()
+
+    def run() -> None:
+        if init is not None:
+            init()
+        if after is not None:
+            concurrent.futures.wait([after])
+        future.set_running_or_notify_cancel()
+        try:
+            result = work()
+        except BaseException as e:  # as concurrent.futures does: the Future holds whatever the work raised
+            future.set_exception(e)
+        else:
+            future.set_result(result)
+
+    threading.Thread(target=run, name=name).start()
+    return future
 
 
 def submit(work: Callable[[], Any]) -> concurrent.futures.Future[Any]:
-    """Runs ``work`` on the save thread; its Future becomes the pending save."""
+    """Runs ``work`` on a save thread once the pending save has finished; its Future becomes the pending save."""
+    global _hooked
     with _pending.lock:
-        if _pending.executor is None:
-            _pending.executor = concurrent.futures.ThreadPoolExecutor(
-                1, thread_name_prefix=_THREAD, initializer=_yield_to_training
-            )
-            # at exit, wait before concurrent.futures stops taking work (orbax's writes use executors)
-            # and before atexit handlers stop JAX: threading's exit hooks run first, newest first
-            threading._register_atexit(_at_exit)  # type: ignore[attr-defined]
-        future = _pending.executor.submit(work)
+        if not _hooked:
+            atexit.register(_at_exit)  # registered after JAX's, so it runs before JAX stops
+            _hooked = True
+        future = on_thread(work, name=f"{_THREAD}_{next(_SAVES)}", after=_pending.future, init=_yield_to_training)
         _pending.future, _pending.raised = future, False
     return future
 

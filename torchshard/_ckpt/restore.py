@@ -202,8 +202,9 @@ def trainer_problems(meta: Meta, read: TrainerRead | None) -> list[str]:
         ]
     wanted = {p: x.shape for p, x in flat(read.item).items()}
     found = {p: m["shape"] for p, m in saved.items()}
-    problems = mismatch_problems(wanted, found, expected_in="trainer", found_in="checkpoint",
-                                 what="optimizer/step leaf ")  # fmt: skip
+    problems = mismatch_problems(
+        wanted, found, expected_in="trainer", found_in="checkpoint", what="optimizer/step leaf "
+    )
     if problems:
         problems.append("the checkpoint's optimizer state differs: build the Trainer with the same optax optimizer")
     return problems

@@ -115,8 +115,13 @@ class Cached:
 
     def _forward(self, cache: Any, ids: jax.Array, mask: jax.Array, positions: jax.Array) -> Any:
         keyword = cache_keyword(self.model)  # transformers 5.24 renamed past_key_values to cache
-        return self.model(input_ids=wrap(ids), attention_mask=wrap(mask), position_ids=wrap(positions),
-                          use_cache=True, **{keyword: cache})  # fmt: skip
+        return self.model(
+            input_ids=wrap(ids),
+            attention_mask=wrap(mask),
+            position_ids=wrap(positions),
+            use_cache=True,
+            **{keyword: cache},
+        )
 
     def prefill(self, arrays: Arrays, tokens: jax.Array, mask: jax.Array) -> tuple[jax.Array, Any]:
         """Logits that choose the first new token, and the carry: (keys and values, last prompt positions)."""

@@ -63,8 +63,10 @@ def id_problems(input_ids: Any, attention_mask: Any) -> list[str]:
         return ["attention_mask holds values other than 0 and 1"]
     rows = [r for r in range(mask.shape[0]) if bool((mask[r, 1:] < mask[r, :-1]).any()) or not bool(mask[r, -1])]
     if rows:
-        return [f"attention_mask rows {rows[:8]} are not left-padded (zeros only before the tokens, a token last); "
-                f"pad prompts on the left (tokenizer.padding_side = 'left')"]  # fmt: skip
+        return [
+            f"attention_mask rows {rows[:8]} are not left-padded (zeros only before the tokens, a token last); "
+            f"pad prompts on the left (tokenizer.padding_side = 'left')"
+        ]
     return []
 
 

@@ -75,8 +75,10 @@ def score(target: Trainer | torch.nn.Module, ids: np.ndarray) -> tuple[np.ndarra
         try:
             picked, greedy = jitted(arrays, placed)
         except TypeError as err:
-            raise ArgumentError(f"could not score with {type(model).__name__}: {err}; it needs a model mapping ids "
-                                f"[batch, seq] to logits [batch, seq, vocab]") from err  # fmt: skip
+            raise ArgumentError(
+                f"could not score with {type(model).__name__}: {err}; it needs a model mapping ids "
+                f"[batch, seq] to logits [batch, seq, vocab]"
+            ) from err
         return np.asarray(jax.device_get(picked)), np.asarray(jax.device_get(greedy))
 
 

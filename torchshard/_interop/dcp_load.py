@@ -73,8 +73,9 @@ def _plan_reads(reader: BoxReader, dest: Destination, chosen: Mapping[str, str],
 class _Optimizer:
     """The AdamW state of a checkpoint mapped onto a Trainer's optax state (what maps, and what does not)."""
 
-    def __init__(self, trainer: Trainer, dest: Destination, stored: Mapping[str, tuple[str, str]],
-                 rename: Rename | None) -> None:  # fmt: skip
+    def __init__(
+        self, trainer: Trainer, dest: Destination, stored: Mapping[str, tuple[str, str]], rename: Rename | None
+    ) -> None:
         renamer = _renamer(rename)
         self.entries = {(renamer(p), f): n for n, (p, f) in stored.items()}
         self.trainer, self.dest = trainer, dest
@@ -94,15 +95,20 @@ class _Optimizer:
                 if name is None:
                     problems += [f"missing optimizer state {layer}.{field} {shapes[layer]}"] if strict else []
                 elif reader.tensors[name].shape != shapes[layer]:
-                    problems.append(f"mis-shaped {name}: checkpoint {reader.tensors[name].shape}, model "
-                                    f"{shapes[layer]}")  # fmt: skip
+                    problems.append(
+                        f"mis-shaped {name}: checkpoint {reader.tensors[name].shape}, model {shapes[layer]}"
+                    )
         if strict:
             unmapped = dcp_names.unmapped_leaves(self.abstract, self.slots)
-            problems += [f"optimizer state leaf {p} has no torch AdamW counterpart (exp_avg, exp_avg_sq, step)"
-                         for p in unmapped]  # fmt: skip
+            problems += [
+                f"optimizer state leaf {p} has no torch AdamW counterpart (exp_avg, exp_avg_sq, step)" for p in unmapped
+            ]
             known = set(shapes)
-            problems += [f"unexpected optimizer state {n}: its parameter is not in the model"
-                         for (param, _), n in self.entries.items() if param not in known]  # fmt: skip
+            problems += [
+                f"unexpected optimizer state {n}: its parameter is not in the model"
+                for (param, _), n in self.entries.items()
+                if param not in known
+            ]
         return problems
 
     def step(self, reader: BoxReader, *, strict: bool) -> int | None:
@@ -157,11 +163,13 @@ class _Optimizer:
 
 def _log_skipped(entries: dcp_names.Entries, others: list[str], target: Target, root: pathlib.Path) -> None:
     if entries.optimizer and not isinstance(target, Trainer):
-        _log.info("load_dcp: %d optimizer-state tensors in %s not read (the target is a module)",
-                  len(entries.optimizer), root)  # fmt: skip
+        _log.info(
+            "load_dcp: %d optimizer-state tensors in %s not read (the target is a module)", len(entries.optimizer), root
+        )
     if entries.loop or others:
-        _log.info("load_dcp: training-loop state and non-tensor entries in %s not read: %s",
-                  root, (entries.loop + others)[:8])  # fmt: skip
+        _log.info(
+            "load_dcp: training-loop state and non-tensor entries in %s not read: %s", root, (entries.loop + others)[:8]
+        )
 
 
 _Read = tuple[dict[str, jax.Array], "_Optimizer | None", BoxReader, dict[str, torch.dtype]]
@@ -180,8 +188,11 @@ def _read(root: pathlib.Path, target: Target, dest: Destination, *, rename: Rena
     if optimizer is not None and entries.optimizer:
         found += optimizer.problems(reader, strict=strict)
     header = f"DCP checkpoint {root} does not fit {type(model).__name__}"
-    raise_if_any(problems + found, header=f"{header}; pass rename= for other names, or strict=False to load what "
-                 f"fits", error=CheckpointError)  # fmt: skip
+    raise_if_any(
+        problems + found,
+        header=f"{header}; pass rename= for other names, or strict=False to load what fits",
+        error=CheckpointError,
+    )
     _log_skipped(entries, [n for n in metadata.state_dict_metadata if n not in reader.tensors], target, root)
     _plan_reads(reader, dest, chosen, sources)
     build = _Build(reader, sources, dtypes)  # type: ignore[arg-type]
@@ -191,9 +202,13 @@ def _read(root: pathlib.Path, target: Target, dest: Destination, *, rename: Rena
 
 
 def load_dcp(
-    path: PathLike, target: Target, plan: ShardingPlan | None = None, *, rename: Rename | None = None,
+    path: PathLike,
+    target: Target,
+    plan: ShardingPlan | None = None,
+    *,
+    rename: Rename | None = None,
     strict: bool = True,
-) -> Target:  # fmt: skip
+) -> Target:
     """Loads a ``torch.distributed.checkpoint`` (DCP) folder into shards: FSDP2, torchtitan or plain ``dcp.save``.
 
     Every process reads only the box of each tensor its own devices hold, through DCP's own
@@ -247,6 +262,10 @@ def load_dcp(
         opt_state, count = optimizer.state(reader, params, dtypes, strict=strict)
         step = jax.device_put(np.int32(count or 0), target.state_shardings().step)
         load_trainer(target, arrays, {"opt_state": opt_state, "step": step, "rng": target.rng_key})
-    _log.info("load_dcp: this process read boxes of %d of the checkpoint's %d tensor bytes from %s",
-              reader.requested, reader.total_bytes(), root)  # fmt: skip
+    _log.info(
+        "load_dcp: this process read boxes of %d of the checkpoint's %d tensor bytes from %s",
+        reader.requested,
+        reader.total_bytes(),
+        root,
+    )
     return target

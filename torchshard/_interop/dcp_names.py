@@ -96,5 +96,8 @@ def optax_slots(opt_state: Any, params: Iterable[str]) -> dict[str, Slot]:
 
 def unmapped_leaves(opt_state: Any, slots: Mapping[str, Slot]) -> list[str]:
     """Leaves of the optax state no checkpoint entry fills (other optimizers' state, schedules' counts)."""
-    return [jax.tree_util.keystr(p) for p, _ in jax.tree_util.tree_leaves_with_path(opt_state)
-            if jax.tree_util.keystr(p) not in slots]  # fmt: skip
+    return [
+        jax.tree_util.keystr(p)
+        for p, _ in jax.tree_util.tree_leaves_with_path(opt_state)
+        if jax.tree_util.keystr(p) not in slots
+    ]

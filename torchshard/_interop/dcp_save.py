@@ -31,8 +31,10 @@ def _check_args(path: Any, target: Any) -> None:
     problems = path_problems("path", path)
     problems += instance_problems("target", target, (Trainer, torch.nn.Module), "a Trainer or a sharded module")
     if isinstance(target, torch.nn.Module) and custom_state_dict(target):
-        problems.append(f"{type(target).__name__} changes its state_dict with hooks; save_dcp writes the tensors "
-                        f"as they are placed: export with save_safetensors() instead")  # fmt: skip
+        problems.append(
+            f"{type(target).__name__} changes its state_dict with hooks; save_dcp writes the tensors "
+            f"as they are placed: export with save_safetensors() instead"
+        )
     raise_for_arguments(problems, header="invalid save_dcp() arguments")
 
 

@@ -138,8 +138,9 @@ def from_torch_state_dict(
     tensors = named_tensors(model)
     values = {c: _value_for(c, dest, state_dict, tensors) for c in dest.arrays}
     expected = {n: tuple(tensors[n].shape) for n in state_dict_names(model)}
-    problems = mismatch_problems(expected, {n: tuple(v.shape) for n, v in state_dict.items()}, expected_in="model",
-                                 found_in="state_dict")  # fmt: skip
+    problems = mismatch_problems(
+        expected, {n: tuple(v.shape) for n, v in state_dict.items()}, expected_in="model", found_in="state_dict"
+    )
     problems += [p for c, v in values.items() for p in _value_problems(c, v, tensors[c])]
     raise_if_any(
         problems, header=f"state_dict does not fit {type(model).__name__}; load it into the model it came from"

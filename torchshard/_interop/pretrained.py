@@ -126,9 +126,14 @@ def _castable(stored: str, dtype: torch.dtype) -> str | None:
 
 
 def _problems(
-    expected: Sequence[str], dest: Destination, sources: Mapping[str, str], reader: Reader, dtypes: Mapping[str, Any],
-    *, strict: bool,
-) -> tuple[dict[str, str], list[str]]:  # fmt: skip
+    expected: Sequence[str],
+    dest: Destination,
+    sources: Mapping[str, str],
+    reader: Reader,
+    dtypes: Mapping[str, Any],
+    *,
+    strict: bool,
+) -> tuple[dict[str, str], list[str]]:
     """Canonical name → the model name to read it from, and every missing, unexpected, mis-shaped or uncastable one."""
     shapes = dest.layer_shapes()
     chosen: dict[str, str] = {}
@@ -139,10 +144,15 @@ def _problems(
     missing = [n for n in expected if dest.names[n] not in chosen and n == _first(n, expected, dest)]
     problems = []
     if strict:
-        problems += [f"missing {n} {shapes[dest.names[n]]}: in the model, not in the checkpoint"
-                     f"{_near(n, unexpected, sources)}" for n in missing]  # fmt: skip
-        problems += [f"unexpected {_shown(n, sources)} {reader.tensors[sources[n]].shape}: in the checkpoint, not in "
-                     f"the model{_near(n, missing)}" for n in unexpected]  # fmt: skip
+        problems += [
+            f"missing {n} {shapes[dest.names[n]]}: in the model, not in the checkpoint{_near(n, unexpected, sources)}"
+            for n in missing
+        ]
+        problems += [
+            f"unexpected {_shown(n, sources)} {reader.tensors[sources[n]].shape}: in the checkpoint, not in "
+            f"the model{_near(n, missing)}"
+            for n in unexpected
+        ]
     for canon, name in chosen.items():
         stored = reader.tensors[sources[name]]
         if stored.shape != shapes[canon]:
@@ -324,15 +334,23 @@ def _read(
     build = _Build(reader, sources, dtypes)
     arrays = _arrays(target, dest, chosen, build)
     raise_if_any(build.problems, header="checkpoint values JAX cannot hold")
-    _log.info("load_safetensors: this process read %d of the checkpoint's %d tensor bytes from %s",
-              reader.requested, reader.total_bytes(), root)  # fmt: skip
+    _log.info(
+        "load_safetensors: this process read %d of the checkpoint's %d tensor bytes from %s",
+        reader.requested,
+        reader.total_bytes(),
+        root,
+    )
     return arrays
 
 
 def load_safetensors(
-    path: PathLike, target: Target, plan: ShardingPlan | None = None, *, rename: Rename | None = None,
+    path: PathLike,
+    target: Target,
+    plan: ShardingPlan | None = None,
+    *,
+    rename: Rename | None = None,
     strict: bool = True,
-) -> Target:  # fmt: skip
+) -> Target:
     """Loads a Hugging Face safetensors checkpoint into shards: the reverse of `save_safetensors`.
 
     ``path`` is a folder as ``save_pretrained``, `save_safetensors` or a Hub snapshot write it

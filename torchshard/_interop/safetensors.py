@@ -234,9 +234,13 @@ def save_safetensors(path: PathLike, target: Target, *, max_shard_bytes: int = 5
 
 
 def export_arrays_as(
-    path: PathLike, arrays: Mapping[str, Any], dtypes: Mapping[str, torch.dtype], *, max_shard_bytes: int,
+    path: PathLike,
+    arrays: Mapping[str, Any],
+    dtypes: Mapping[str, torch.dtype],
+    *,
+    max_shard_bytes: int,
     also: Callable[[pathlib.Path], None] | None = None,
-) -> pathlib.Path:  # fmt: skip
+) -> pathlib.Path:
     """Writes ``name → placed array`` (gathered a file at a time, in ``dtypes``) as `save_safetensors` writes one;
     ``also(folder)`` writes more files into the export before it is put in place (process 0 only)."""
     sizes = {n: arrays[n].size * dtypes[n].itemsize for n in arrays}

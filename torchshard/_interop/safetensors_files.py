@@ -149,8 +149,11 @@ class Reader:
 
     def restrict(self, index: Mapping[str, pathlib.Path]) -> list[str]:
         """Keeps the tensors the index names; every name it puts in a file that lacks it is a problem."""
-        wrong = [f"{n}: the index puts it in {f.name}, which does not hold it" for n, f in index.items()
-                 if n not in self.tensors or self.tensors[n].file != f]  # fmt: skip
+        wrong = [
+            f"{n}: the index puts it in {f.name}, which does not hold it"
+            for n, f in index.items()
+            if n not in self.tensors or self.tensors[n].file != f
+        ]
         self.tensors = self._stored = {n: s for n, s in self.tensors.items() if n in index}
         return wrong
 

@@ -87,8 +87,9 @@ def _pump(child: _Child, stream, out: TextIO, lock: threading.Lock) -> None:
     stream.close()
 
 
-def _start(rank: int, command: list[str], env: dict[str, str], out: TextIO, lock: threading.Lock,
-           heartbeat: pathlib.Path) -> _Child:  # fmt: skip
+def _start(
+    rank: int, command: list[str], env: dict[str, str], out: TextIO, lock: threading.Lock, heartbeat: pathlib.Path
+) -> _Child:
     heartbeat.touch()
     # a session of its own: a terminal's Ctrl-C reaches only the launcher, which forwards it,
     # and killing the group also ends anything the script started
@@ -180,8 +181,10 @@ def _report_hang(running: Sequence[_Child], hang_timeout: float) -> None:
     """Names the stalled ranks and has each print its Python stacks (faulthandler, registered by the worker)."""
     ranks = ", ".join(str(c.rank) for c in running)
     idle = ", ".join(f"rank {c.rank} {c.idle_s():.1f} s" for c in running)
-    note(f"no process made progress (printed output or heartbeat) for {hang_timeout:g} s; ranks {ranks} are stalled "
-         f"(idle: {idle}); their Python stacks follow")  # fmt: skip
+    note(
+        f"no process made progress (printed output or heartbeat) for {hang_timeout:g} s; ranks {ranks} are stalled "
+        f"(idle: {idle}); their Python stacks follow"
+    )
     for child in running:
         with contextlib.suppress(ProcessLookupError):
             os.kill(child.popen.pid, STACKS_SIGNAL)  # the worker itself only: its children may not handle it

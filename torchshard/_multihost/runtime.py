@@ -211,10 +211,15 @@ def _connect(group: ProcessGroup) -> None:
         logger.info("torchshard: initialising jax.distributed from the %s environment", group.cluster)
         jax.distributed.initialize()
     elif group.source == "torchrun" and group.num_processes != 1:
-        logger.info("torchshard: torchrun process %s of %s, coordinator %s", group.process_id,
-                    group.num_processes, group.coordinator_address)  # fmt: skip
-        jax.distributed.initialize(group.coordinator_address, group.num_processes, group.process_id,
-                                   local_device_ids=group.local_device_ids)  # fmt: skip
+        logger.info(
+            "torchshard: torchrun process %s of %s, coordinator %s",
+            group.process_id,
+            group.num_processes,
+            group.coordinator_address,
+        )
+        jax.distributed.initialize(
+            group.coordinator_address, group.num_processes, group.process_id, local_device_ids=group.local_device_ids
+        )
     elif group.source != "single" and (group.num_processes != 1 or group.coordinator_address is not None):
         logger.info("torchshard: process %s of %s", group.process_id, group.num_processes)
         jax.distributed.initialize(group.coordinator_address, group.num_processes, group.process_id)

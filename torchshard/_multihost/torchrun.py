@@ -79,11 +79,15 @@ def _range_problems(n: Mapping[str, int]) -> list[str]:
 def _node_problems(world: int, local: int, rank: int, local_rank: int) -> list[str]:
     """Every node runs the same number of processes (a JAX mesh needs as many devices on each host)."""
     if local > world or world % local:
-        return [f"$LOCAL_WORLD_SIZE={local} does not divide $WORLD_SIZE={world}; run the same --nproc-per-node on "
-                f"every node"]  # fmt: skip
+        return [
+            f"$LOCAL_WORLD_SIZE={local} does not divide $WORLD_SIZE={world}; run the same --nproc-per-node on "
+            f"every node"
+        ]
     if rank % local != local_rank:
-        return [f"$LOCAL_RANK={local_rank} does not fit $RANK={rank} with $LOCAL_WORLD_SIZE={local} (expected "
-                f"{rank % local}); the launcher set an inconsistent environment"]  # fmt: skip
+        return [
+            f"$LOCAL_RANK={local_rank} does not fit $RANK={rank} with $LOCAL_WORLD_SIZE={local} (expected "
+            f"{rank % local}); the launcher set an inconsistent environment"
+        ]
     return []
 
 
@@ -134,8 +138,13 @@ def _agreed_port(env: TorchrunEnv) -> int:
 
     assert env.master_addr is not None and env.master_port is not None
     try:
-        store = TCPStore(env.master_addr, env.master_port, is_master=False, wait_for_workers=False,
-                         timeout=datetime.timedelta(seconds=STORE_TIMEOUT_S))  # fmt: skip
+        store = TCPStore(
+            env.master_addr,
+            env.master_port,
+            is_master=False,
+            wait_for_workers=False,
+            timeout=datetime.timedelta(seconds=STORE_TIMEOUT_S),
+        )
         if env.rank == 0:  # first writer wins: a restarted group reuses the port its first process 0 chose
             return int(store.compare_set(PORT_KEY, "", str(_free_port(env.master_addr))).decode())
         return int(store.get(PORT_KEY).decode())  # waits until process 0 has published it

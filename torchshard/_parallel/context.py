@@ -108,8 +108,10 @@ def check_context(context: Any, mesh: AnyMesh, batch_spec: PartitionSpec) -> Non
     """
     if context is None:
         return
-    raise_for_arguments(instance_problems("context", context, ContextParallel, "a ContextParallel(...) or None"),
-                        header="invalid Trainer arguments")  # fmt: skip
+    raise_for_arguments(
+        instance_problems("context", context, ContextParallel, "a ContextParallel(...) or None"),
+        header="invalid Trainer arguments",
+    )
     axis, problems = context.axis, []
     if axis not in mesh.shape:
         problems.append(
@@ -191,8 +193,9 @@ def _segments(mask: Any, batch: int, length: int) -> tuple[jax.Array | None, lis
     return mask.reshape(mask.shape[0], length), []
 
 
-def _call_problems(context: ContextParallel, mesh: Mesh, query: Any, key: Any, mask: Any, dropout_p: Any,
-                   enable_gqa: bool) -> list[str]:  # fmt: skip
+def _call_problems(
+    context: ContextParallel, mesh: Mesh, query: Any, key: Any, mask: Any, dropout_p: Any, enable_gqa: bool
+) -> list[str]:
     if query.ndim != 4 or key.ndim != 4:
         return [f"needs 4-D [batch, heads, seq, dim] query and key, got ranks {query.ndim} and {key.ndim}"]
     problems = []
@@ -208,8 +211,10 @@ def _call_problems(context: ContextParallel, mesh: Mesh, query: Any, key: Any, m
             f"over one sequence (train cross-attention models without context=)"
         )
     if heads % kv_heads or (heads != kv_heads and not enable_gqa):
-        problems.append(f"{heads} query heads and {kv_heads} key/value heads need enable_gqa=True and {heads} % "
-                        f"{kv_heads} == 0, as in torch")  # fmt: skip
+        problems.append(
+            f"{heads} query heads and {kv_heads} key/value heads need enable_gqa=True and {heads} % "
+            f"{kv_heads} == 0, as in torch"
+        )
     segments, unreadable = _segments(mask, query.shape[0], length) if length == kv_length else (None, [])
     problems += unreadable
     if segments is None and mask is not None and length == kv_length and not unreadable:
@@ -223,10 +228,13 @@ def _mask_problems(mask: Any, length: int) -> list[str]:
     what = f"attn_mask {mask.dtype}{list(mask.shape)}"
     if isinstance(mask, jax.core.Tracer):
         inputs = "is computed from the step's inputs (e.g. a padding attention_mask in the batch)"
-        return [f"{what} {inputs}; {SUPPORTED}: drop attention_mask from the batch and train on unpadded (packed) "
-                f"sequences"]  # fmt: skip
-    return [f"{what} is a constant mask but neither all-visible, causal nor a causal sliding window; {SUPPORTED}: "
-            f"build one of those, or train without context="]  # fmt: skip
+        return [
+            f"{what} {inputs}; {SUPPORTED}: drop attention_mask from the batch and train on unpadded (packed) sequences"
+        ]
+    return [
+        f"{what} is a constant mask but neither all-visible, causal nor a causal sliding window; {SUPPORTED}: "
+        f"build one of those, or train without context="
+    ]
 
 
 def _sdpa(
@@ -245,9 +253,20 @@ def _sdpa(
         pattern = _mask_pattern(attn_mask, query.shape[2]) if attn_mask is not None and segments is None else None
         causal, window = pattern or (False, None)
         causal = causal or bool(is_causal) or segments is not None  # documents are causal within themselves
-        return context_attention(query, key, value, mesh=mesh, axis=context.axis, causal=causal, scale=scale,
-                                 gathered=context.attention == "all_gather", balanced=context.load_balance,
-                                 segments=segments, rows=row_axes, window=window)  # fmt: skip
+        return context_attention(
+            query,
+            key,
+            value,
+            mesh=mesh,
+            axis=context.axis,
+            causal=causal,
+            scale=scale,
+            gathered=context.attention == "all_gather",
+            balanced=context.load_balance,
+            segments=segments,
+            rows=row_axes,
+            window=window,
+        )
 
     return sdpa
 
@@ -265,8 +284,10 @@ def _attention_of(model: torch.nn.Module) -> str:
     implementation = getattr(config, "_attn_implementation", None)
     if implementation is None:
         return type(model).__name__
-    text = f"{type(model).__name__} (model_type {getattr(config, 'model_type', '?')!r}, transformers' " \
-           f"attn_implementation={implementation!r}"  # fmt: skip
+    text = (
+        f"{type(model).__name__} (model_type {getattr(config, 'model_type', '?')!r}, transformers' "
+        f"attn_implementation={implementation!r}"
+    )
     softcap = getattr(config, "attn_logit_softcapping", None)
     return text + (f", attn_logit_softcapping={softcap}, which SDPA cannot apply)" if softcap else ")")
 
@@ -287,8 +308,9 @@ def _warn_no_attention(context: ContextParallel, model: torch.nn.Module) -> None
 
 
 @contextlib.contextmanager
-def tracing(context: ContextParallel, mesh: Mesh, row_axes: tuple[str, ...] = (),
-            model: torch.nn.Module | None = None) -> Iterator[None]:  # fmt: skip
+def tracing(
+    context: ContextParallel, mesh: Mesh, row_axes: tuple[str, ...] = (), model: torch.nn.Module | None = None
+) -> Iterator[None]:
     """While a step is traced: SDPA runs as context-parallel attention over ``context.axis``.
 
     A ``model`` whose trace calls no SDPA (an attention of its own: transformers' ``eager``

@@ -38,9 +38,11 @@ def _is_concrete(x: torch.Tensor) -> bool:
 
 def _position_problems(position_ids: torch.Tensor) -> list[str]:
     if not isinstance(position_ids, torch.Tensor):
-        return [f"position_ids must be an integer torch.Tensor of shape [batch, seq] or [seq], got "
-                f"{type(position_ids).__name__} {' '.join(repr(position_ids).split()):.60}; pass "
-                f"torch.as_tensor(position_ids)"]  # fmt: skip
+        return [
+            f"position_ids must be an integer torch.Tensor of shape [batch, seq] or [seq], got "
+            f"{type(position_ids).__name__} {' '.join(repr(position_ids).split()):.60}; pass "
+            f"torch.as_tensor(position_ids)"
+        ]
     where = f"position_ids {tuple(position_ids.shape)} {position_ids.dtype}"
     if position_ids.ndim not in (1, 2) or position_ids.dtype.is_floating_point or position_ids.dtype == torch.bool:
         return [f"{where}: needs integer positions of shape [batch, seq] or [seq]"]

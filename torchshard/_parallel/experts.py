@@ -201,8 +201,10 @@ def expert_dispatch_for(
     ``ExpertDispatch("all_to_all")`` that cannot run is a `ShardingError` saying why.
     """
     if dispatch is not None and not isinstance(dispatch, ExpertDispatch):
-        raise_for_arguments([f"expert_dispatch must be an ExpertDispatch(...) or None, got {type(dispatch).__name__}"],
-                            header="invalid Trainer arguments")  # fmt: skip
+        raise_for_arguments(
+            [f"expert_dispatch must be an ExpertDispatch(...) or None, got {type(dispatch).__name__}"],
+            header="invalid Trainer arguments",
+        )
     if dispatch is not None and dispatch.kind == "gspmd":
         return dispatch, []
     specs = {name: entry.spec for name, entry in plan.entries.items()}
@@ -299,8 +301,14 @@ def _moved(experts: Experts, dispatch: ExpertDispatch, mesh: Mesh, original: Any
     copies, stacked = _copies(experts, mesh, params)
     rows = PartitionSpec(experts.token_axes)
     manual = frozenset({experts.axis, *experts.token_axes}) | vmapped_axes()
-    sharded = jax.shard_map(body, mesh=mesh, in_specs=(rows, rows, rows, *(stacked for _ in params)),
-                            out_specs=(rows, rows), axis_names=manual, check_vma=False)  # fmt: skip
+    sharded = jax.shard_map(
+        body,
+        mesh=mesh,
+        in_specs=(rows, rows, rows, *(stacked for _ in params)),
+        out_specs=(rows, rows),
+        axis_names=manual,
+        check_vma=False,
+    )
     out, dropped = sharded(x, index, weights, *copies)
     return out, dropped.sum()
 

@@ -40,15 +40,33 @@ def _compatibility(original: Callable[..., Any], causal: Callable[..., Any]) -> 
 
 
 def _mask_interface(original: Callable[..., Any]) -> Callable[..., Any]:
-    def sdpa_mask(*, batch_size, q_length, kv_length, q_offset=0, kv_offset=0, mask_function=None,
-                  attention_mask=None, local_size=None, **kwargs):  # fmt: skip
+    def sdpa_mask(
+        *,
+        batch_size,
+        q_length,
+        kv_length,
+        q_offset=0,
+        kv_offset=0,
+        mask_function=None,
+        attention_mask=None,
+        local_size=None,
+        **kwargs,
+    ):
         plain = attention_mask is None and local_size is None and q_length == kv_length
         if isinstance(mask_function, _Documents) and plain and q_offset == 0 and kv_offset == 0:
             segments = mask_function.segments.expand(batch_size, -1)
             return segments.to(torch.int32).reshape(batch_size, 1, 1, q_length)
-        return original(batch_size=batch_size, q_length=q_length, kv_length=kv_length, q_offset=q_offset,
-                        kv_offset=kv_offset, mask_function=mask_function, attention_mask=attention_mask,
-                        local_size=local_size, **kwargs)  # fmt: skip
+        return original(
+            batch_size=batch_size,
+            q_length=q_length,
+            kv_length=kv_length,
+            q_offset=q_offset,
+            kv_offset=kv_offset,
+            mask_function=mask_function,
+            attention_mask=attention_mask,
+            local_size=local_size,
+            **kwargs,
+        )
 
     return sdpa_mask
 

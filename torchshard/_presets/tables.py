@@ -40,8 +40,11 @@ def data_parallel() -> Rules:
 def axis_problems(what: str, axis: AxisName, mesh: Mesh | AbstractMesh) -> list[str]:
     """A preset's axis names that ``mesh`` lacks."""
     where = describe_mesh(mesh)
-    return [f"{what} axis {a!r} is not an axis of {where}; use one of {list(mesh.shape)}" for a in entry_axes(axis)
-            if a not in mesh.shape]  # fmt: skip
+    return [
+        f"{what} axis {a!r} is not an axis of {where}; use one of {list(mesh.shape)}"
+        for a in entry_axes(axis)
+        if a not in mesh.shape
+    ]
 
 
 @dataclasses.dataclass(frozen=True)

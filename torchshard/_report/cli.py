@@ -21,13 +21,13 @@ from torchshard._presets.hf import hf_rules
 from torchshard._presets.hf_plan import from_hf_tp_plan
 from torchshard._presets.tables import common_tensor_parallel, fsdp
 from torchshard._report.fit import (
-    COMPILE_ONLY,
     PRECISIONS,
+    compile_only,
     compile_report,
     compiled_lines,
     devices_for,
-    parse_pipeline,
     parse_size,
+    strategy_options,
     verdict,
 )
 from torchshard._report.memory import training_memory
@@ -149,11 +149,16 @@ def preset_rules(name: str, model: torch.nn.Module, mesh: Any, *, fsdp_axis: str
 def replicated(plan: ShardingPlan, top: int) -> list[dict[str, Any]]:
     """The ``top`` largest tensors (bytes per device) that some mesh axis holds more than one copy of."""
     found: list[dict[str, Any]] = [
-        {"name": e.name, "shape": list(e.shape), "spec": str(e.spec), "replicated_over": over,
-         "bytes_per_device": e.bytes_per_device}
+        {
+            "name": e.name,
+            "shape": list(e.shape),
+            "spec": str(e.spec),
+            "replicated_over": over,
+            "bytes_per_device": e.bytes_per_device,
+        }
         for e in plan.unique_entries()
         if (over := replicated_over(e.spec, plan.mesh))
-    ]  # fmt: skip
+    ]
     return sorted(found, key=lambda r: -r["bytes_per_device"])[:top]
 
 
@@ -271,7 +276,7 @@ def compare(args: argparse.Namespace, model: torch.nn.Module, plan: ShardingPlan
 
 def check_compile_args(args: argparse.Namespace) -> int | None:
     """Options that need ``--compile`` and what ``--compile`` needs; returns ``--device-memory`` in bytes."""
-    given = [f"--{name.replace('_', '-')}" for name in COMPILE_ONLY if getattr(args, name, None) is not None]
+    given = [f"--{name.replace('_', '-')}" for name in compile_only() if getattr(args, name, None) is not None]
     if given and not args.compile:
         raise UsageError(f"{', '.join(given)} given without --compile; add --compile to compile the training step")
     if args.compile and args.batch is None:
@@ -288,8 +293,8 @@ def run_plan(args: argparse.Namespace) -> tuple[str, bool]:
     """
     device_memory = check_compile_args(args)
     axes = parse_mesh(args.mesh)
-    if args.compile and getattr(args, "pipeline", None) is not None:
-        parse_pipeline(args.pipeline, axes)  # its mistakes before the model is built
+    if args.compile:
+        strategy_options(args, axes)  # the strategies' flags' mistakes before the model is built
     devices = devices_for(axes) if args.compile else None  # before anything starts JAX's backend
     model = build_on_meta(load_factory(args.target))
     mesh, abstract = (make_mesh(axes, devices=devices), False) if devices else build_mesh(axes)

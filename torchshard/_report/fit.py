@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import dataclasses
 import inspect
 import math
 import re
@@ -19,7 +18,6 @@ import jax
 import optax
 import torch
 
-from torchshard._base.errors import ArgumentError
 from torchshard._base.format import columns, fmt_bytes
 from torchshard._bridge.env import backend_started
 from torchshard._report.compiled import CompiledMemory, memory
@@ -30,7 +28,7 @@ from torchshard._sharding.plan import ShardingPlan
 from torchshard._train.abstract import AbstractTrainer
 from torchshard._train.precision import MixedPrecision
 from torchshard._train.remat import Remat
-from torchshard._train.strategies import Pipeline
+from torchshard._train.strategies import STRATEGIES, flagged
 
 EXIT_DOES_NOT_FIT = 3
 PRECISIONS = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}
@@ -44,10 +42,24 @@ _UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
           "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}  # fmt: skip
 _DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32, "half": torch.float16,
            "float": torch.float32, "long": torch.int64, "int": torch.int32}  # fmt: skip
-# options that only mean something with --compile (their argparse defaults are None)
-COMPILE_ONLY = ("batch", "scan", "remat", "remat_policy", "precision", "optimizer", "grad_accum", "batch_spec", "loss",
-                "pipeline", "device_memory")  # fmt: skip
-_PIPELINE_KEYS = {"microbatches": int, "schedule": str, "repeats": int, "layers": str}
+# options that only mean something with --compile (their argparse defaults are None), strategies' flags too
+COMPILE_ONLY = (
+    "batch",
+    "scan",
+    "remat",
+    "remat_policy",
+    "precision",
+    "optimizer",
+    "grad_accum",
+    "batch_spec",
+    "loss",
+    "device_memory",
+)
+
+
+def compile_only() -> list[str]:
+    """The argparse names of every option that only means something with ``--compile``."""
+    return [*COMPILE_ONLY, *(s.keyword for s in flagged())]
 
 
 def parse_size(text: str) -> int:
@@ -100,39 +112,21 @@ def parse_batch_spec(text: str | None, mesh: Any, default_axis: str) -> Any:
     return tuple(None if a.strip().lower() == "none" else a.strip() for a in text.split(","))
 
 
-def parse_pipeline(text: str, axes: dict[str, int]) -> Pipeline:
-    """``--pipeline stage=4,microbatches=8,schedule=1f1b`` → a `Pipeline` over the mesh axis ``stage`` of size 4.
+def strategy_options(args: argparse.Namespace, axes: dict[str, int]) -> dict[str, Any]:
+    """Each registered strategy's option its ``--KEYWORD`` flag asks for (absent: None), parsed against ``--mesh``.
 
-    The one pair whose key is not a `Pipeline` field names the stage axis and its size, which
-    ``--mesh`` must give it too.
-
-    Examples:
-        >>> parse_pipeline("stage=2,microbatches=4,schedule=1f1b", {"stage": 2, "data": 4})
-        Pipeline(axis='stage', microbatches=4, schedule='1f1b', repeats=1, layers=None)
+    Raises:
+        UsageError: a flag's mistake, as its strategy says it.
     """
-    fields: dict[str, Any] = {}
-    axis: list[tuple[str, str]] = []
-    for part in filter(None, (p.strip() for p in text.split(","))):
-        key, sep, value = (x.strip() for x in part.partition("="))
-        if not sep or not key or not value:
-            raise UsageError(f"--pipeline {text!r}: write key=value pairs, e.g. stage=4,microbatches=8,schedule=1f1b")
-        kind = _PIPELINE_KEYS.get(key)
-        if kind is int and not value.isdigit():
-            raise UsageError(f"--pipeline {text!r}: {key}={value!r} must be a positive integer")
-        if kind is not None:
-            fields[key] = kind(value)
-        else:
-            axis.append((key, value))
-    if len(axis) != 1:
-        raise UsageError(f"--pipeline {text!r}: name the stage axis and its size once, e.g. stage=4 (a --mesh axis)")
-    (name, size), mesh = axis[0], ", ".join(f"{k}={v}" for k, v in axes.items())
-    if axes.get(name) != (int(size) if size.isdigit() else size):
-        raise UsageError(f"--pipeline {name}={size}: --mesh {mesh} gives no axis {name} of size {size}; add "
-                         f"{name}={size} to --mesh")  # fmt: skip
-    try:
-        return Pipeline(axis=name, **fields)
-    except ArgumentError as err:
-        raise UsageError(f"--pipeline {text!r}: {err}") from err
+    options = {}
+    for strategy in flagged():
+        assert strategy.flag is not None
+        text = getattr(args, strategy.keyword, None)
+        try:
+            options[strategy.keyword] = None if text is None else strategy.flag.parse(text, axes)
+        except ValueError as err:
+            raise UsageError(str(err)) from err
+    return options
 
 
 def devices_for(axes: dict[str, int]) -> list[Any]:
@@ -186,9 +180,7 @@ def loss_for(model: torch.nn.Module, target: str | None, load: Callable[[str], A
 def trainer_options(args: argparse.Namespace, mesh: Any) -> dict[str, Any]:
     """The Trainer keyword arguments the command line asks for."""
     compute = PRECISIONS[args.precision or "fp32"]
-    pipeline = getattr(args, "pipeline", None)
-    return {
-        "pipeline": None if pipeline is None else parse_pipeline(pipeline, dict(mesh.shape)),
+    return strategy_options(args, dict(mesh.shape)) | {
         "batch_spec": parse_batch_spec(args.batch_spec, mesh, args.fsdp_axis),
         "grad_accum_steps": args.grad_accum or 1,
         "precision": None if compute is None else MixedPrecision(compute),
@@ -272,11 +264,11 @@ def compile_report(
         compile_seconds = time.perf_counter() - begun
     _notes(caught)
     figures = memory(compiled)
-    pipeline = options["pipeline"]
+    laid_out = any(s.lays_out and options.get(s.keyword) is not None for s in STRATEGIES.values())
     staged = (
         {}
-        if pipeline is None
-        else {  # the plan table and memory as the pipelined Trainer lays them out
+        if not laid_out
+        else {  # the plan table and memory as the Trainer lays them out (a pipeline's stages)
             "tensors": trainer.plan.rows(),
             "per_device_bytes": dict(training_memory(trainer.plan, model, param_dtype=_stored_dtype(args)).rows()),
         }
@@ -294,7 +286,7 @@ def compile_report(
             "precision": args.precision or "fp32",
             "optimizer": args.optimizer or "adamw",
             "grad_accum_steps": options["grad_accum_steps"],
-            "pipeline": None if pipeline is None else _pipeline_figures(pipeline, trainer),
+            **_strategy_figures(options, trainer),
             "plan_argument_bytes": expected_arguments(trainer.plan, model, args, shapes),
             "seconds": round(time.perf_counter() - progress.start, 1),
             "compile_seconds": round(compile_seconds, 1),
@@ -302,10 +294,14 @@ def compile_report(
     }
 
 
-def _pipeline_figures(pipeline: Pipeline, trainer: AbstractTrainer) -> dict[str, Any]:
-    stages = trainer.mesh.shape[pipeline.axis]
-    return dataclasses.asdict(pipeline) | {"stages": stages, "microbatches": pipeline.microbatches or stages,
-                                           "bubble": trainer.pipeline_bubble}  # fmt: skip
+def _strategy_figures(options: dict[str, Any], trainer: AbstractTrainer) -> dict[str, Any]:
+    """Each flagged strategy's figures for the report (None where its flag was not given)."""
+    figures = {}
+    for strategy in flagged():
+        assert strategy.flag is not None
+        option = options.get(strategy.keyword)
+        figures[strategy.keyword] = None if option is None else strategy.flag.figures(option, trainer)
+    return figures
 
 
 def verdict(data: dict[str, Any], device_memory: int) -> dict[str, Any]:
@@ -318,22 +314,26 @@ def _options_line(c: dict[str, Any]) -> str:
     batch = " + ".join(f"{leaf[-1]}[{', '.join(map(str, leaf[:-1]))}]" for leaf in c["batch"])
     remat = f", remat {' | '.join(c['remat']['modules'])} ({c['remat']['policy']})" if c["remat"] else ""
     accum = f", grad_accum_steps={c['grad_accum_steps']}" if c["grad_accum_steps"] > 1 else ""
-    pipe = c.get("pipeline")
-    staged = (f", pipeline {pipe['schedule']} over {pipe['axis']}={pipe['stages']} × {pipe['microbatches']} "
-              f"micro-batches (bubble {pipe['bubble']:.3f})") if pipe else ""  # fmt: skip
-    return (f"  {c['optimizer']}, {c['precision']}, scan_layers={c['scan_layers']}{remat}{accum}{staged}; "
-            f"batch {batch} over {c['batch_spec']}")  # fmt: skip
+    staged = "".join(s.flag.summary(c[s.keyword]) for s in flagged() if s.flag is not None and c.get(s.keyword))
+    return (
+        f"  {c['optimizer']}, {c['precision']}, scan_layers={c['scan_layers']}{remat}{accum}{staged}; "
+        f"batch {batch} over {c['batch_spec']}"
+    )
 
 
 def compiled_lines(data: dict[str, Any]) -> list[str]:
     """The compiled figures as text, the plan's figure for the arguments, then the verdict of ``--device-memory``."""
     c, figures = data["compile"], data["compiled"]
-    head = (f"compiled training step per device (XLA:CPU on {c['devices']} simulated devices, compiled in "
-            f"{c['compile_seconds']:.0f} s):")  # fmt: skip
+    head = (
+        f"compiled training step per device (XLA:CPU on {c['devices']} simulated devices, compiled in "
+        f"{c['compile_seconds']:.0f} s):"
+    )
     rows = [(what, fmt_bytes(n)) for what, n in CompiledMemory(**figures).rows()]
     share = figures["argument_bytes"] / max(c["plan_argument_bytes"], 1)
-    check = (f"  (the plan's params + optimizer state + buffers + batch: {fmt_bytes(c['plan_argument_bytes'])}; "
-             f"compiled arguments / plan = {share:.3f})")  # fmt: skip
+    check = (
+        f"  (the plan's params + optimizer state + buffers + batch: {fmt_bytes(c['plan_argument_bytes'])}; "
+        f"compiled arguments / plan = {share:.3f})"
+    )
     lines = [head, _options_line(c), *columns(rows, indent="  "), check]
     if "device_memory" in data:
         lines.append(verdict_line(data["device_memory"], figures["peak_bytes"]))

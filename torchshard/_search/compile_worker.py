@@ -90,8 +90,11 @@ class Compiler:
         try:
             return pickle.dumps(self.problem)
         except Exception as e:  # a lambda loss, a class of __main__ (PicklingError, AttributeError, TypeError)
-            _log.warning("plan search: compiling in this process, as the model or loss cannot be sent to a child "
-                         "(%s); a fatal XLA error will end the search", _first_line(e))  # fmt: skip
+            _log.warning(
+                "plan search: compiling in this process, as the model or loss cannot be sent to a child "
+                "(%s); a fatal XLA error will end the search",
+                _first_line(e),
+            )
             return None
 
     def __enter__(self) -> Compiler:
@@ -150,8 +153,9 @@ class Compiler:
         env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in sys.path if isinstance(p, str) and p))
         command = [sys.executable, "-m", "torchshard._search.compile_worker"]
         self.stderr.clear()
-        self.child = subprocess.Popen(command, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                                      env=env)  # fmt: skip
+        self.child = subprocess.Popen(
+            command, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env
+        )
         self.ready = False
         self.reader = threading.Thread(target=self._drain, args=(self.child.stderr,), daemon=True)
         self.reader.start()
@@ -170,8 +174,11 @@ class Compiler:
         if self.ready:
             return True
         self.close()
-        _log.warning("plan search: compiling in this process, as a child process cannot take the problem (%s); a "
-                     "fatal XLA error will end the search", why)  # fmt: skip
+        _log.warning(
+            "plan search: compiling in this process, as a child process cannot take the problem (%s); a "
+            "fatal XLA error will end the search",
+            why,
+        )
         self.payload = None
         return False
 

@@ -69,16 +69,33 @@ class Candidate:
     def options(self) -> dict[str, Any]:
         """The Trainer options: pipeline micro-batches or grad accumulation, remat policy, scan, precision."""
         lay = self.layout
-        micro = {"pipeline_microbatches": lay.microbatches} if lay.degree("stage") > 1 else {
-            "grad_accum_steps": lay.microbatches}  # fmt: skip
-        return {**micro, "remat": lay.remat, "scan_layers": lay.scan, "precision": lay.precision,
-                "context_parallel": lay.degree("context") > 1}  # fmt: skip
+        micro = (
+            {"pipeline_microbatches": lay.microbatches}
+            if lay.degree("stage") > 1
+            else {"grad_accum_steps": lay.microbatches}
+        )
+        return {
+            **micro,
+            "remat": lay.remat,
+            "scan_layers": lay.scan,
+            "precision": lay.precision,
+            "context_parallel": lay.degree("context") > 1,
+        }
 
     def to_json(self) -> dict[str, Any]:
         """The candidate as JSON-ready data."""
-        return {"mesh": self.mesh, "options": self.options, "peak_bytes": self.peak_bytes, "fits": self.fits,
-                "step_seconds": self.step_seconds, "tokens_per_second": self.tokens_per_second, "mfu": self.mfu,
-                "dominant": self.dominant, "parts": self.parts, "note": self.note}  # fmt: skip
+        return {
+            "mesh": self.mesh,
+            "options": self.options,
+            "peak_bytes": self.peak_bytes,
+            "fits": self.fits,
+            "step_seconds": self.step_seconds,
+            "tokens_per_second": self.tokens_per_second,
+            "mfu": self.mfu,
+            "dominant": self.dominant,
+            "parts": self.parts,
+            "note": self.note,
+        }
 
 
 def model_flops(model: torch.nn.Module, tokens: int, seq: int) -> float:
@@ -95,19 +112,29 @@ def rate(problem: Problem, layout: SearchLayout, peak: int, costs: StepCosts) ->
     """The candidate's verdict and speed on the problem's hardware."""
     stages = layout.degree("stage")
     bubble = bubble_fraction(stages, layout.microbatches)
-    est = estimate(costs, problem.hw, precision=layout.precision, devices_per_host=problem.devices_per_host,
-                   bubble=bubble)  # fmt: skip
+    est = estimate(
+        costs, problem.hw, precision=layout.precision, devices_per_host=problem.devices_per_host, bubble=bubble
+    )
     flops = model_flops(problem.model, problem.tokens, problem.batch[1])
     mfu = flops / (est.seconds * problem.devices * problem.hw.bf16_flops)
-    return Candidate(layout, peak, peak <= problem.device_memory, est.seconds, problem.tokens / est.seconds, mfu,
-                     est.dominant, {k: round(v, 6) for k, v in est.parts.items()})  # fmt: skip
+    return Candidate(
+        layout,
+        peak,
+        peak <= problem.device_memory,
+        est.seconds,
+        problem.tokens / est.seconds,
+        mfu,
+        est.dominant,
+        {k: round(v, 6) for k, v in est.parts.items()},
+    )
 
 
 def _rough(problem: Problem, layout: SearchLayout) -> float:
     params = sum(p.numel() for p in problem.model.parameters())
     hw = problem.hw
-    return analytic_seconds(layout, ModelDims.of(problem.model), params, problem.batch, hw.bf16_flops,
-                            hw.intra_host_bandwidth)  # fmt: skip
+    return analytic_seconds(
+        layout, ModelDims.of(problem.model), params, problem.batch, hw.bf16_flops, hw.intra_host_bandwidth
+    )
 
 
 def _state_note(problem: Problem, layout: SearchLayout, devices: list[Any]) -> str:
@@ -171,8 +198,11 @@ def refine(run: _Runner, group: list[SearchLayout], start: Candidate) -> None:
     best = start
     for field in ("remat", "microbatches", "precision", "scan"):
         for layout in group:
-            others = all(getattr(layout, f) == getattr(best.layout, f) for f in ("remat", "microbatches", "precision",
-                                                                               "scan") if f != field)  # fmt: skip
+            others = all(
+                getattr(layout, f) == getattr(best.layout, f)
+                for f in ("remat", "microbatches", "precision", "scan")
+                if f != field
+            )
             if others and layout != best.layout and run.left > 0:
                 tried = run(layout)
                 best = tried if _better(tried, best) and tried.fits else best
@@ -189,8 +219,11 @@ def run_search(
         _explore(run, found, options, refine_meshes)
     if progress is not None:
         progress(run.budget, run.budget, "done")
-    rest = [Candidate(lay, note=run.notes.get(lay) or "not compiled: its mesh ranked below the ones explored")
-            for lay in found if lay not in run.done]  # fmt: skip
+    rest = [
+        Candidate(lay, note=run.notes.get(lay) or "not compiled: its mesh ranked below the ones explored")
+        for lay in found
+        if lay not in run.done
+    ]
     return sorted([*run.done.values(), *rest], key=_rank)
 
 
@@ -289,8 +322,15 @@ def search(
         with torch.device("meta"):
             model = model()
     per_host = devices // hosts if hosts else min(hw.devices_per_host, devices)
-    problem = Problem(model, tuple(batch), devices, hw, device_memory or hw.memory_bytes, max(per_host, 1),  # type: ignore[arg-type]
-                      loss_fn or lm_loss)  # fmt: skip
+    problem = Problem(
+        model,
+        tuple(batch),  # type: ignore[arg-type]
+        devices,
+        hw,
+        device_memory or hw.memory_bytes,
+        max(per_host, 1),
+        loss_fn or lm_loss,
+    )
     options = {"microbatches": microbatches, "remat": remat, "scan": scan, "precision": precision}
     return run_search(problem, options, max_compiles=max_compiles, refine_meshes=refine_meshes, progress=progress)
 

@@ -32,8 +32,9 @@ def add_search_arguments(parser: argparse.ArgumentParser) -> None:
     s.add_argument("--devices", type=positive_int, help="devices to search meshes for (>= 1), e.g. 64")
     s.add_argument("--hardware", default="h100", help=f"profile: {', '.join(PROFILES)} (default: h100)")
     s.add_argument("--hardware-file", metavar="FILE.json", help="more profiles: a list of Hardware fields")
-    s.add_argument("--hosts", type=positive_int, help="hosts the devices span (>= 1; default: the profile's devices "
-                   "per host)")  # fmt: skip
+    s.add_argument(
+        "--hosts", type=positive_int, help="hosts the devices span (>= 1; default: the profile's devices per host)"
+    )
     s.add_argument("--max-compiles", type=int, default=20, help="compile at most this many layouts (default: 20)")
     s.add_argument("--remat-policies", default="none,nothing_saveable,dots_saveable", help="remat values to try")
     s.add_argument("--microbatches", default="1,2,4", help="grad accumulation / micro-batches per stage to try")
@@ -107,17 +108,27 @@ def search_command(args: argparse.Namespace, load: Any, build: Any) -> tuple[str
     simulated_devices(args.devices)  # before the model is built: JAX must start with them
     begun = time.perf_counter()
     rows, seq = leaves[0].shape
-    found = search(build(load(args.target)), devices=args.devices, batch=(rows, seq), hardware_name=hw,
-                   device_memory=parse_size(args.device_memory) if args.device_memory else None, hosts=args.hosts,
-                   max_compiles=args.max_compiles, progress=Bar(), **search_options(args))  # fmt: skip
+    found = search(
+        build(load(args.target)),
+        devices=args.devices,
+        batch=(rows, seq),
+        hardware_name=hw,
+        device_memory=parse_size(args.device_memory) if args.device_memory else None,
+        hosts=args.hosts,
+        max_compiles=args.max_compiles,
+        progress=Bar(),
+        **search_options(args),
+    )
     fits = any(c.fits for c in found)
     top = found[: args.top]
     if args.format == "json":
         return json.dumps([c.to_json() for c in top], indent=2), fits
     seconds = time.perf_counter() - begun
     failed = sum(c.note.startswith("failed:") for c in found)
-    head = (f"{len(found)} configurations of {args.devices} x {hw.name}, {sum(c.peak_bytes is not None for c in found)}"
-            f" compiled{f', {failed} failed' if failed else ''} in {seconds:.0f} s; the best {len(top)}:")  # fmt: skip
+    head = (
+        f"{len(found)} configurations of {args.devices} x {hw.name}, {sum(c.peak_bytes is not None for c in found)}"
+        f" compiled{f', {failed} failed' if failed else ''} in {seconds:.0f} s; the best {len(top)}:"
+    )
     return "\n".join([head, *table(top)]), fits
 
 

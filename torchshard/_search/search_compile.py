@@ -19,8 +19,6 @@ from torchshard._hlo.costs import StepCosts, step_costs
 from torchshard._hlo.hardware import Hardware
 from torchshard._hlo.hlo import axes_of
 from torchshard._hlo.memory import CompiledMemory
-from torchshard._parallel.context import ContextParallel
-from torchshard._parallel.pipeline import Pipeline
 from torchshard._presets.hf import hf_rules
 from torchshard._presets.tables import common_tensor_parallel, fsdp
 from torchshard._search.space import ModelDims, SearchLayout
@@ -29,6 +27,7 @@ from torchshard._sharding.plan import ShardingPlan, plan
 from torchshard._train.abstract import AbstractTrainer
 from torchshard._train.precision import MixedPrecision
 from torchshard._train.remat import Remat
+from torchshard._train.strategies import STRATEGIES
 
 Compiled = tuple[int, StepCosts]  # peak bytes per device, costs
 _CACHE: dict[tuple[Any, ...], Compiled] = {}  # one compile per program, reused across searches in a process
@@ -88,8 +87,7 @@ def _options(model: torch.nn.Module, layout: SearchLayout) -> dict[str, Any]:
     return {
         "batch_spec": (rows, "context") if context > 1 else (rows,),
         "grad_accum_steps": 1 if stages > 1 else layout.microbatches,
-        "pipeline": Pipeline(microbatches=layout.microbatches) if stages > 1 else None,
-        "context": ContextParallel() if context > 1 else None,
+        **{s.keyword: s.searched(layout.axes, layout.microbatches) for s in STRATEGIES.values() if s.searched},
         "remat": Remat(rf"{re.escape(_stack_name(model))}\.\d+", policy=layout.remat) if layout.remat else None,
         "scan_layers": layout.scan,
         "precision": MixedPrecision(torch.bfloat16) if layout.precision != "fp32" else None,

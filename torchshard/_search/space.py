@@ -138,16 +138,21 @@ def layouts(
 def _no_mesh(devices: int, dims: ModelDims, seq: int) -> str:
     near = [n for n in range(max(1, devices - 8), devices + 9) if n != devices and any(meshes(n, dims, seq))]
     closest = sorted(near, key=lambda n: (abs(n - devices), n))[:4]
-    return (f"no mesh of {devices} devices fits this model: every degree must divide its dims (heads "
-            f"{dims.heads}, kv heads {dims.kv_heads}, layers {dims.layers}, experts {dims.experts}, half the "
-            f"sequence {seq // 2}) and the product be {devices}; "
-            f"nearest device counts that work: {sorted(closest)}")  # fmt: skip
+    return (
+        f"no mesh of {devices} devices fits this model: every degree must divide its dims (heads "
+        f"{dims.heads}, kv heads {dims.kv_heads}, layers {dims.layers}, experts {dims.experts}, half the "
+        f"sequence {seq // 2}) and the product be {devices}; "
+        f"nearest device counts that work: {sorted(closest)}"
+    )
 
 
 def _other_devices(devices: int, dims: ModelDims, batch: tuple[int, int], microbatches: Sequence[int]) -> str:
     def works(n: int) -> bool:
-        return any(not batch_problem(a, batch[0], k * a["stage"] if a["stage"] > 1 else k)
-                   for a in meshes(n, dims, batch[1]) for k in microbatches)  # fmt: skip
+        return any(
+            not batch_problem(a, batch[0], k * a["stage"] if a["stage"] > 1 else k)
+            for a in meshes(n, dims, batch[1])
+            for k in microbatches
+        )
 
     near = [n for n in range(max(1, devices - 16), devices + 17) if n != devices and works(n)]
     closest = sorted(sorted(near, key=lambda n: abs(n - devices))[:4])
@@ -155,8 +160,9 @@ def _other_devices(devices: int, dims: ModelDims, batch: tuple[int, int], microb
 
 
 def _no_batch(rows: int, found: list[dict[str, int]], microbatches: Sequence[int]) -> str:
-    splits = sorted({a["data"] * a["expert"] * (k * a["stage"] if a["stage"] > 1 else k)
-                     for a in found for k in microbatches})  # fmt: skip
+    splits = sorted(
+        {a["data"] * a["expert"] * (k * a["stage"] if a["stage"] > 1 else k) for a in found for k in microbatches}
+    )
     near = sorted({math.ceil(rows / s) * s for s in splits} | {rows // s * s for s in splits if rows >= s} - {0})
     closest = sorted(near, key=lambda n: (abs(n - rows), n))[:4]
     return (

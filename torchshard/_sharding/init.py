@@ -65,10 +65,18 @@ def materialise(
     stacks = stacks or {}
     stacked = {n for names, _ in stacks.values() for n in names}
     names = [e.name for e in p.unique_entries() if e.name not in stacked]
-    arrays = dict(zip(names, _materialise(model_fn, p, seed, lambda t: [unwrap(t[n]) for n in names],
-                                          [p[n] for n in names]), strict=True))  # fmt: skip
-    blocks = [(key, start, layers[start:stop], block) for key, (layers, sharding) in stacks.items()
-              for start, stop, block in _blocks(sharding, (len(layers), *p.entries[layers[0]].shape))]  # fmt: skip
+    arrays = dict(
+        zip(
+            names,
+            _materialise(model_fn, p, seed, lambda t: [unwrap(t[n]) for n in names], [p[n] for n in names]),
+            strict=True,
+        )
+    )
+    blocks = [
+        (key, start, layers[start:stop], block)
+        for key, (layers, sharding) in stacks.items()
+        for start, stop, block in _blocks(sharding, (len(layers), *p.entries[layers[0]].shape))
+    ]
     by_mesh: dict[Any, list[Any]] = {}
     for job in blocks:
         by_mesh.setdefault(job[3].mesh, []).append(job)
@@ -78,8 +86,9 @@ def materialise(
         def select(t: dict[str, torch.Tensor], jobs: list[Any] = jobs) -> list[jax.Array]:
             return [jnp.stack([unwrap(t[n]) for n in layers]) for _, _, layers, _ in jobs]
 
-        for (key, start, _, _), array in zip(jobs, _materialise(model_fn, p, seed, select, [j[3] for j in jobs]),
-                                             strict=True):  # fmt: skip
+        for (key, start, _, _), array in zip(
+            jobs, _materialise(model_fn, p, seed, select, [j[3] for j in jobs]), strict=True
+        ):
             built.setdefault(key, []).append((start, array))
     for key, (layers, sharding) in stacks.items():
         shape = (len(layers), *p.entries[layers[0]].shape)

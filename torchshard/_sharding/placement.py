@@ -109,8 +109,11 @@ def row_sharding(sharding: NamedSharding, rows: int, row: int, *, block: bool = 
     for axis, at in zip(axes, position, strict=True):
         where[mesh.axis_names.index(axis)] = int(at)
     kept = [i for i, name in enumerate(mesh.axis_names) if name not in axes]
-    sub = Mesh(mesh.devices[tuple(where)], tuple(mesh.axis_names[i] for i in kept),
-               axis_types=tuple(mesh.axis_types[i] for i in kept))  # fmt: skip
+    sub = Mesh(
+        mesh.devices[tuple(where)],
+        tuple(mesh.axis_names[i] for i in kept),
+        axis_types=tuple(mesh.axis_types[i] for i in kept),
+    )
     return NamedSharding(sub, PartitionSpec(*rest, *spec[1:]))
 
 
@@ -133,8 +136,11 @@ def stack_placed(
     for device, index in sharding.addressable_devices_indices_map(shape).items():
         assert index is not None  # a NamedSharding gives every device its slices
         low, high = index[0].indices(shape[0])[:2]
-        found = [_piece(start, array, device, index[1:], shape[1:], low, high) for start, array in parts
-                 if start < high and start + (len(array) if array.ndim == len(shape) else 1) > low]  # fmt: skip
+        found = [
+            _piece(start, array, device, index[1:], shape[1:], low, high)
+            for start, array in parts
+            if start < high and start + (len(array) if array.ndim == len(shape) else 1) > low
+        ]
         pieces = [p for p in found if p is not None]
         if not pieces or len(pieces) < len(found):
             return None
@@ -142,8 +148,9 @@ def stack_placed(
     return jax.make_array_from_single_device_arrays(shape, sharding, shards)
 
 
-def _piece(start: int, array: jax.Array, device: Any, rest: tuple[slice, ...], shape: Sequence[int], low: int,
-           high: int) -> jax.Array | None:  # fmt: skip
+def _piece(
+    start: int, array: jax.Array, device: Any, rest: tuple[slice, ...], shape: Sequence[int], low: int, high: int
+) -> jax.Array | None:
     """This device's shard of ``array`` (rows from ``start``) cut to rows ``low..high``, or None if it lacks one."""
     layer = array.ndim == len(shape)
     wanted = _bounds(rest, shape)
@@ -213,8 +220,9 @@ def match_problems(model: torch.nn.Module, plan: ShardingPlan) -> list[str]:
     """Every way ``plan`` does not fit ``model``: names, shapes, dtypes, and tensors with no values."""
     tensors = named_tensors(model)
     planned = {n: e.shape for n, e in plan.entries.items()}
-    problems = mismatch_problems(planned, {n: tuple(t.shape) for n, t in tensors.items()}, expected_in="plan",
-                                 found_in="model")  # fmt: skip
+    problems = mismatch_problems(
+        planned, {n: tuple(t.shape) for n, t in tensors.items()}, expected_in="plan", found_in="model"
+    )
     for name, t in tensors.items():
         entry = plan.entries.get(name)
         if entry is not None and not _same_dtype(t, entry.dtype):
@@ -312,8 +320,11 @@ def shard_batch(batch: Any, mesh: Mesh, spec: SpecLike = ("data",)) -> Any:
     problems += [p for i, leaf in enumerate(leaves) for p in leaf_problems(f"batch leaf #{i}", leaf)]
     raise_for_arguments(problems, header="invalid shard_batch() arguments")
     assert made is not None
-    problems = [p for i, leaf in enumerate(leaves) for p in spec_problems(f"batch leaf #{i}", leaf.shape,
-                                                                        batch_leaf_spec(leaf, made), mesh)]  # fmt: skip
+    problems = [
+        p
+        for i, leaf in enumerate(leaves)
+        for p in spec_problems(f"batch leaf #{i}", leaf.shape, batch_leaf_spec(leaf, made), mesh)
+    ]
     problems += [p for i, leaf in enumerate(leaves) for p in range_problems(f"batch leaf #{i}", leaf)]
     raise_if_any(problems, header=f"batch does not fit {made} on {describe_mesh(mesh)}")
     return jax.tree.map(lambda x: wrap(put(x, NamedSharding(mesh, batch_leaf_spec(x, made)))), batch)

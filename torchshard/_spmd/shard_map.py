@@ -147,8 +147,13 @@ def shard_map(
         specs = _as_tuple(_per_item(in_tree, len(args), "in_specs"), len(args))
         _check_inputs(args, specs, mesh)
         if specs not in compiled:
-            mapped = jax.shard_map(body, mesh=mesh, in_specs=(PartitionSpec(), *specs),
-                                   out_specs=(out_tree, PartitionSpec()), check_vma=check_vma)  # fmt: skip
+            mapped = jax.shard_map(
+                body,
+                mesh=mesh,
+                in_specs=(PartitionSpec(), *specs),
+                out_specs=(out_tree, PartitionSpec()),
+                check_vma=check_vma,
+            )
             # the outputs keep exactly the out_specs' shardings (a tuple of outputs alone would drop trailing Nones)
             shardings = jax.tree.map(lambda s: NamedSharding(mesh, s), out_tree, is_leaf=_is_spec)
             compiled[specs] = jax.jit(mapped, out_shardings=(shardings, NamedSharding(mesh, PartitionSpec())))

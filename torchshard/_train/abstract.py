@@ -55,9 +55,12 @@ class AbstractTrainer(Trainer):
         # nothing is placed: the tensors stay where the model was built (meta), and every step
         # binds the traced state over all of them, as it does for a placed model
         tensors = named_tensors(model)
-        problems = mismatch_problems({n: e.shape for n, e in self.plan.entries.items()},
-                                     {n: tuple(t.shape) for n, t in tensors.items()},
-                                     expected_in="plan", found_in="model")  # fmt: skip
+        problems = mismatch_problems(
+            {n: e.shape for n, e in self.plan.entries.items()},
+            {n: tuple(t.shape) for n, t in tensors.items()},
+            expected_in="plan",
+            found_in="model",
+        )
         raise_if_any(problems, header=f"plan does not fit {type(model).__name__}; re-run plan() on this model")
         return model
 

@@ -79,8 +79,11 @@ def check_trainer_args(
                 f"max_in_flight={max_in_flight}: XLA on CPU aborts with ~30 steps queued; use at most "
                 f"{CPU_MAX_IN_FLIGHT}"
             )
-    problems += [f"{n}={v!r} must be True or False" for n, v in (("donate", donate), ("skip_nonfinite", skip_nonfinite))
-                 if not isinstance(v, bool)]  # fmt: skip
+    problems += [
+        f"{n}={v!r} must be True or False"
+        for n, v in (("donate", donate), ("skip_nonfinite", skip_nonfinite))
+        if not isinstance(v, bool)
+    ]
     if precision is not None:
         problems += instance_problems("precision", precision, MixedPrecision, "None or a torchshard.MixedPrecision")
     spec = parse_spec(batch_spec)

@@ -9,7 +9,7 @@ from typing import Any
 from jax.sharding import Mesh
 
 from torchshard._parallel.experts import ExpertDispatch, Experts, dispatching, expert_dispatch_for
-from torchshard._train.strategy import Bound, Setting
+from torchshard._train.strategy import Bound, Setting, Strategy
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -36,3 +36,6 @@ def bind(dispatch: Any, setting: Setting) -> Bound:
     resolved, experts = expert_dispatch_for(setting.model, setting.plan, setting.batch_spec, dispatch)
     assert isinstance(setting.plan.mesh, Mesh)  # checked with the other Trainer arguments
     return Dispatched(option=resolved, mesh=setting.plan.mesh, experts=tuple(experts))
+
+
+STRATEGY = Strategy(keyword="expert_dispatch", option=ExpertDispatch, bind=bind)

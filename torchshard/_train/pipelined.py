@@ -1,20 +1,28 @@
-"""The pipeline strategy: which ModuleList a `Pipeline` splits, checked against the model, plan and batch spec."""
+"""The pipeline strategy: which ModuleList a `Pipeline` splits, checked against the model, plan and batch spec;
+how the step runs it (its stages, by `pipeline.run`); its ``plan --compile --pipeline`` and ``--search`` options."""
 
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Mapping, Sequence
 from typing import Any
 
+import jax
 import torch
 from jax.sharding import Mesh, PartitionSpec
 
-from torchshard._base.errors import ShardingError, raise_if_any
+from torchshard._base.errors import ArgumentError, ShardingError, raise_if_any
 from torchshard._base.specs import spec_axes
 from torchshard._base.validate import compiled, describe_mesh, instance_problems, raise_for_arguments
+from torchshard._bridge.env import current_key
+from torchshard._bridge.module_call import PureForward, argument_names
+from torchshard._parallel import pipeline as schedule
 from torchshard._parallel.pipeline import Pipeline, Stages, resolve
 from torchshard._sharding.plan import ShardingPlan
-from torchshard._train.scan import ScanGroup, block_problems, find_groups, is_stack, module_lists
-from torchshard._train.strategy import Bound, Setting
+from torchshard._train.scan import ScanGroup, ScanRun, block_problems, check_output, find_groups, is_stack, module_lists
+from torchshard._train.strategy import Bound, Flag, Setting, Strategy
+
+_PIPELINE_KEYS = {"microbatches": int, "schedule": str, "repeats": int, "layers": str}
 
 
 def _all_lists(model: torch.nn.Module) -> list[str]:
@@ -43,9 +51,10 @@ def _found(model: torch.nn.Module, scanned: tuple[ScanGroup, ...]) -> ScanGroup:
         reasons = "; ".join(f"{n}: {block_problems(model, n)[0]}" for n in module_lists(model))
         raise ShardingError(
             f"Pipeline found no stack of identical layers in {type(model).__name__} (a torch.nn.ModuleList of "
-            f"blocks of one type, shapes and settings, called in turn)" + (f": {reasons}" if reasons else "")
+            f"blocks of one type, shapes and settings, called in turn)"
+            + (f": {reasons}" if reasons else "")
             + "; a pipeline splits such a stack into stages"
-        )  # fmt: skip
+        )
     raise ShardingError(
         f"Pipeline: {type(model).__name__} has several stacks of identical layers {[g.prefix for g in candidates]}; "
         f"name the one to pipeline with Pipeline(layers=...)"
@@ -68,6 +77,55 @@ def _axis_problems(stages: Stages, group: ScanGroup, plan: ShardingPlan, batch_s
     return problems
 
 
+@dataclasses.dataclass(frozen=True)
+class Staged:
+    """The pipeline's `StackRunner`: the stack stored stage by stage, run by the pipeline schedule."""
+
+    stages: Stages
+
+    @property
+    def axis(self) -> str:
+        return self.stages.axis
+
+    def order(self) -> tuple[int, ...]:
+        return self.stages.order()
+
+    def run(self, scan: ScanRun, pure: PureForward, h: jax.Array, others: Sequence[jax.Array]) -> tuple[Any, Any]:
+        prefix, first = scan.group.prefix, scan.group.block(0)
+
+        def layer_fn(layer: Mapping[str, jax.Array], h: jax.Array, others: Sequence[jax.Array], key: jax.Array):
+            out, buffers, key, hooked = pure(layer, [h, *others], key)
+            check_output(first, pure, out, h)
+            if hooked:
+                raise ShardingError(
+                    f"Pipeline: {first} has forward hooks that collect its submodules' outputs (e.g. MoE router "
+                    f"logits for an auxiliary loss), which a pipeline cannot carry out of its stages; turn them off "
+                    f"(output_router_logits=False) or leave {prefix} unpipelined"
+                )
+            changed = sorted(name for name, array in buffers.items() if array is not layer[name])
+            if changed:
+                raise ShardingError(
+                    f"Pipeline: {first} updates its buffer(s) {changed} (e.g. BatchNorm running stats), which "
+                    f"pipelined blocks cannot carry between micro-batches; use a norm without running stats, or "
+                    f"leave {prefix} unpipelined"
+                )
+            return out[0], key
+
+        scan.new_buffers = {s: a for s, a in scan.params.items() if s in scan.group.buffers}
+        where = f"Pipeline: {prefix}"
+        return schedule.run(
+            self.stages,
+            layer_fn,
+            scan.params,
+            h,
+            others,
+            current_key(),
+            policy=scan.body_policy,
+            where=where,
+            names=argument_names(scan.forward, pure.inputs)[1:],
+        )
+
+
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class Pipelined(Bound):
     """A `Pipeline` bound to a model: the stack it splits, resolved into `Stages` on the plan's mesh."""
@@ -79,10 +137,13 @@ class Pipelined(Bound):
     def rewrite(self, setting: Setting) -> Setting:
         """The stack stored stage by stage (scanned, whether scan_layers named it or not); the plan table says
         which stage holds each layer."""
-        staged = dataclasses.replace(self.group, stages=self.stages)
+        staged = dataclasses.replace(self.group, runner=Staged(self.stages))
         rest = tuple(g for g in setting.groups if g.prefix != staged.prefix)
-        where = {staged.name(block, suffix): self.stages.stage_of(block)
-                 for suffix in staged.suffixes for block in range(staged.count)}  # fmt: skip
+        where = {
+            staged.name(block, suffix): self.stages.stage_of(block)
+            for suffix in staged.suffixes
+            for block in range(staged.count)
+        }
         return dataclasses.replace(setting, groups=(*rest, staged), plan=setting.plan.with_stages(where))
 
     def rows(self) -> tuple[str, int]:
@@ -103,8 +164,10 @@ def bind(pipeline: Any, setting: Setting) -> Bound:
     """
     if pipeline is None:
         return Bound()
-    raise_for_arguments(instance_problems("pipeline", pipeline, Pipeline, "None or a torchshard.Pipeline"),
-                        header="invalid Trainer arguments")  # fmt: skip
+    raise_for_arguments(
+        instance_problems("pipeline", pipeline, Pipeline, "None or a torchshard.Pipeline"),
+        header="invalid Trainer arguments",
+    )
     mesh, batch_spec = setting.plan.mesh, setting.batch_spec
     assert isinstance(mesh, Mesh)  # checked with the other Trainer arguments
     model = setting.model
@@ -114,3 +177,73 @@ def bind(pipeline: Any, setting: Setting) -> Bound:
     problems = _axis_problems(stages, group, setting.plan, batch_spec)
     raise_if_any(problems, header=f"Pipeline over {stages.axis} on {describe_mesh(mesh)} cannot use this plan")
     return Pipelined(option=pipeline, group=group, stages=stages)
+
+
+def parse(text: str, axes: dict[str, int]) -> Pipeline:
+    """``--pipeline stage=4,microbatches=8,schedule=1f1b`` → a `Pipeline` over the mesh axis ``stage`` of size 4.
+
+    The one pair whose key is not a `Pipeline` field names the stage axis and its size, which
+    ``--mesh`` must give it too.
+
+    Raises:
+        ValueError: the command-line mistake, saying what to write.
+
+    Examples:
+        >>> parse("stage=2,microbatches=4,schedule=1f1b", {"stage": 2, "data": 4})
+        Pipeline(axis='stage', microbatches=4, schedule='1f1b', repeats=1, layers=None)
+    """
+    fields: dict[str, Any] = {}
+    axis: list[tuple[str, str]] = []
+    for part in filter(None, (p.strip() for p in text.split(","))):
+        key, sep, value = (x.strip() for x in part.partition("="))
+        if not sep or not key or not value:
+            raise ValueError(f"--pipeline {text!r}: write key=value pairs, e.g. stage=4,microbatches=8,schedule=1f1b")
+        kind = _PIPELINE_KEYS.get(key)
+        if kind is int and not value.isdigit():
+            raise ValueError(f"--pipeline {text!r}: {key}={value!r} must be a positive integer")
+        if kind is not None:
+            fields[key] = kind(value)
+        else:
+            axis.append((key, value))
+    if len(axis) != 1:
+        raise ValueError(f"--pipeline {text!r}: name the stage axis and its size once, e.g. stage=4 (a --mesh axis)")
+    (name, size), mesh = axis[0], ", ".join(f"{k}={v}" for k, v in axes.items())
+    if axes.get(name) != (int(size) if size.isdigit() else size):
+        raise ValueError(
+            f"--pipeline {name}={size}: --mesh {mesh} gives no axis {name} of size {size}; add {name}={size} to --mesh"
+        )
+    try:
+        return Pipeline(axis=name, **fields)
+    except ArgumentError as err:
+        raise ValueError(f"--pipeline {text!r}: {err}") from err
+
+
+def _figures(pipeline: Pipeline, trainer: Any) -> dict[str, Any]:
+    stages = trainer.mesh.shape[pipeline.axis]
+    return dataclasses.asdict(pipeline) | {
+        "stages": stages,
+        "microbatches": pipeline.microbatches or stages,
+        "bubble": trainer.pipeline_bubble,
+    }
+
+
+def _summary(pipe: dict[str, Any]) -> str:
+    return (
+        f", pipeline {pipe['schedule']} over {pipe['axis']}={pipe['stages']} × {pipe['microbatches']} "
+        f"micro-batches (bubble {pipe['bubble']:.3f})"
+    )
+
+
+def _searched(axes: Mapping[str, int], microbatches: int) -> Pipeline | None:
+    return Pipeline(microbatches=microbatches) if axes.get("stage", 1) > 1 else None
+
+
+FLAG = Flag(
+    metavar="AXIS=S,...",
+    help="Trainer(pipeline=Pipeline(...)), e.g. stage=4,microbatches=8,schedule=1f1b (repeats=R, layers=REGEX; the "
+    "axis as in --mesh)",
+    parse=parse,
+    figures=_figures,
+    summary=_summary,
+)
+STRATEGY = Strategy(keyword="pipeline", option=Pipeline, bind=bind, lays_out=True, flag=FLAG, searched=_searched)

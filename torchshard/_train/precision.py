@@ -101,8 +101,11 @@ def stored_dtypes(plan: ShardingPlan, precision: MixedPrecision | None) -> dict[
 def store_params(model: torch.nn.Module, plan: ShardingPlan, precision: MixedPrecision) -> None:
     """Rebinds ``model``'s params (as placed by ``plan``) to copies in the policy's master dtype."""
     # layers a Trainer stacks (on the host, or views of a stack init_sharded built) are cast as they are stacked
-    params = {n: t for n, t in named_tensors(model).items() if not isinstance(t, LayerView)
-              and n in plan and plan.entries[n].kind == "param" and is_jax_tensor(t)}  # fmt: skip
+    params = {
+        n: t
+        for n, t in named_tensors(model).items()
+        if not isinstance(t, LayerView) and n in plan and plan.entries[n].kind == "param" and is_jax_tensor(t)
+    }
     arrays = {n: unwrap(t) for n, t in params.items()}
     stored = jax.jit(lambda t: jax.tree.map(precision.stored, t))(arrays)
     rebind(params, stored)

@@ -79,8 +79,11 @@ def device_memory(devices: Sequence[jax.Device]) -> dict[str, float]:
     """
     stats = [s for d in devices if (s := d.memory_stats())]
     found = {}
-    for key, name in (("peak_bytes_in_use", "memory_peak_bytes"), ("bytes_in_use", "memory_bytes"),
-                      ("bytes_limit", "memory_limit_bytes")):  # fmt: skip
+    for key, name in (
+        ("peak_bytes_in_use", "memory_peak_bytes"),
+        ("bytes_in_use", "memory_bytes"),
+        ("bytes_limit", "memory_limit_bytes"),
+    ):
         values = [s[key] for s in stats if key in s]
         if values:
             found[name] = float(max(values))
@@ -116,7 +119,15 @@ def step_line(step: int, metrics: Mapping[str, float], *, prefix: str = "") -> s
     parts += [form.format(metrics[name]) for name, form in shown.items() if name in metrics]
     if metrics.get("recompute_ratio", 1.0) > 1.0:
         parts.append(f"recompute: {metrics['recompute_ratio']:.2f}x")
-    hidden = {*_LEADING, *shown, "recompute_ratio", "memory_bytes", "memory_limit_bytes", "memory_peak_bytes",
-              "host_rss_bytes", "samples_per_s"}  # fmt: skip
+    hidden = {
+        *_LEADING,
+        *shown,
+        "recompute_ratio",
+        "memory_bytes",
+        "memory_limit_bytes",
+        "memory_peak_bytes",
+        "host_rss_bytes",
+        "samples_per_s",
+    }
     parts += [f"{name}: {value:.4g}" for name, value in metrics.items() if name not in hidden]
     return "  ".join(parts)

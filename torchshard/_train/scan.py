@@ -6,7 +6,7 @@ import dataclasses
 import re
 import warnings
 from collections.abc import Callable, Iterator, Mapping, Sequence
-from typing import Any
+from typing import Any, Protocol
 
 import jax
 import torch
@@ -14,10 +14,9 @@ import torch
 from torchshard._base.errors import ShardingError
 from torchshard._base.validate import raise_for_arguments
 from torchshard._bridge.env import continue_from, current_key
-from torchshard._bridge.module_call import PureForward, argument_names, split
+from torchshard._bridge.module_call import PureForward, split
 from torchshard._bridge.module_tensors import model_tensors, tie_groups
 from torchshard._bridge.tensors import is_jax_tensor, wrap
-from torchshard._parallel import pipeline
 
 ScanLike = bool | str | Sequence[str]
 # per-layer attributes that may differ between otherwise identical blocks (a KV-cache slot index)
@@ -29,6 +28,24 @@ class ScanLayersWarning(UserWarning):
     """``scan_layers=True`` left a ModuleList unscanned (the warning says why)."""
 
 
+class StackRunner(Protocol):
+    """How a strategy runs a scanned stack it took over (a pipeline's stages): the strategies' execution hook.
+
+    A strategy's `Bound.rewrite` puts one on the `ScanGroup` it takes; the step then runs that stack
+    with ``run`` instead of one ``lax.scan``, and the train state stores it in ``order()``, its dim 0
+    split over ``axis`` (None: not split).
+    """
+
+    @property
+    def axis(self) -> str | None: ...
+
+    def order(self) -> tuple[int, ...]: ...
+
+    def run(self, scan: ScanRun, pure: PureForward, h: jax.Array, others: Sequence[jax.Array]) -> tuple[Any, Any]:
+        """(the stack's output hidden state, the key the model continues with); may set ``scan.new_buffers``."""
+        ...
+
+
 @dataclasses.dataclass(frozen=True)
 class ScanGroup:
     """One scanned ModuleList or ModuleDict: its name, its number of blocks, and each block's tensor names."""
@@ -38,8 +55,8 @@ class ScanGroup:
     suffixes: tuple[str, ...]  # tensor names relative to a block, canonical ones only
     buffers: frozenset[str]
     keys: tuple[str, ...] = ()  # a ModuleDict's keys in order ("0".."N-1" in torchtitan); a ModuleList's indices
-    # a pipelined stack: the stages it runs on, stored stage by stage with its dim 0 over their mesh axis
-    stages: pipeline.Stages | None = None
+    # a stack a strategy runs its own way (a pipeline's stages), stored in its order with dim 0 over its axis
+    runner: StackRunner | None = None
 
     def block(self, index: int) -> str:
         """The torch name of block ``index``, e.g. ``model.layers.3``."""
@@ -60,12 +77,12 @@ class ScanGroup:
 
     def positions(self) -> tuple[int, ...]:
         """The block at each position of the stack (in order, unless a pipeline stores it stage by stage)."""
-        return self.stages.order() if self.stages is not None else tuple(range(self.count))
+        return self.runner.order() if self.runner is not None else tuple(range(self.count))
 
     @property
     def axis(self) -> str | None:
         """The mesh axis the stack's dim 0 is split over (a pipeline's stages), or None."""
-        return self.stages.axis if self.stages is not None else None
+        return self.runner.axis if self.runner is not None else None
 
     def members(self) -> Iterator[tuple[str, list[str]]]:
         """(stacked key, the per-block names in stack order) for every tensor of a block."""
@@ -298,21 +315,23 @@ class ScanRun:
                 f"turns the config's use_cache off while it traces a step)"
             )
         pure = PureForward(self.template, self.forward, spec, sorted(self.group.buffers))
-        if self.group.stages is not None:
-            final, key = self._pipelined(pure, arrays[0], arrays[1:])
+        if self.group.runner is not None:  # a strategy's execution hook (a pipeline's stages)
+            final, key = self.group.runner.run(self, pure, arrays[0], arrays[1:])
         else:
-            final, key = self._scanned(pure, arrays[0], arrays[1:])
+            final, key = self.scanned(pure, arrays[0], arrays[1:])
         continue_from(key)
         self.result = pure.rebuild([final])
         return self.result
 
-    def _scanned(self, pure: PureForward, h: jax.Array, others: Sequence[jax.Array]) -> tuple[jax.Array, jax.Array]:
+    def scanned(self, pure: PureForward, h: jax.Array, others: Sequence[jax.Array]) -> tuple[jax.Array, jax.Array]:
+        """Runs the blocks as one ``lax.scan`` over the stacked weights; (final hidden state, key)."""
+
         def body(carry: tuple[jax.Array, jax.Array], layer: Mapping[str, jax.Array]):
             # the key is carried: the blocks draw random numbers in the order a Python loop would
             h, key = carry
             h = self.hidden(h) if self.hidden is not None else h
             out, buffers, key, hooked = pure(layer, [h, *others], key)
-            _check_output(self.group.block(0), pure, out, h)
+            check_output(self.group.block(0), pure, out, h)
             return (out[0], key), (buffers, hooked)
 
         step = jax.checkpoint(body, policy=self.body_policy) if self.body_policy is not None else body
@@ -320,34 +339,6 @@ class ScanRun:
         for i in range(self.group.count):  # each layer's hooks (MoE router logits), in the order a loop runs them
             pure.replay_hooks([stacked[i] for stacked in hooked])
         return final, key
-
-    def _pipelined(self, pure: PureForward, h: jax.Array, others: Sequence[jax.Array]) -> tuple[jax.Array, jax.Array]:
-        stages = self.group.stages
-        assert stages is not None
-        prefix, first = self.group.prefix, self.group.block(0)
-
-        def layer_fn(layer: Mapping[str, jax.Array], h: jax.Array, others: Sequence[jax.Array], key: jax.Array):
-            out, buffers, key, hooked = pure(layer, [h, *others], key)
-            _check_output(first, pure, out, h)
-            if hooked:
-                raise ShardingError(
-                    f"Pipeline: {first} has forward hooks that collect its submodules' outputs (e.g. MoE router "
-                    f"logits for an auxiliary loss), which a pipeline cannot carry out of its stages; turn them off "
-                    f"(output_router_logits=False) or leave {prefix} unpipelined"
-                )
-            changed = sorted(name for name, array in buffers.items() if array is not layer[name])
-            if changed:
-                raise ShardingError(
-                    f"Pipeline: {first} updates its buffer(s) {changed} (e.g. BatchNorm running stats), which "
-                    f"pipelined blocks cannot carry between micro-batches; use a norm without running stats, or "
-                    f"leave {prefix} unpipelined"
-                )
-            return out[0], key
-
-        self.new_buffers = {s: a for s, a in self.params.items() if s in self.group.buffers}
-        where = f"Pipeline: {prefix}"
-        return pipeline.run(stages, layer_fn, self.params, h, others, current_key(), policy=self.body_policy,
-                            where=where, names=argument_names(self.forward, pure.inputs)[1:])  # fmt: skip
 
     def finish(self) -> None:
         """Raises if the model's loop did not call every block."""
@@ -358,7 +349,8 @@ class ScanRun:
             )
 
 
-def _check_output(first: str, pure: PureForward, out: Sequence[jax.Array], h: jax.Array) -> None:
+def check_output(first: str, pure: PureForward, out: Sequence[jax.Array], h: jax.Array) -> None:
+    """Raises unless block ``first`` mapped hidden state ``h`` to one tensor of its shape and dtype."""
     assert pure.output is not None
     extra = [leaf for leaf in pure.output.statics() if leaf is not None and not _simple_leaf(leaf)]
     if len(out) != 1 or pure.output.tensor_at != (0,) or extra:

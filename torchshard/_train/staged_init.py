@@ -1,4 +1,5 @@
-"""init_sharded with a pipeline: each stage's layers created on its own devices, stacked as the Trainer keeps them."""
+"""init_sharded with a strategy that lays out layers (a pipeline): each stage's layers created on its own devices,
+stacked as the Trainer keeps them."""
 
 from __future__ import annotations
 
@@ -10,14 +11,28 @@ from jax.sharding import Mesh, PartitionSpec
 
 from torchshard._base.validate import instance_problems, raise_for_arguments
 from torchshard._bridge.layer_view import view_stacks
-from torchshard._parallel.pipeline import Pipeline
 from torchshard._sharding import init as sharded
 from torchshard._sharding.placement import assign
 from torchshard._sharding.rules import Rules
-from torchshard._train.pipelined import bind
 from torchshard._train.scan import StateLayout
 from torchshard._train.state import tensor_structs
+from torchshard._train.strategies import STRATEGIES, bind_all
 from torchshard._train.strategy import Setting
+
+
+def _problems(given: dict[str, Any]) -> list[str]:
+    """Why the strategy keywords of an init_sharded call are wrong: unknown, not laying out layers, or a wrong type."""
+    problems = []
+    for keyword, option in given.items():
+        strategy = STRATEGIES.get(keyword)
+        if strategy is None:
+            raise TypeError(f"init_sharded() got an unexpected keyword argument {keyword!r}")
+        if not strategy.lays_out:
+            takes = [s.keyword for s in STRATEGIES.values() if s.lays_out]
+            problems.append(f"{keyword}: the model is built the same with or without it; init_sharded takes {takes}")
+        else:
+            problems += instance_problems(keyword, option, strategy.option, f"None or a {strategy.option.__name__}")
+    return problems
 
 
 def init_sharded(
@@ -27,7 +42,7 @@ def init_sharded(
     *,
     default: Literal["replicate", "error"] = "replicate",
     seed: int | None = None,
-    pipeline: Pipeline | None = None,
+    **strategies: Any,
 ) -> torch.nn.Module:
     """Builds ``model_fn()`` with every tensor created directly sharded, never whole on one device.
 
@@ -47,7 +62,8 @@ def init_sharded(
         rules: as for `plan`.
         default: as for `plan`.
         seed: RNG seed for random initialisers.
-        pipeline: the `Pipeline` the model will be trained with, or None.
+        **strategies: ``pipeline=`` the `Pipeline` the model will be trained with, or None (any
+            registered strategy that lays out layers, with the option the Trainer will take).
 
     Returns:
         The module (built on meta) whose tensors are sharded torchax tensors (with ``pipeline``,
@@ -75,13 +91,12 @@ def init_sharded(
         >>> staged["blocks"][3].weight.jax().shape  # layer 3, read from the stack only stage 3's devices hold
         (8, 8)
     """
-    problems = [] if pipeline is None else instance_problems("pipeline", pipeline, Pipeline, "None or a Pipeline")
-    raise_for_arguments(problems, header="invalid init_sharded() arguments")
+    given = {k: v for k, v in strategies.items() if v is not None}
+    raise_for_arguments(_problems(given), header="invalid init_sharded() arguments")
     model, plan, seed = sharded.planned(model_fn, mesh, rules, default=default, seed=seed)
-    if pipeline is None:
+    if not given:
         return assign(model, sharded.materialise(model_fn, plan, seed), plan)
-    unpipelined = Setting(model, plan, PartitionSpec())
-    setting = bind(pipeline, unpipelined).rewrite(unpipelined)
+    setting = bind_all(Setting(model, plan, PartitionSpec()), given, caller="init_sharded", every=False)[1]
     layout = StateLayout(setting.groups)
     stacks = layout.stacks()
     dtypes = {n: e.dtype for n, e in plan.entries.items()}

@@ -96,14 +96,16 @@ def _from_numerics_library(err: BaseException) -> bool:
         last = trace.tb_frame.f_code.co_filename
         trace = trace.tb_next
     # torchshard's own op lowerings count: they check operands as torch's kernels do
-    libraries = ("/jax/", "/jaxlib/", "/torchax/", "/opt_einsum/", "/numpy/", "/torchshard/_bridge/ops/")  # fmt: skip
+    libraries = ("/jax/", "/jaxlib/", "/torchax/", "/opt_einsum/", "/numpy/", "/torchshard/_bridge/ops/")
     return any(part in last for part in libraries)
 
 
 def _leaves(batch: Any) -> str:
     leaves = jax.tree.leaves(batch)
-    described = (f"#{i} {str(getattr(x, 'dtype', '?')).removeprefix('torch.')}{list(getattr(x, 'shape', ()))}"
-                 for i, x in enumerate(leaves))  # fmt: skip
+    described = (
+        f"#{i} {str(getattr(x, 'dtype', '?')).removeprefix('torch.')}{list(getattr(x, 'shape', ()))}"
+        for i, x in enumerate(leaves)
+    )
     return ", ".join(described)
 
 

@@ -1,37 +1,63 @@
-"""Every parallel strategy a Trainer takes, by keyword: the one place a new strategy registers."""
+"""Every parallel strategy a Trainer takes, by keyword: the one place a strategy registers.
+
+Trainer, AbstractTrainer, init_sharded, ``plan --compile``, ``plan --search`` and the command
+line read their strategies from `STRATEGIES`; none of them names one.
+"""
 
 from __future__ import annotations
 
 from collections.abc import Mapping
 from typing import Any
 
-from torchshard._parallel.context import ContextParallel
-from torchshard._parallel.experts import ExpertDispatch
-from torchshard._parallel.pipeline import Pipeline
 from torchshard._train import contextual, dispatched, pipelined
-from torchshard._train.strategy import Binder, Bound, Setting
+from torchshard._train.strategy import Bound, Setting, Strategy
 
-__all__ = ["STRATEGIES", "ContextParallel", "ExpertDispatch", "Pipeline", "bind_all"]
+__all__ = ["STRATEGIES", "bind_all", "flagged", "register"]
 
-# Trainer keyword → binder, bound in this order (a pipeline lays out its stack before the others see it)
-STRATEGIES: dict[str, Binder] = {
-    "pipeline": pipelined.bind,
-    "context": contextual.bind,
-    "expert_dispatch": dispatched.bind,
-}
+# Trainer keyword → strategy, bound in this order (a pipeline lays out its stack before the others see it)
+STRATEGIES: dict[str, Strategy] = {}
 
 
-def bind_all(setting: Setting, options: Mapping[str, Any]) -> tuple[dict[str, Bound], Setting]:
-    """Every registered strategy bound to ``setting`` with the user's option for it; the setting as they lay it out.
+def register(strategy: Strategy) -> Strategy:
+    """Adds ``strategy`` (bound after those before it); its keyword is then a Trainer keyword.
 
     Raises:
+        ValueError: its keyword is taken by another strategy.
+    """
+    taken = STRATEGIES.get(strategy.keyword)
+    if taken is not None and taken != strategy:
+        raise ValueError(f"strategy keyword {strategy.keyword!r} is taken by {taken.option.__name__}")
+    STRATEGIES[strategy.keyword] = strategy
+    return strategy
+
+
+register(pipelined.STRATEGY)
+register(contextual.STRATEGY)
+register(dispatched.STRATEGY)
+
+
+def flagged() -> list[Strategy]:
+    """The strategies with a ``plan --compile`` flag, in registry order."""
+    return [s for s in STRATEGIES.values() if s.flag is not None]
+
+
+def bind_all(
+    setting: Setting, options: Mapping[str, Any], *, caller: str = "Trainer.__init__", every: bool = True
+) -> tuple[dict[str, Bound], Setting]:
+    """Every registered strategy (``every=False``: those in ``options``) bound to ``setting`` with the user's
+    option for it; the setting as they lay it out.
+
+    Raises:
+        TypeError: a keyword no strategy registered (as Python says of ``caller``'s unknown keywords).
         ArgumentError: an option that is not its strategy's type.
         ShardingError: a strategy that does not fit the model, plan or batch spec (with why).
     """
-    unknown = sorted(set(options) - set(STRATEGIES))
-    assert not unknown, f"no strategy registered for {unknown}"
+    for keyword in options:
+        if keyword not in STRATEGIES:
+            raise TypeError(f"{caller}() got an unexpected keyword argument {keyword!r}")
     bound = {}
-    for keyword, binder in STRATEGIES.items():
-        bound[keyword] = strategy = binder(options.get(keyword), setting)
-        setting = strategy.rewrite(setting)
+    for keyword, strategy in STRATEGIES.items():
+        if every or keyword in options:
+            bound[keyword] = binding = strategy.bind(options.get(keyword), setting)
+            setting = binding.rewrite(setting)
     return bound, setting

@@ -1,16 +1,20 @@
 """The strategy seam: what a parallel strategy binds to, and what a bound strategy gives the Trainer and its step.
 
-A strategy is a function ``bind(option, setting) -> Bound``: ``option`` is what the user passed for
-its Trainer keyword (``None`` included), ``setting`` what it binds to. It checks its arguments there
-(raising `ArgumentError` / `ShardingError` before anything moves) and returns a `Bound` whose
-methods the Trainer calls in turn for every strategy; the defaults contribute nothing.
+A strategy is one `Strategy` (registered in ``_train/strategies.py``, or by anyone with
+``register``): its Trainer keyword, its option's type and a function ``bind(option, setting) ->
+Bound``. ``option`` is what the user passed for its Trainer keyword (``None`` included),
+``setting`` what it binds to. It checks its arguments there (raising `ArgumentError` /
+`ShardingError` before anything moves) and returns a `Bound` whose methods the Trainer calls in
+turn for every strategy; the defaults contribute nothing. How it runs: its ``rewrite`` may hand a
+scanned stack a `StackRunner` (the execution hook the step calls instead of ``lax.scan``).
+A `Flag` makes it a ``plan --compile`` option, ``searched`` a ``plan --search`` one.
 """
 
 from __future__ import annotations
 
 import contextlib
 import dataclasses
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import numpy as np
@@ -65,6 +69,34 @@ class Bound:
 Binder = Callable[[Any, Setting], Bound]
 
 
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Flag:
+    """A strategy's ``python -m torchshard plan --compile`` flag, ``--KEYWORD`` (underscores as dashes)."""
+
+    metavar: str
+    help: str
+    parse: Callable[[str, dict[str, int]], Any]  # (the flag's text, the --mesh axes) → the option; ValueError if bad
+    figures: Callable[[Any, Any], dict[str, Any]]  # (option, the AbstractTrainer) → the report's JSON figures
+    summary: Callable[[dict[str, Any]], str]  # the figures → the report's options line's words, e.g. ", pipeline ..."
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Strategy:
+    """Everything about one parallel strategy: ``Trainer(keyword=option)``, bound by ``bind``.
+
+    ``lays_out``: its rewrite stores layers differently, so ``init_sharded(keyword=option)`` builds
+    them that way. ``flag``: its ``plan --compile`` flag. ``searched``: the option a ``plan
+    --search`` candidate gives it, from the candidate's mesh axes and micro-batches (None: off).
+    """
+
+    keyword: str
+    option: type
+    bind: Binder
+    lays_out: bool = False
+    flag: Flag | None = None
+    searched: Callable[[Mapping[str, int], int], Any] | None = None
+
+
 def row_factor(grad_accum_steps: int, bound: Sequence[Bound]) -> tuple[str, int]:
     """What a batch's rows must split into: grad_accum_steps micro-batches, each as every strategy needs.
 
@@ -95,8 +127,14 @@ def leaf_problems(
     if problems := [p for strategy in bound for p in strategy.batch_problems(what, shape)]:
         return problems
     factors = {0: row_factor(steps, bound)} if shape else {}
-    return spec_problems(what, shape, sharding.spec, layout.mesh, factors=factors,
-                         fix=lambda multiple: f"use a batch size that is a multiple of {multiple}")  # fmt: skip
+    return spec_problems(
+        what,
+        shape,
+        sharding.spec,
+        layout.mesh,
+        factors=factors,
+        fix=lambda multiple: f"use a batch size that is a multiple of {multiple}",
+    )
 
 
 def tracing_all(bound: Sequence[Bound]) -> Callable[[], contextlib.AbstractContextManager[Any]]:

@@ -22,6 +22,8 @@ from torchshard._bridge.layer_view import LayerView, StackedArray, view_stacks
 from torchshard._bridge.module_tensors import named_tensors
 from torchshard._bridge.tensors import rebind, set_array, unwrap
 from torchshard._multihost.worker import heartbeat
+from torchshard._parallel.context import ContextParallel
+from torchshard._parallel.experts import ExpertDispatch
 from torchshard._sharding.placement import put, put_stacked, shard
 from torchshard._sharding.plan import ShardingPlan
 from torchshard._train.batching import BatchLayout
@@ -42,7 +44,7 @@ from torchshard._train.state import (
     train_state_structs,
 )
 from torchshard._train.step import LossFn, Runtime, Step
-from torchshard._train.strategies import ContextParallel, ExpertDispatch, Pipeline, bind_all
+from torchshard._train.strategies import bind_all
 from torchshard._train.strategy import Setting, leaf_problems, tracing_all
 from torchshard._train.trackers import Tracker
 
@@ -69,19 +71,20 @@ class Trainer(Observed):
             list of names.
         skip_nonfinite: a step whose loss or gradients are not finite changes no parameter,
             buffer or optimizer state; its metrics say ``"skipped": 1.0``.
-        pipeline: a `Pipeline`: split the model's stack of identical layers into stages over a
-            mesh axis and stream micro-batches through them (the stack is scanned).
-        context: a `ContextParallel`: split each batch's sequence (dim 1) over a mesh axis and run
-            every ``scaled_dot_product_attention`` in the model as ring (or all-gather) attention
-            over it; ``batch_spec`` must split dim 1 over that axis, e.g. ``("data", "context")``.
-        expert_dispatch: an `ExpertDispatch`: how tokens meet experts the plan shards by expert.
-            ``None`` moves them by all-to-all where the batch is split over the expert axis and
-            leaves them to the plan's sharding otherwise; ``trainer.expert_dispatch`` says which.
         log_every: every N steps, loss, throughput, MFU and memory to logger ``torchshard`` and the trackers.
         trackers: `torchshard.track` trackers, or objects with ``log(step, metrics)`` and ``close()``.
         peak_flops: FLOP/s per device for MFU (default: the device's hardware profile; none on CPU).
+        **strategies: one keyword per registered parallel strategy. ``pipeline=`` a `Pipeline`: split the
+            model's stack of identical layers into stages over a mesh axis and stream micro-batches through
+            them (the stack is scanned). ``context=`` a `ContextParallel`: split each batch's sequence (dim 1)
+            over a mesh axis and run every ``scaled_dot_product_attention`` in the model as ring (or
+            all-gather) attention over it; ``batch_spec`` must split dim 1 over it, e.g. ``("data",
+            "context")``. ``expert_dispatch=`` an `ExpertDispatch`: how tokens meet experts the plan shards
+            by expert. ``None`` moves them by all-to-all where the batch is split over the expert axis and
+            leaves them to the plan's sharding otherwise; ``trainer.expert_dispatch`` says which.
 
     Raises:
+        TypeError: a keyword that is no argument and no registered strategy's.
         ArgumentError: an argument of the wrong type or value (all listed); nothing is moved.
         ShardingError: the plan does not fit the model, a remat pattern matches no module, or a
             list cannot be scanned (with why), a pipeline does not fit (with the sizes that do), or
@@ -115,12 +118,10 @@ class Trainer(Observed):
         remat: RematLike = None,
         scan_layers: ScanLike = False,
         skip_nonfinite: bool = False,
-        pipeline: Pipeline | None = None,
-        context: ContextParallel | None = None,
-        expert_dispatch: ExpertDispatch | None = None,
         log_every: int | None = None,
         trackers: Sequence[Tracker] = (),
         peak_flops: float | None = None,
+        **strategies: Any,
     ) -> None:
         check_trainer_args(model, loss_fn, optimizer, plan, batch_spec, grad_accum_steps, max_in_flight, precision,
                            donate=donate, seed=seed, skip_nonfinite=skip_nonfinite,
@@ -132,8 +133,7 @@ class Trainer(Observed):
         self.grad_accum_steps = grad_accum_steps
         self.max_in_flight = max_in_flight
         scanned = Setting(model, plan, self.batch_spec, find_groups(model, scan_layers))
-        options = {"pipeline": pipeline, "context": context, "expert_dispatch": expert_dispatch}
-        self._strategies, setting = bind_all(scanned, options)
+        self._strategies, setting = bind_all(scanned, strategies)
         self.plan = setting.plan  # the plan table says which stage holds each pipelined layer
         targets = remat_targets(model, remat_) if remat_ is not None else []
         body_policies, targets = scan_remat(setting.groups, targets, remat_)

@@ -48,8 +48,17 @@ def cross_entropy(call_jax: Callable[..., Any]) -> Callable[..., Any]:
         call_jax: calls a JAX function on torch tensors (torchax's ``interop.call_jax``).
     """
 
-    def fused(input, target, weight=None, size_average=None, ignore_index=-100, reduce=None, reduction="mean",
-              label_smoothing=0.0, env=None):  # fmt: skip
+    def fused(
+        input,
+        target,
+        weight=None,
+        size_average=None,
+        ignore_index=-100,
+        reduce=None,
+        reduction="mean",
+        label_smoothing=0.0,
+        env=None,
+    ):
         if size_average is not None or reduce is not None:
             reduction = torch.nn._reduction.legacy_get_string(size_average, reduce)
         simple = weight is None and label_smoothing == 0.0 and reduction in ("mean", "sum")

@@ -88,8 +88,16 @@ def _add(total: jax.Array, part: jax.Array, start: Index, axis: int) -> jax.Arra
     return jax.lax.dynamic_update_slice_in_dim(total, here + part, start, axis=axis)
 
 
-def _scores(tiling: Tiling, masked: bool, i: Index, j: Index, q: jax.Array, k: jax.Array, mask: jax.Array | None,
-            bias: jax.Array | None) -> jax.Array:  # fmt: skip
+def _scores(
+    tiling: Tiling,
+    masked: bool,
+    i: Index,
+    j: Index,
+    q: jax.Array,
+    k: jax.Array,
+    mask: jax.Array | None,
+    bias: jax.Array | None,
+) -> jax.Array:
     """f32 scores of query block ``i`` against key tile ``j``; -inf where the mask (or causality if masked) hides."""
     rows, cols = (i * tiling.rows, tiling.rows), (j * tiling.keys, tiling.keys)
     s = jnp.einsum("bkgqh,bksh->bkgqs", q, k, preferred_element_type=jnp.float32)
@@ -139,8 +147,9 @@ def _forward(tiling: Tiling, q, k, v, mask, bias) -> tuple[jax.Array, jax.Array]
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
-def attend(tiling: Tiling, q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array | None,
-           bias: jax.Array | None) -> jax.Array:  # fmt: skip
+def attend(
+    tiling: Tiling, q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array | None, bias: jax.Array | None
+) -> jax.Array:
     """softmax(q·kᵀ + bias, masked)·v of [b, kv, g, s, d] queries (scaled) and [b, kv, t, d] keys and values.
 
     ``mask`` (bool) and ``bias`` (float) broadcast to [b, kv, g, s, t]; ``s`` and ``t`` divide by

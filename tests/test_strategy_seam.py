@@ -1,0 +1,210 @@
+"""The strategy seam: a strategy defined here plugs into Trainer, ``plan --compile`` and ``--search`` by one call.
+
+And the modules that must not know strategies by name (the scan, fit, search, the command line)
+import none of their modules (read with ast, like test_layering).
+"""
+
+from __future__ import annotations
+
+import ast
+import copy
+import dataclasses
+import json
+import pathlib
+
+import optax
+import pytest
+import torch
+from helpers import torch_losses
+
+import torchshard as ts
+from torchshard.__main__ import EXIT_OK, EXIT_USAGE, main
+from torchshard._base.validate import instance_problems, raise_for_arguments
+from torchshard._search.search_compile import _options
+from torchshard._search.space import SearchLayout
+from torchshard._train.strategies import STRATEGIES, register
+from torchshard._train.strategy import Bound, Flag, Strategy
+
+PACKAGE = pathlib.Path(ts.__file__).parent
+MARKS: list[str] = []  # what the toy's execution hook saw, "tag:stack"
+
+
+@dataclasses.dataclass(frozen=True)
+class Mark:
+    """The toy strategy's option: its execution hook logs ``tag`` each time the step runs the marked stack."""
+
+    tag: str = "marked"
+
+
+@dataclasses.dataclass(frozen=True)
+class MarkRunner:
+    """Runs the stack as the plain scan does, logging a marker first (the execution hook)."""
+
+    tag: str
+    count: int
+    axis: str | None = None
+
+    def order(self):
+        return tuple(range(self.count))
+
+    def run(self, scan, pure, h, others):
+        MARKS.append(f"{self.tag}:{scan.group.prefix}")
+        return scan.scanned(pure, h, others)
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Marked(Bound):
+    option: Mark
+
+    def rewrite(self, setting):
+        first, *rest = setting.groups
+        marked = dataclasses.replace(first, runner=MarkRunner(self.option.tag, first.count))
+        return dataclasses.replace(setting, groups=(marked, *rest))
+
+
+def bind(option, setting):
+    if option is None:
+        return Bound()
+    raise_for_arguments(instance_problems("mark", option, Mark, "None or a Mark"), header="invalid Trainer arguments")
+    if not setting.groups:
+        raise ts.ShardingError("Mark: no scanned stack to mark; pass scan_layers=True")
+    return Marked(option=option)
+
+
+TOY = Strategy(
+    keyword="mark",
+    option=Mark,
+    bind=bind,
+    flag=Flag(
+        metavar="TAG",
+        help="Trainer(mark=Mark(TAG))",
+        parse=lambda text, axes: Mark(text),
+        figures=lambda option, trainer: {"tag": option.tag},
+        summary=lambda figures: f", mark {figures['tag']}",
+    ),
+    searched=lambda axes, microbatches: Mark("searched") if axes.get("data", 1) > 1 else None,
+)
+
+
+@pytest.fixture
+def toy():
+    register(TOY)  # the one call
+    MARKS.clear()
+    yield TOY
+    STRATEGIES.pop(TOY.keyword)
+
+
+class Stack(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.layers = torch.nn.ModuleList(torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Tanh()) for _ in range(3))
+        self.head = torch.nn.Linear(8, 2)
+
+    def forward(self, x):
+        for layer in self.layers:
+            x = layer(x)
+        return self.head(x)
+
+
+def loss_fn(model, batch):
+    return torch.nn.functional.mse_loss(model(batch[0]), batch[1])
+
+
+def test_a_toy_strategy_runs_in_the_step_and_trains_as_eager_torch(toy):
+    torch.manual_seed(0)
+    model = Stack()
+    eager = copy.deepcopy(model)
+    batches = [(torch.randn(16, 8), torch.randn(16, 2)) for _ in range(3)]
+    plan = ts.plan(model, ts.make_mesh({"data": 8}), ts.presets.fsdp(min_size=16))
+    trainer = ts.Trainer(model, loss_fn, optax.sgd(0.1), plan, scan_layers=True, mark=Mark("toy"))
+    losses = [float(trainer.step(b)["loss"]) for b in batches]
+    assert MARKS and set(MARKS) == {"toy:layers"}  # the hook ran the stack when the step was traced
+    assert losses == pytest.approx(torch_losses(eager, loss_fn, torch.optim.SGD(eager.parameters(), 0.1), batches),
+                                   rel=1e-4)  # fmt: skip
+
+
+def test_the_trainer_checks_a_toy_option_and_unknown_keywords(toy):
+    plan = ts.plan(Stack(), ts.make_mesh({"data": 8}), ts.presets.fsdp(min_size=16))
+    with pytest.raises(ts.ArgumentError, match=r"mark.*None or a Mark"):
+        ts.Trainer(Stack(), loss_fn, optax.sgd(0.1), plan, scan_layers=True, mark="toy")
+    with pytest.raises(ts.ShardingError, match=r"Mark: no scanned stack to mark; pass scan_layers=True"):
+        ts.Trainer(Stack(), loss_fn, optax.sgd(0.1), plan, mark=Mark())
+    with pytest.raises(TypeError, match=r"Trainer.__init__\(\) got an unexpected keyword argument 'marc'"):
+        ts.Trainer(Stack(), loss_fn, optax.sgd(0.1), plan, marc=Mark())
+
+
+def test_init_sharded_takes_only_strategies_that_lay_out_layers(toy):
+    with pytest.raises(ts.ArgumentError, match=r"mark: the model is built the same.*init_sharded takes \['pipeline'\]"):
+        ts.init_sharded(Stack, ts.make_mesh({"data": 8}), mark=Mark())
+    with pytest.raises(TypeError, match=r"init_sharded\(\) got an unexpected keyword argument 'marc'"):
+        ts.init_sharded(Stack, ts.make_mesh({"data": 8}), marc=Mark())
+
+
+def test_register_refuses_a_taken_keyword(toy):
+    with pytest.raises(ValueError, match=r"strategy keyword 'pipeline' is taken by Pipeline"):
+        register(dataclasses.replace(TOY, keyword="pipeline"))
+
+
+STACK_PY = (
+    "import torch\n\n"
+    "class Stack(torch.nn.Module):\n"
+    "    def __init__(self):\n"
+    "        super().__init__()\n"
+    "        self.layers = torch.nn.ModuleList(torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Tanh())\n"
+    "                                          for _ in range(3))\n\n"
+    "    def forward(self, x):\n"
+    "        for layer in self.layers:\n"
+    "            x = layer(x)\n"
+    "        return x\n\n"
+    "def loss(model, batch):\n"
+    "    return model(batch).square().mean()\n"
+)
+
+
+def test_plan_lists_and_accepts_the_toy_flag(toy, capsys, tmp_path, monkeypatch):
+    (tmp_path / "stack.py").write_text(STACK_PY)
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(SystemExit):
+        main(["plan", "--help"])
+    assert "--mark TAG" in capsys.readouterr().out
+    argv = ["plan", "stack.py:Stack", "--mesh", "data=8", "--preset", "fsdp", "--batch", "16x8:float32", "--loss",
+            "stack.py:loss", "--scan", "--mark", "hello"]  # fmt: skip
+    assert main(argv) == EXIT_USAGE
+    assert "--mark given without --compile" in capsys.readouterr().err
+    assert main([*argv, "--compile", "--format", "json"]) == EXIT_OK
+    data = json.loads(capsys.readouterr().out)
+    assert data["compile"]["mark"] == {"tag": "hello"} and data["compile"]["pipeline"] is None
+    assert set(MARKS) == {"hello:layers"}
+    assert main([*argv, "--compile"]) == EXIT_OK
+    assert "scan_layers=True, mark hello; batch" in capsys.readouterr().out
+
+
+def test_search_candidates_give_the_toy_its_option(toy):
+    assert _options(Stack(), SearchLayout(mesh=(("data", 8),)))["mark"] == Mark("searched")
+    assert _options(Stack(), SearchLayout(mesh=(("data", 1),)))["mark"] is None
+
+
+# the strategies' own modules: their seam files and the machinery under them
+STRATEGY_MODULES = {
+    "torchshard._train.pipelined", "torchshard._train.contextual", "torchshard._train.dispatched",
+    "torchshard._parallel.pipeline", "torchshard._parallel.context", "torchshard._parallel.experts",
+    "torchshard._parallel.ring_attention",
+}  # fmt: skip
+UNAWARE = ["_train/scan.py", "_report/fit.py", "_report/cli.py", "__main__.py",
+           *(str(p.relative_to(PACKAGE)) for p in sorted((PACKAGE / "_search").glob("*.py")))]  # fmt: skip
+
+
+def _imported(path: pathlib.Path) -> set[str]:
+    found: set[str] = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            found |= {a.name for a in node.names}
+        elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+            found |= {node.module} | {f"{node.module}.{a.name}" for a in node.names}
+    return found
+
+
+@pytest.mark.parametrize("module", UNAWARE)
+def test_the_scan_fit_search_and_cli_import_no_strategy_module(module):
+    named = sorted(_imported(PACKAGE / module) & STRATEGY_MODULES)
+    assert named == [], f"{module} imports {named}; read the strategies from torchshard._train.strategies.STRATEGIES"
