@@ -384,18 +384,22 @@ def _report(argv: list[str], args: argparse.Namespace, results: dict[str, Result
 
 
 def merge(base: dict[str, Any], *later: dict[str, Any]) -> dict[str, Any]:
-    """``base`` with the rows of ``later`` reports (reruns of some families) in place of its own, each named.
+    """``base`` with the cells of ``later`` reports (reruns of some families or columns) in place of its own.
 
     Examples:
-        >>> a = {"command": "a", "date": "d1", "families": {"x": 1, "y": 2}}
-        >>> b = {"command": "b --families y", "date": "d2", "families": {"y": 3}}
+        >>> row = lambda **cells: {"skipped": "", "cells": cells}
+        >>> a = {"command": "a", "date": "d1", "families": {"x": row(train=1, lora=2), "y": row(train=3)}}
+        >>> b = {"command": "b --only lora", "date": "d2", "families": {"x": row(lora=5)}}
         >>> m = merge(a, b)
-        >>> m["families"], m["merged"]
-        ({'x': 1, 'y': 3}, [{'command': 'b --families y', 'date': 'd2', 'families': ['y']}])
+        >>> m["families"]["x"]["cells"], m["merged"]
+        ({'train': 1, 'lora': 5}, [{'command': 'b --only lora', 'date': 'd2', 'families': ['x']}])
     """
-    report = {**base, "families": dict(base["families"]), "merged": list(base.get("merged", []))}
+    families = {name: {**row, "cells": dict(row["cells"])} for name, row in base["families"].items()}
+    report = {**base, "families": families, "merged": list(base.get("merged", []))}
     for rerun in later:
-        report["families"].update(rerun["families"])
+        for name, row in rerun["families"].items():
+            kept = families.get(name)
+            families[name] = {**kept, "cells": {**kept["cells"], **row["cells"]}} if kept else row  # its time stays
         report["merged"].append({"command": rerun["command"], "date": rerun["date"],
                                  "families": sorted(rerun["families"])})  # fmt: skip
     return report
