@@ -13,6 +13,7 @@ of one micro-batch per stage at a time.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
@@ -196,6 +197,7 @@ class _Loop:
     whole: tuple[jax.Array, ...]
     key: jax.Array
     policy: Any  # what the backward keeps of a layer (a jax.checkpoint policy)
+    shards: int = 1  # the weights' copies over the batch axes (`_gathered`): each runs its own rows of a micro-batch
 
     def constrain(self, x: jax.Array, *dims: Any) -> jax.Array:
         spec = PartitionSpec(self.spec.axis, *dims, *([PartitionSpec.UNCONSTRAINED] * (x.ndim - 1 - len(dims))))
@@ -222,12 +224,29 @@ class _Loop:
                micro: jax.Array, i: jax.Array) -> tuple[jax.Array, jax.Array]:  # fmt: skip
         """Layer ``i`` of every stage's chunk (of its ``repeat``) on its micro-batch, each stage on its own devices."""
         split = tuple(_per_stage(x, micro) for x in self.split)
+        d = self.shards
+        at = 1 if d == 1 else 2  # [S, D, ...]: the copies' dim before the layers'
         if self.spec.repeats == 1:
-            layer = {k: jnp.take(w, i, axis=1) for k, w in weights.items()}
+            layer = {k: jnp.take(w, i, axis=at) for k, w in weights.items()}
         else:
-            layer = {k: jax.vmap(lambda a, r: a[r, i])(w, repeat) for k, w in weights.items()}
+            pick = (lambda a, r: a[r, i]) if d == 1 else (lambda a, r: a[:, r, i])
+            layer = {k: jax.vmap(pick)(w, repeat) for k, w in weights.items()}
         one = lambda layer, h, split, keys: self.layer_fn(layer, h, (*split, *self.whole), keys)  # noqa: E731
-        return jax.vmap(one, spmd_axis_name=self.spec.axis)(layer, h, split, keys)
+        if d == 1:
+            return jax.vmap(one, spmd_axis_name=self.spec.axis)(layer, h, split, keys)
+        rows = h.shape[1]
+        local = lambda x: x.reshape(x.shape[0], d, x.shape[1] // d, *x.shape[2:])  # noqa: E731
+        h, split = local(h), tuple(local(x) for x in split)
+
+        def per_shard(layer, h, split, key):
+            # each data shard's rows of the micro-batch with its own copy of the layer: the weight gradient
+            # stays a per-shard partial sum in the loop, reduced once after it; each shard draws its own masks
+            keys = jax.vmap(lambda n: jax.random.fold_in(key, n))(jnp.arange(d))
+            h, after = jax.vmap(one, spmd_axis_name=_batch_axes(self.spec))(layer, h, split, keys)
+            return h, after[0]
+
+        h, keys = jax.vmap(per_shard, spmd_axis_name=self.spec.axis)(layer, h, split, keys)
+        return h.reshape(h.shape[0], rows, *h.shape[3:]), keys
 
     def step(self, carry: tuple[jax.Array, jax.Array, jax.Array], k: jax.Array):
         buffer, h, keys = carry
@@ -326,16 +345,20 @@ def run(
     blocks = (spec.stages, spec.chunk) if spec.repeats == 1 else (spec.stages, spec.repeats, spec.chunk)
     weights = {k: jax.lax.with_sharding_constraint(w.reshape(*blocks, *w.shape[1:]), _stage_spec(spec, w.ndim, blocks))
                for k, w in params.items()}  # fmt: skip
+    shards = _shards(spec, rows // m)
+    weights = _gathered(spec, weights, shards, len(blocks))
     split = tuple(_split(x, m) for x in others if _by_batch(x, rows))
     whole = tuple(x for x in others if not _by_batch(x, rows))
     layer_fn = _reordered(layer_fn, others, rows)
-    loop = _Loop(spec, layer_fn, weights, split, whole, key, backward_policy(spec.schedule, policy))
+    loop = _Loop(spec, layer_fn, weights, split, whole, key, backward_policy(spec.schedule, policy), shards)
     micro = _split(h, m)
     buffer = loop.constrain(jnp.broadcast_to(micro, (spec.stages, *micro.shape)), None, spec.batch)
     shift = loop.constrain(jnp.zeros((spec.stages, *micro.shape[1:]), h.dtype), spec.batch)
     steps = jnp.arange(spec.iterations * spec.chunk)
     try:
-        with vmapped_over(spec.axis):  # shard_maps inside the layers (context-parallel attention) take the axis
+        with contextlib.ExitStack() as vmapped:  # shard_maps inside the layers (context-parallel attention) take
+            for axis in (spec.axis, *(_batch_axes(spec) if shards > 1 else ())):  # the vmapped axes as manual
+                vmapped.enter_context(vmapped_over(axis))
             (buffer, _, _), _ = jax.lax.scan(loop.step, (buffer, shift, loop.keys(jnp.int32(0))), steps)
     except (TypeError, ValueError) as err:
         if isinstance(err, ShardingError) or not (whole_rows := _whole_rows(h, others, names)):
@@ -363,6 +386,41 @@ def _whole_rows_message(err: BaseException, where: str, h: jax.Array, m: int, wh
         f"cut the sequence and tokens could attend only within it: feed rows of sequences instead, tokens [B, S] "
         f"with positions [B, S], which split whole sequences"
     )
+
+
+def _batch_axes(spec: Stages) -> tuple[str, ...]:
+    """The mesh axes a micro-batch's rows are sharded over, as a tuple."""
+    batch = spec.batch
+    return () if batch is None else (batch,) if isinstance(batch, str) else tuple(batch)
+
+
+def _shards(spec: Stages, rows: int) -> int:
+    """How many copies of the stage's weights the loop uses: one per shard of the batch axes (FSDP or data
+    parallelism inside the stages), if a micro-batch's ``rows`` split evenly over them; else 1."""
+    d = 1
+    for axis in _batch_axes(spec):
+        d *= spec.mesh.shape[axis]
+    return d if d > 1 and rows % d == 0 else 1
+
+
+def _gathered(spec: Stages, weights: dict[str, jax.Array], shards: int, lead: int) -> dict[str, jax.Array]:
+    """Each stage's weights gathered ONCE per step, before the loop: ``[S, D, ...]``, copy ``d`` on shard ``d``.
+
+    Left to itself, GSPMD all-gathers a weight sharded over the batch axes (FSDP) inside the loop,
+    once per iteration, and all-reduces its gradient there too. One copy per shard of the batch axes,
+    that dim laid on them, is what every shard needs anyway (its own full copy of the stage's layers);
+    the backward accumulates each copy's gradient from its own rows in the loop's carry with no
+    communication, and the broadcast's transpose sums the copies once, after the loop. It costs a
+    full copy of the stage's weights and of their gradient per device, instead of a ``1/D`` shard.
+    """
+    if shards == 1:
+        return weights
+    out = {}
+    for k, w in weights.items():
+        copies = jnp.broadcast_to(w[:, None], (w.shape[0], shards, *w.shape[1:]))
+        dims = [spec.axis, _batch_axes(spec), *[None] * (lead - 1), *[PartitionSpec.UNCONSTRAINED] * (w.ndim - lead)]
+        out[k] = jax.lax.with_sharding_constraint(copies, NamedSharding(spec.mesh, PartitionSpec(*dims)))
+    return out
 
 
 def _stage_spec(spec: Stages, ndim: int, blocks: tuple[int, ...]) -> NamedSharding:
