@@ -8,13 +8,15 @@ device computes only its own stage), then passes every stage's output to the nex
 steps), so autodiff of the loop, the backward pass, keeps one gradient accumulator for the stack
 and slices each layer out of the stack again rather than keeping its slice; under ``"1f1b"`` and
 ``"circular"`` each step is checkpointed, so the backward recomputes and differentiates one layer
-of one micro-batch per stage at a time.
+of one micro-batch per stage at a time. Under FSDP or data parallelism inside the stages, weights
+are gathered once before the loop and gradients reduced once after it (`_gathered`).
 """
 
 from __future__ import annotations
 
 import contextlib
 import dataclasses
+import math
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
@@ -345,26 +347,39 @@ def run(
     blocks = (spec.stages, spec.chunk) if spec.repeats == 1 else (spec.stages, spec.repeats, spec.chunk)
     weights = {k: jax.lax.with_sharding_constraint(w.reshape(*blocks, *w.shape[1:]), _stage_spec(spec, w.ndim, blocks))
                for k, w in params.items()}  # fmt: skip
-    shards = _shards(spec, rows // m)
-    weights = _gathered(spec, weights, shards, len(blocks))
     split = tuple(_split(x, m) for x in others if _by_batch(x, rows))
     whole = tuple(x for x in others if not _by_batch(x, rows))
-    layer_fn = _reordered(layer_fn, others, rows)
-    loop = _Loop(spec, layer_fn, weights, split, whole, key, backward_policy(spec.schedule, policy), shards)
-    micro = _split(h, m)
-    buffer = loop.constrain(jnp.broadcast_to(micro, (spec.stages, *micro.shape)), None, spec.batch)
-    shift = loop.constrain(jnp.zeros((spec.stages, *micro.shape[1:]), h.dtype), spec.batch)
-    steps = jnp.arange(spec.iterations * spec.chunk)
+    loop = _Loop(spec, _reordered(layer_fn, others, rows), weights, split, whole, key,
+                 backward_policy(spec.schedule, policy))  # fmt: skip
+    shards = _shards(spec, rows // m)
     try:
-        with contextlib.ExitStack() as vmapped:  # shard_maps inside the layers (context-parallel attention) take
-            for axis in (spec.axis, *(_batch_axes(spec) if shards > 1 else ())):  # the vmapped axes as manual
-                vmapped.enter_context(vmapped_over(axis))
-            (buffer, _, _), _ = jax.lax.scan(loop.step, (buffer, shift, loop.keys(jnp.int32(0))), steps)
+        try:
+            buffer = _looped(loop, _split(h, m), shards, len(blocks))
+        except ValueError as err:
+            if shards == 1 or "spmd_axis_name cannot appear in shard_map" not in str(err):
+                raise
+            # a shard_map inside the layers splits the rows over the batch axes itself (expert dispatch's
+            # all-to-all): the loop cannot split them too, and keeps the weights sharded (traffic per iteration)
+            buffer = _looped(loop, _split(h, m), 1, len(blocks))
     except (TypeError, ValueError) as err:
         if isinstance(err, ShardingError) or not (whole_rows := _whole_rows(h, others, names)):
             raise
         raise ShardingError(_whole_rows_message(err, where, h, m, whole_rows)) from err
     return _merge(buffer[0]), jax.random.fold_in(key, spec.iterations)
+
+
+def _looped(loop: _Loop, micro: jax.Array, shards: int, lead: int) -> jax.Array:
+    """The loop over every iteration's layers, with ``shards`` copies of the weights (`_gathered`): the buffer."""
+    spec = loop.spec
+    loop = dataclasses.replace(loop, weights=_gathered(spec, dict(loop.weights), shards, lead), shards=shards)
+    buffer = loop.constrain(jnp.broadcast_to(micro, (spec.stages, *micro.shape)), None, spec.batch)
+    shift = loop.constrain(jnp.zeros((spec.stages, *micro.shape[1:]), micro.dtype), spec.batch)
+    steps = jnp.arange(spec.iterations * spec.chunk)
+    with contextlib.ExitStack() as vmapped:  # shard_maps inside the layers (context-parallel attention) take the
+        for axis in (spec.axis, *(_batch_axes(spec) if shards > 1 else ())):  # vmapped axes as manual ones
+            vmapped.enter_context(vmapped_over(axis))
+        (buffer, _, _), _ = jax.lax.scan(loop.step, (buffer, shift, loop.keys(jnp.int32(0))), steps)
+    return buffer
 
 
 def _whole_rows(h: jax.Array, others: Sequence[jax.Array], names: Sequence[str]) -> list[str]:
@@ -390,28 +405,23 @@ def _whole_rows_message(err: BaseException, where: str, h: jax.Array, m: int, wh
 
 def _batch_axes(spec: Stages) -> tuple[str, ...]:
     """The mesh axes a micro-batch's rows are sharded over, as a tuple."""
-    batch = spec.batch
-    return () if batch is None else (batch,) if isinstance(batch, str) else tuple(batch)
+    return () if spec.batch is None else (spec.batch,) if isinstance(spec.batch, str) else tuple(spec.batch)
 
 
 def _shards(spec: Stages, rows: int) -> int:
-    """How many copies of the stage's weights the loop uses: one per shard of the batch axes (FSDP or data
-    parallelism inside the stages), if a micro-batch's ``rows`` split evenly over them; else 1."""
-    d = 1
-    for axis in _batch_axes(spec):
-        d *= spec.mesh.shape[axis]
+    """Copies of the stage's weights: one per shard of the batch axes if a micro-batch's ``rows`` split over them."""
+    d = math.prod(spec.mesh.shape[axis] for axis in _batch_axes(spec))
     return d if d > 1 and rows % d == 0 else 1
 
 
 def _gathered(spec: Stages, weights: dict[str, jax.Array], shards: int, lead: int) -> dict[str, jax.Array]:
     """Each stage's weights gathered ONCE per step, before the loop: ``[S, D, ...]``, copy ``d`` on shard ``d``.
 
-    Left to itself, GSPMD all-gathers a weight sharded over the batch axes (FSDP) inside the loop,
-    once per iteration, and all-reduces its gradient there too. One copy per shard of the batch axes,
-    that dim laid on them, is what every shard needs anyway (its own full copy of the stage's layers);
-    the backward accumulates each copy's gradient from its own rows in the loop's carry with no
-    communication, and the broadcast's transpose sums the copies once, after the loop. It costs a
-    full copy of the stage's weights and of their gradient per device, instead of a ``1/D`` shard.
+    Left to itself, GSPMD all-gathers a weight sharded over the batch axes (FSDP) in every loop
+    iteration, and all-reduces its gradient there too. With a copy per shard of the batch axes (that
+    dim laid on them) the backward accumulates each copy's gradient from its own rows in the loop's
+    carry, and the broadcast's transpose sums the copies once, after the loop. It costs a full copy
+    of the stage's weights and of their gradient per device, instead of a ``1/D`` shard.
     """
     if shards == 1:
         return weights
