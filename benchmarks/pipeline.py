@@ -20,7 +20,13 @@ host's cores: a stage in the bubble computes a placeholder micro-batch instead o
 bubble costs compute in proportion, and CPU time (all threads of the process) measures it whatever
 else the machine runs.
 
+Table 3 (``--comm``, compiled only, nothing runs): FSDP over data inside the stages, stage=4 × data=2
+against the unpipelined step on the same mesh and plan: per schedule the collective bytes per device
+per step over each axis group (``ts.inspect.collectives``, loop trip counts applied), the temp bytes,
+and the matmul FLOPs per step (trip counts applied) against the unpipelined step's.
+
     python benchmarks/pipeline.py           # the README tables
+    python benchmarks/pipeline.py --comm    # table 3
     python benchmarks/pipeline.py --tiny    # seconds; what the smoke test runs
 """
 
@@ -84,6 +90,7 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--seq", type=int, default=32)
     parser.add_argument("--microbatches", type=int, default=8)
     parser.add_argument("--json", help="also write the rows here")
+    parser.add_argument("--comm", action="store_true", help="only table 3: FSDP traffic per step, compiled only")
     return parser.parse_args()
 
 
@@ -194,6 +201,14 @@ def main() -> None:
     g = torch.Generator().manual_seed(1)
     shape = (args.batch, args.seq, args.dim)
     batch = (torch.randn(*shape, generator=g), torch.randn(*shape, generator=g))
+    if args.comm:
+        rows = communication(args, batch)
+        print_communication(rows, f"{args.depth} blocks {args.dim}→{args.hidden}→{args.dim}, batch {args.batch}×"
+                                  f"{args.seq}, fsdp('data'), AdamW, M={args.microbatches}")  # fmt: skip
+        if args.json:
+            with open(args.json, "w") as f:
+                json.dump({"args": vars(args), "communication": rows}, f, indent=1)
+        return
     # --tiny keeps the smoke test's rows: the unpipelined baseline, two schedules and the 4-stage bubbles
     memory = measure([c for c in MEMORY if c.name in TINY_MEMORY] if args.tiny else MEMORY, args, batch)
     bubble = measure([c for c in BUBBLE if c.stages == 4] if args.tiny else BUBBLE, args, batch)
@@ -209,6 +224,49 @@ def main() -> None:
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"args": vars(args), "memory": memory, "bubble": bubble}, f, indent=1)
+
+
+# the first row is the baseline of the traffic ratio (the same mesh and plan), the second of the FLOPs ratio:
+# the useful FLOPs per device (on stage=4 × data=2 unpipelined, the 4 stage replicas each compute half the batch)
+COMM = [("unpipelined", None, 1), ("unpipelined data=8", None, 1), ("gpipe", "gpipe", 1), ("1f1b", "1f1b", 1),
+        ("circular r=2", "circular", 2)]  # fmt: skip
+
+
+def communication(args: argparse.Namespace, batch: Any) -> list[dict[str, Any]]:
+    """Table 3: per schedule, bytes per step over each axis group, temp and FLOPs, from the compiled step."""
+    import optax
+
+    from torchshard._hlo.costs import step_costs
+    from torchshard.inspect import collectives
+
+    rows = []
+    for name, schedule, repeats in COMM:
+        model = build(args.dim, args.hidden, args.depth)
+        mesh = ts.make_mesh({"data": 8} if name.endswith("data=8") else {"stage": 4, "data": 2})
+        plan = ts.plan(model, mesh, ts.presets.fsdp(min_size=1024))
+        pipeline = ts.Pipeline(microbatches=args.microbatches, schedule=schedule, repeats=repeats) if schedule else None
+        trainer = ts.Trainer(model, mse, optax.adamw(1e-4), plan, pipeline=pipeline, batch_spec=("data",))
+        compiled = trainer.lower(batch).compile()
+        per_axes = collectives(compiled, mesh=mesh).per_axes
+        costs = step_costs(str(compiled.as_text()))
+        rows.append({"config": name, "per_axes": per_axes, "off_stage": sum(n for k, n in per_axes.items()
+                     if k != "stage"), "temp_bytes": compiled.memory_analysis().temp_size_in_bytes,
+                     "flops": costs.flops, "recompute_flops": costs.recompute_flops})  # fmt: skip
+        print(f"compiled {name}", flush=True)
+    return rows
+
+
+def print_communication(rows: list[dict[str, Any]], head: str) -> None:
+    mib, base, useful = 2**20, rows[0], rows[1]
+    print(f"\n{head}, mesh stage=4 × data=2 (but the data=8 row), 8 CPU devices, compiled only\n")
+    print("| config | bytes/step over data (MiB) | over stage,data | over stage | non-stage ÷ unpipelined | "
+          "temp (MiB) | GFLOP/step | ÷ useful (data=8) |")  # fmt: skip
+    print("|---|---|---|---|---|---|---|---|")
+    for r in rows:
+        over = lambda k: r["per_axes"].get(k, 0) / mib  # noqa: E731
+        print(f"| {r['config']} | {over('data'):.2f} | {over('stage,data'):.2f} | {over('stage'):.2f} | "
+              f"{r['off_stage'] / base['off_stage']:.2f} | {r['temp_bytes'] / mib:.1f} | {r['flops'] / 1e9:.2f} | "
+              f"{r['flops'] / useful['flops']:.2f} |")  # fmt: skip
 
 
 def measured_bubbles(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:

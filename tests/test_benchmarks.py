@@ -93,6 +93,18 @@ def test_pipeline_benchmark_runs(tmp_path):
 
 
 @pytest.mark.slow
+def test_pipeline_benchmark_counts_fsdp_traffic_per_step(tmp_path):
+    out = tmp_path / "comm.json"
+    stdout = run_benchmark("pipeline.py", "--tiny", "--comm", "--json", str(out))
+    assert "| config | bytes/step over data (MiB) |" in stdout
+    rows = {r["config"]: r for r in json.loads(out.read_text())["communication"]}
+    assert list(rows) == ["unpipelined", "unpipelined data=8", "gpipe", "1f1b", "circular r=2"]
+    for name in ("gpipe", "1f1b", "circular r=2"):  # gathered and reduced once per step, not per iteration
+        assert rows[name]["off_stage"] <= 1.1 * rows["unpipelined"]["off_stage"], (name, rows[name]["per_axes"])
+        assert rows[name]["flops"] > rows["unpipelined data=8"]["flops"]  # the bubble's placeholder micro-batches
+
+
+@pytest.mark.slow
 def test_pipeline_memory_benchmark_runs(tmp_path):
     out = tmp_path / "pipeline_memory.json"
     run_benchmark("pipeline_memory.py", "--tiny", "--json", str(out))

@@ -358,8 +358,12 @@ def test_pipelined_figures_are_the_real_trainers(capsys, tmp_path):
     assert data["per_device_bytes"]["params"] == trainer.plan.bytes_per_device("param")  # one stage's layers
     assert data["per_device_bytes"]["params"] < plan.bytes_per_device("param")
     assert data["tensors"] == trainer.plan.rows()  # with the stage column
+    traffic = ts.inspect.collectives(trainer, batch).per_axes  # bytes per step, loop trip counts applied
+    assert data["compile"]["collective_bytes_per_step"] == dict(sorted(traffic.items()))
+    assert traffic["data"] > 0 and traffic["stage"] > 0
     code, out, err = _run(capsys, f"{lm}:build", *argv)
     assert "pipeline 1f1b over stage=2 × 2 micro-batches (bubble 0.333)" in out
+    assert re.search(r"collectives per step \(.*loop trip counts applied\): .*data [\d.]+ \w?i?B", out)
 
 
 def test_device_memory_too_small_exits_3(capsys, tmp_path, monkeypatch):

@@ -212,10 +212,10 @@ def test_table_lists_kind_axes_count_and_bytes():
         )
     )
     lines = str(stats).splitlines()
-    assert lines[0].split() == ["collective", "over", "count", "bytes/device"]
-    assert lines[2].split() == ["all-reduce", "model", "2", "32", "B"]
-    assert lines[3].split() == ["all-gather", "?", "1", "32", "B"]
-    assert lines[-1] == "3 collective(s), 64 B per device"
+    assert lines[0].split() == ["collective", "over", "count", "bytes/device", "runs/step", "bytes/step"]
+    assert lines[2].split() == ["all-reduce", "model", "2", "32", "B", "2", "32", "B"]
+    assert lines[3].split() == ["all-gather", "?", "1", "32", "B", "1", "32", "B"]
+    assert lines[-1] == "3 collective(s), 64 B per device, 64 B per step"
     assert stats.bytes == {"all-reduce": 32, "all-gather": 32, "reduce-scatter": 0, "all-to-all": 0,
                            "collective-permute": 0}  # fmt: skip
 
@@ -298,3 +298,30 @@ def test_a_scanned_fsdp_llama_keeps_its_activations_sharded_by_batch():
     scanned = AbstractTrainer(model, lm_loss, optax.adamw(1e-3), plan, scan_layers=True).lower(ids).compile()
     whole_batch = [line for line in scanned.as_text().splitlines() if "= f32[16,32," in line]
     assert not whole_batch, whole_batch[:3]
+
+
+def test_step_bytes_count_a_loop_body_as_often_as_it_runs(mesh_dm):
+    # by hand: one all-reduce of the [8] f32 shard per iteration (32 B), 5 iterations, plus one after the loop
+    add = jax.shard_map(lambda x: x + jax.lax.psum(x, "data"), mesh=mesh_dm, in_specs=P("data"), out_specs=P("data"))
+    twice = jax.shard_map(lambda x: jax.lax.psum(x, "data"), mesh=mesh_dm, in_specs=P("data"), out_specs=P())
+    f = jax.jit(lambda x: twice(jax.lax.fori_loop(0, 5, lambda _, x: add(x), x)))
+    x = jax.device_put(np.ones((32,), np.float32), NamedSharding(mesh_dm, P("data")))
+    stats = collectives(f, x)
+    assert stats.count("all-reduce", axes="data") == 2
+    assert stats.nbytes("all-reduce", axes="data") == 2 * 32
+    assert stats.runs is not None and sorted(stats.runs) == [1, 5]
+    assert stats.step_bytes("all-reduce", axes="data") == 6 * 32
+    assert stats.per_axes == {"data": 6 * 32}
+    assert str(stats).splitlines()[-1].endswith("64 B per device, 192 B per step")
+
+
+def test_step_costs_count_one_branch_of_a_conditional():
+    from torchshard._hlo.costs import step_costs
+
+    x = jax.ShapeDtypeStruct((16, 16), np.float32)
+    heavy = lambda x: x @ x @ x  # noqa: E731  two matmuls: 2 × 2·16³ FLOPs
+    light = lambda x: x @ x  # noqa: E731
+    both = jax.jit(lambda p, x: jax.lax.cond(p, heavy, light, x)).lower(True, x).compile().as_text()
+    assert step_costs(both).flops == 2 * 2 * 16**3
+    three = jax.jit(lambda i, x: jax.lax.switch(i, [light, heavy, lambda x: x * 2], x)).lower(1, x).compile()
+    assert step_costs(three.as_text()).flops == 2 * 2 * 16**3

@@ -121,14 +121,22 @@ def _computations(text: str) -> Iterator[tuple[_Computation, bool]]:
 
 
 def _multipliers(comps: dict[str, _Computation], entry: str) -> tuple[dict[str, int], set[str]]:
-    """How often each computation runs per step, and which ones are inlined into an instruction."""
+    """How often each computation runs per step, and which ones are inlined into an instruction.
+
+    A ``conditional`` runs one of its branches: only the heaviest (`_weight`) is counted, so a
+    tile-skip ``lax.cond`` (compute the tile, or pass it by) costs one tile, not both branches.
+    """
     runs, inlined, todo = {entry: 1}, set(), [entry]
+    weights: dict[str, tuple[float, int]] = {}
     while todo:
         name = todo.pop()
         for line in comps[name].lines:
             trip = int(t.group(1)) if (t := _TRIP.search(line)) else 1
             for call in _CALLED.finditer(line):
-                for callee in re.findall(r"%([\w.\-]+)", call.group("names")):
+                callees = re.findall(r"%([\w.\-]+)", call.group("names"))
+                if call.group("how") == "branch_computations" and len(callees) > 1:
+                    callees = [max(callees, key=lambda c: _weight(comps, c, weights))]
+                for callee in callees:
                     n = runs[name] * (trip if call.group("how") in ("body", "condition") else 1)
                     if call.group("how") in _INLINED:
                         inlined.add(callee)
@@ -136,6 +144,28 @@ def _multipliers(comps: dict[str, _Computation], entry: str) -> tuple[dict[str, 
                         runs[callee] = n
                         todo.append(callee)
     return runs, inlined
+
+
+def _weight(comps: dict[str, _Computation], name: str, memo: dict[str, tuple[float, int]]) -> tuple[float, int]:
+    """How heavy one run of computation ``name`` is: (matmul FLOPs, instructions), what it calls included."""
+    if name in memo:
+        return memo[name]
+    memo[name] = (0.0, 0)  # a cycle (none in valid HLO) weighs nothing
+    comp, flops, count = comps.get(name), 0.0, 0
+    for line in comp.lines if comp is not None else ():
+        if not (m := _INSTRUCTION.match(line)):
+            continue
+        count += 1
+        flops += _dot_flops(line, m.group("op"), m.group("args"), m.group("type"), comp.types) if comp else 0.0
+        trip = int(t.group(1)) if (t := _TRIP.search(line)) else 1
+        for call in _CALLED.finditer(line):
+            inner = [_weight(comps, c, memo) for c in re.findall(r"%([\w.\-]+)", call.group("names"))]
+            if call.group("how") == "branch_computations" and inner:
+                inner = [max(inner)]
+            n = trip if call.group("how") in ("body", "condition") else 1
+            flops, count = flops + n * sum(f for f, _ in inner), count + n * sum(c for _, c in inner)
+    memo[name] = (flops, count)
+    return memo[name]
 
 
 def _dot_flops(line: str, op: str, args: str, result: str, types: dict[str, str]) -> float:
@@ -303,6 +333,29 @@ def _written(instructions: list[tuple[str, str, list[str], bool]], types: dict[s
     return total
 
 
+def collective_runs(text: str) -> tuple[tuple[Collective, int], ...]:
+    """Each collective of a compiled module's HLO text with how often one step runs it (loop trip counts applied).
+
+    A collective inside a ``while`` body with a known trip count runs that many times (nested loops
+    multiply); one in a conditional branch other than the heaviest runs zero times (see `step_costs`).
+
+    Examples:
+        >>> import jax
+        >>> from jax.sharding import PartitionSpec as P
+        >>> mesh = jax.make_mesh((8,), ("i",), axis_types=(jax.sharding.AxisType.Auto,))
+        >>> add = jax.shard_map(lambda x: x + jax.lax.psum(x, "i"), mesh=mesh, in_specs=P("i"), out_specs=P("i"))
+        >>> f = jax.jit(lambda x: jax.lax.fori_loop(0, 3, lambda _, x: add(x), x))
+        >>> [(op.kind, op.bytes, n) for op, n in collective_runs(f.lower(np.ones(16, np.float32)).compile().as_text())]
+        [('all-reduce', 8, 3)]
+    """
+    parsed = list(_computations(text))
+    comps = {c.name: c for c, _ in parsed}
+    entry = next(c.name for c, is_entry in parsed if is_entry)
+    runs, _ = _multipliers(comps, entry)
+    return _collectives(text, comps, runs)
+
+
 def _collectives(text: str, comps: dict[str, _Computation], runs: dict[str, int]) -> tuple[tuple[Collective, int], ...]:
     where = {m.group("name"): name for name, c in comps.items() for line in c.lines if (m := _INSTRUCTION.match(line))}
-    return tuple((op, runs.get(where.get(op.name, ""), 1)) for op in parse_hlo(text))
+    # a collective of a computation no step runs (a lighter conditional branch) runs 0 times; an unparsed one, once
+    return tuple((op, runs.get(where[op.name], 0) if op.name in where else 1) for op in parse_hlo(text))

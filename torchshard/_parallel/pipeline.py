@@ -8,12 +8,15 @@ device computes only its own stage), then passes every stage's output to the nex
 steps), so autodiff of the loop, the backward pass, keeps one gradient accumulator for the stack
 and slices each layer out of the stack again rather than keeping its slice; under ``"1f1b"`` and
 ``"circular"`` each step is checkpointed, so the backward recomputes and differentiates one layer
-of one micro-batch per stage at a time.
+of one micro-batch per stage at a time. Under FSDP or data parallelism inside the stages, weights
+are gathered once before the loop and gradients reduced once after it (`_gathered`).
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import math
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
@@ -196,6 +199,7 @@ class _Loop:
     whole: tuple[jax.Array, ...]
     key: jax.Array
     policy: Any  # what the backward keeps of a layer (a jax.checkpoint policy)
+    shards: int = 1  # the weights' copies over the batch axes (`_gathered`): each runs its own rows of a micro-batch
 
     def constrain(self, x: jax.Array, *dims: Any) -> jax.Array:
         spec = PartitionSpec(self.spec.axis, *dims, *([PartitionSpec.UNCONSTRAINED] * (x.ndim - 1 - len(dims))))
@@ -222,12 +226,29 @@ class _Loop:
                micro: jax.Array, i: jax.Array) -> tuple[jax.Array, jax.Array]:  # fmt: skip
         """Layer ``i`` of every stage's chunk (of its ``repeat``) on its micro-batch, each stage on its own devices."""
         split = tuple(_per_stage(x, micro) for x in self.split)
+        d = self.shards
+        at = 1 if d == 1 else 2  # [S, D, ...]: the copies' dim before the layers'
         if self.spec.repeats == 1:
-            layer = {k: jnp.take(w, i, axis=1) for k, w in weights.items()}
+            layer = {k: jnp.take(w, i, axis=at) for k, w in weights.items()}
         else:
-            layer = {k: jax.vmap(lambda a, r: a[r, i])(w, repeat) for k, w in weights.items()}
+            pick = (lambda a, r: a[r, i]) if d == 1 else (lambda a, r: a[:, r, i])
+            layer = {k: jax.vmap(pick)(w, repeat) for k, w in weights.items()}
         one = lambda layer, h, split, keys: self.layer_fn(layer, h, (*split, *self.whole), keys)  # noqa: E731
-        return jax.vmap(one, spmd_axis_name=self.spec.axis)(layer, h, split, keys)
+        if d == 1:
+            return jax.vmap(one, spmd_axis_name=self.spec.axis)(layer, h, split, keys)
+        rows = h.shape[1]
+        local = lambda x: x.reshape(x.shape[0], d, x.shape[1] // d, *x.shape[2:])  # noqa: E731
+        h, split = local(h), tuple(local(x) for x in split)
+
+        def per_shard(layer, h, split, key):
+            # each data shard's rows of the micro-batch with its own copy of the layer: the weight gradient
+            # stays a per-shard partial sum in the loop, reduced once after it; each shard draws its own masks
+            keys = jax.vmap(lambda n: jax.random.fold_in(key, n))(jnp.arange(d))
+            h, after = jax.vmap(one, spmd_axis_name=_batch_axes(self.spec))(layer, h, split, keys)
+            return h, after[0]
+
+        h, keys = jax.vmap(per_shard, spmd_axis_name=self.spec.axis)(layer, h, split, keys)
+        return h.reshape(h.shape[0], rows, *h.shape[3:]), keys
 
     def step(self, carry: tuple[jax.Array, jax.Array, jax.Array], k: jax.Array):
         buffer, h, keys = carry
@@ -328,20 +349,37 @@ def run(
                for k, w in params.items()}  # fmt: skip
     split = tuple(_split(x, m) for x in others if _by_batch(x, rows))
     whole = tuple(x for x in others if not _by_batch(x, rows))
-    layer_fn = _reordered(layer_fn, others, rows)
-    loop = _Loop(spec, layer_fn, weights, split, whole, key, backward_policy(spec.schedule, policy))
-    micro = _split(h, m)
-    buffer = loop.constrain(jnp.broadcast_to(micro, (spec.stages, *micro.shape)), None, spec.batch)
-    shift = loop.constrain(jnp.zeros((spec.stages, *micro.shape[1:]), h.dtype), spec.batch)
-    steps = jnp.arange(spec.iterations * spec.chunk)
+    loop = _Loop(spec, _reordered(layer_fn, others, rows), weights, split, whole, key,
+                 backward_policy(spec.schedule, policy))  # fmt: skip
+    shards = _shards(spec, rows // m)
     try:
-        with vmapped_over(spec.axis):  # shard_maps inside the layers (context-parallel attention) take the axis
-            (buffer, _, _), _ = jax.lax.scan(loop.step, (buffer, shift, loop.keys(jnp.int32(0))), steps)
+        try:
+            buffer = _looped(loop, _split(h, m), shards, len(blocks))
+        except ValueError as err:
+            if shards == 1 or "spmd_axis_name cannot appear in shard_map" not in str(err):
+                raise
+            # a shard_map inside the layers splits the rows over the batch axes itself (expert dispatch's
+            # all-to-all): the loop cannot split them too, and keeps the weights sharded (traffic per iteration)
+            buffer = _looped(loop, _split(h, m), 1, len(blocks))
     except (TypeError, ValueError) as err:
         if isinstance(err, ShardingError) or not (whole_rows := _whole_rows(h, others, names)):
             raise
         raise ShardingError(_whole_rows_message(err, where, h, m, whole_rows)) from err
     return _merge(buffer[0]), jax.random.fold_in(key, spec.iterations)
+
+
+def _looped(loop: _Loop, micro: jax.Array, shards: int, lead: int) -> jax.Array:
+    """The loop over every iteration's layers, with ``shards`` copies of the weights (`_gathered`): the buffer."""
+    spec = loop.spec
+    loop = dataclasses.replace(loop, weights=_gathered(spec, dict(loop.weights), shards, lead), shards=shards)
+    buffer = loop.constrain(jnp.broadcast_to(micro, (spec.stages, *micro.shape)), None, spec.batch)
+    shift = loop.constrain(jnp.zeros((spec.stages, *micro.shape[1:]), micro.dtype), spec.batch)
+    steps = jnp.arange(spec.iterations * spec.chunk)
+    with contextlib.ExitStack() as vmapped:  # shard_maps inside the layers (context-parallel attention) take the
+        for axis in (spec.axis, *(_batch_axes(spec) if shards > 1 else ())):  # vmapped axes as manual ones
+            vmapped.enter_context(vmapped_over(axis))
+        (buffer, _, _), _ = jax.lax.scan(loop.step, (buffer, shift, loop.keys(jnp.int32(0))), steps)
+    return buffer
 
 
 def _whole_rows(h: jax.Array, others: Sequence[jax.Array], names: Sequence[str]) -> list[str]:
@@ -363,6 +401,36 @@ def _whole_rows_message(err: BaseException, where: str, h: jax.Array, m: int, wh
         f"cut the sequence and tokens could attend only within it: feed rows of sequences instead, tokens [B, S] "
         f"with positions [B, S], which split whole sequences"
     )
+
+
+def _batch_axes(spec: Stages) -> tuple[str, ...]:
+    """The mesh axes a micro-batch's rows are sharded over, as a tuple."""
+    return () if spec.batch is None else (spec.batch,) if isinstance(spec.batch, str) else tuple(spec.batch)
+
+
+def _shards(spec: Stages, rows: int) -> int:
+    """Copies of the stage's weights: one per shard of the batch axes if a micro-batch's ``rows`` split over them."""
+    d = math.prod(spec.mesh.shape[axis] for axis in _batch_axes(spec))
+    return d if d > 1 and rows % d == 0 else 1
+
+
+def _gathered(spec: Stages, weights: dict[str, jax.Array], shards: int, lead: int) -> dict[str, jax.Array]:
+    """Each stage's weights gathered ONCE per step, before the loop: ``[S, D, ...]``, copy ``d`` on shard ``d``.
+
+    Left to itself, GSPMD all-gathers a weight sharded over the batch axes (FSDP) in every loop
+    iteration, and all-reduces its gradient there too. With a copy per shard of the batch axes (that
+    dim laid on them) the backward accumulates each copy's gradient from its own rows in the loop's
+    carry, and the broadcast's transpose sums the copies once, after the loop. It costs a full copy
+    of the stage's weights and of their gradient per device, instead of a ``1/D`` shard.
+    """
+    if shards == 1:
+        return weights
+    out = {}
+    for k, w in weights.items():
+        copies = jnp.broadcast_to(w[:, None], (w.shape[0], shards, *w.shape[1:]))
+        dims = [spec.axis, _batch_axes(spec), *[None] * (lead - 1), *[PartitionSpec.UNCONSTRAINED] * (w.ndim - lead)]
+        out[k] = jax.lax.with_sharding_constraint(copies, NamedSharding(spec.mesh, PartitionSpec(*dims)))
+    return out
 
 
 def _stage_spec(spec: Stages, ndim: int, blocks: tuple[int, ...]) -> NamedSharding:

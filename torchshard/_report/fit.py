@@ -21,6 +21,7 @@ import torch
 from torchshard._base.format import columns, fmt_bytes
 from torchshard._bridge.env import backend_started
 from torchshard._report.compiled import CompiledMemory, memory
+from torchshard._report.inspection import collectives
 from torchshard._report.memory import training_memory
 from torchshard._report.usage import UsageError
 from torchshard._sharding.mesh import use_cpu_devices
@@ -265,6 +266,8 @@ def compile_report(
     _notes(caught)
     figures = memory(compiled)
     laid_out = any(s.lays_out and options.get(s.keyword) is not None for s in STRATEGIES.values())
+    # bytes per step over each axis group, loops counted (the compile's simulated devices form a concrete mesh)
+    traffic = collectives(compiled, mesh=plan.mesh if isinstance(plan.mesh, jax.sharding.Mesh) else None).per_axes
     staged = (
         {}
         if not laid_out
@@ -288,6 +291,7 @@ def compile_report(
             "grad_accum_steps": options["grad_accum_steps"],
             **_strategy_figures(options, trainer),
             "plan_argument_bytes": expected_arguments(trainer.plan, model, args, shapes),
+            "collective_bytes_per_step": dict(sorted(traffic.items())),
             "seconds": round(time.perf_counter() - progress.start, 1),
             "compile_seconds": round(compile_seconds, 1),
         },
@@ -335,6 +339,9 @@ def compiled_lines(data: dict[str, Any]) -> list[str]:
         f"compiled arguments / plan = {share:.3f})"
     )
     lines = [head, _options_line(c), *columns(rows, indent="  "), check]
+    if traffic := c.get("collective_bytes_per_step"):
+        over = ", ".join(f"{axes} {fmt_bytes(n)}" for axes, n in traffic.items())
+        lines.append(f"  collectives per step (result bytes per device, loop trip counts applied): {over}")
     if "device_memory" in data:
         lines.append(verdict_line(data["device_memory"], figures["peak_bytes"]))
     return lines

@@ -14,7 +14,8 @@ from torchshard._base.errors import ShardingError
 from torchshard._base.format import fmt_bytes, table
 from torchshard._base.validate import describe_mesh
 from torchshard._bridge.tensors import unwrap
-from torchshard._hlo.hlo import KINDS, Collective, axes_of, parse_hlo
+from torchshard._hlo.costs import collective_runs
+from torchshard._hlo.hlo import KINDS, Collective, axes_of
 from torchshard._train.trainer import Trainer
 
 
@@ -22,19 +23,30 @@ from torchshard._train.trainer import Trainer
 class CollectiveStats:
     """Every collective of a compiled program, with counts and bytes per kind and mesh axes.
 
-    ``str(stats)`` is a table: kind, axes, count and bytes per device.
+    ``str(stats)`` is a table: kind, axes, count and bytes per device, then how often a step runs
+    them and the bytes per step (loop trip counts applied).
+
+    Attributes:
+        ops: the collective instructions, in program order.
+        mesh: the mesh their axes are named on, if known.
+        runs: how often one step runs each op (a ``while`` body's ops its trip count, nested loops
+            multiplied; 0 in a conditional branch other than the heaviest); None: once each.
     """
 
     ops: tuple[Collective, ...]
     mesh: Mesh | None = None
+    runs: tuple[int, ...] | None = None
 
     def _select(self, kind: str | None, axes: str | Sequence[str] | None) -> Iterator[Collective]:
+        return (op for op, _ in self._select_runs(kind, axes))
+
+    def _select_runs(self, kind: str | None, axes: str | Sequence[str] | None) -> Iterator[tuple[Collective, int]]:
         want = None if axes is None else ((axes,) if isinstance(axes, str) else tuple(axes))
-        for op in self.ops:
+        for op, n in zip(self.ops, self.runs or (1,) * len(self.ops), strict=True):
             if kind not in (None, op.kind):
                 continue
             if want is None or (op.axes is not None and set(op.axes) == set(want)):
-                yield op
+                yield op, n
 
     def count(self, kind: str | None = None, *, axes: str | Sequence[str] | None = None) -> int:
         """How many collectives of ``kind`` (all kinds if None) over exactly ``axes`` (any if None)."""
@@ -45,6 +57,20 @@ class CollectiveStats:
         """Result bytes per device of the collectives `count` counts."""
         _check_kind(kind)
         return sum(op.bytes for op in self._select(kind, axes))
+
+    def step_bytes(self, kind: str | None = None, *, axes: str | Sequence[str] | None = None) -> int:
+        """Result bytes per device that one step moves through the collectives `count` counts, each
+        as often as the step runs it (loop trip counts applied): what a pipeline's loop repeats shows here."""
+        _check_kind(kind)
+        return sum(op.bytes * n for op, n in self._select_runs(kind, axes))
+
+    @property
+    def per_axes(self) -> dict[str, int]:
+        """Mesh axes (``Collective.over``) → result bytes per device per step, every kind together."""
+        found: dict[str, int] = {}
+        for op, n in self._select_runs(None, None):
+            found[op.over] = found.get(op.over, 0) + op.bytes * n
+        return found
 
     @property
     def counts(self) -> dict[str, int]:
@@ -57,14 +83,16 @@ class CollectiveStats:
         return {k: self.nbytes(k) for k in KINDS}
 
     def table(self) -> str:
-        """One row per (kind, axes): count and bytes per device, then the total."""
-        rows: dict[tuple[str, str], list[Collective]] = {}
-        for op in sorted(self.ops, key=lambda o: KINDS.index(o.kind)):
-            rows.setdefault((op.kind, op.over), []).append(op)
-        head = ("collective", "over", "count", "bytes/device")
-        body = [(k, over, str(len(ops)), fmt_bytes(sum(o.bytes for o in ops))) for (k, over), ops in rows.items()]
+        """One row per (kind, axes): count and bytes per device, runs and bytes per step, then the totals."""
+        rows: dict[tuple[str, str], list[tuple[Collective, int]]] = {}
+        for op, n in sorted(self._select_runs(None, None), key=lambda o: KINDS.index(o[0].kind)):
+            rows.setdefault((op.kind, op.over), []).append((op, n))
+        head = ("collective", "over", "count", "bytes/device", "runs/step", "bytes/step")
+        body = [(k, over, str(len(ops)), fmt_bytes(sum(o.bytes for o, _ in ops)), str(sum(n for _, n in ops)),
+                 fmt_bytes(sum(o.bytes * n for o, n in ops))) for (k, over), ops in rows.items()]  # fmt: skip
         where = f" on {describe_mesh(self.mesh)}" if self.mesh is not None else ""
-        foot = f"{len(self.ops)} collective(s){where}, {fmt_bytes(self.nbytes())} per device"
+        foot = (f"{len(self.ops)} collective(s){where}, {fmt_bytes(self.nbytes())} per device, "
+                f"{fmt_bytes(self.step_bytes())} per step")  # fmt: skip
         return table(head, body, foot)
 
     def __str__(self) -> str:
@@ -109,7 +137,8 @@ def collectives(target: Any, *args: Any, mesh: Mesh | None = None, **kwargs: Any
     """Compiles ``target`` and lists the collectives in its partitioned HLO, per kind and mesh axes.
 
     Nothing runs and nothing is donated. Bytes are each collective's result size on one
-    device (a combined all-reduce counts once, with the bytes of all its operands).
+    device (a combined all-reduce counts once, with the bytes of all its operands); `step_bytes`
+    and `per_axes` count each as often as a step runs it (loop trip counts applied).
 
     Args:
         target: a `Trainer` (then ``args`` is one batch), a ``jax.jit`` function (then ``args``
@@ -132,7 +161,8 @@ def collectives(target: Any, *args: Any, mesh: Mesh | None = None, **kwargs: Any
     """
     if mesh is None:
         mesh = target.mesh if isinstance(target, Trainer) else _mesh_of((args, kwargs))
-    ops = parse_hlo(_hlo_text(target, args, kwargs, mesh))
+    counted = collective_runs(_hlo_text(target, args, kwargs, mesh))
+    ops = tuple(op for op, _ in counted)
     if mesh is not None:
         ops = tuple(dataclasses.replace(op, axes=axes_of(op, mesh)) for op in ops)
-    return CollectiveStats(ops, mesh)
+    return CollectiveStats(ops, mesh, tuple(n for _, n in counted))
