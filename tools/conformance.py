@@ -286,7 +286,8 @@ def render(report: dict[str, Any]) -> str:
         "torchshard raised a typed error (ShardingError, ArgumentError, CheckpointError) before producing any "
         "result. **✗ reason**: anything else — a difference over the tolerance, an untyped exception, a typed "
         "error after work began, a crash or a timeout of the worker process (with the end of its stderr). "
-        "**—**: does not apply (MoE columns on dense families; LoRA where the tp_plan names no Linear layer). "
+        "**—**: does not apply (MoE columns on dense families; LoRA where the tp_plan names no Linear layer), or "
+        "no truth: eager torch itself fails on that capability's reference (its error is quoted). "
         "`(warned: ...)` quotes a torchshard warning the capability raised; `(FSDP: no tp_plan)` marks a cell run "
         "on FSDP alone because hf_rules refuses a family without a tensor-parallel plan. Every family is a tiny "
         "config (tools/families.py: hidden 64, 2 layers, vocab 128, windows of 8 tokens, 4 experts, 2 per token).",
