@@ -32,6 +32,15 @@ def _ids(n: int, high: int, seed: int = 1) -> torch.Tensor:
     return torch.randint(0, high, (n,), generator=torch.Generator().manual_seed(seed))
 
 
+def _k_step_grad(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """HRM's recurrence (transformers' hrm_text): early cycles under no_grad pass no gradient back."""
+    h = x
+    with torch.no_grad():
+        h = torch.tanh(h @ w + x)
+    h = torch.tanh(h @ w + x)
+    return h.square().sum()
+
+
 def _seen_rows(m: torch.Tensor) -> torch.Tensor:
     """Query rows 0 and 3 of 6 may attend to nothing (as left padding's rows): False there."""
     return torch.arange(6, device=m.device)[:, None] % 3 != 0
@@ -39,6 +48,7 @@ def _seen_rows(m: torch.Tensor) -> torch.Tensor:
 
 # name, scalar torch function, inputs, indices of the float inputs to differentiate
 OPS = [
+    ("no_grad_block", _k_step_grad, _inputs(8, (8, 16), (16, 16)), (0, 1)),
     ("matmul", lambda x, w: (x @ w).tanh().sum(), _inputs(0, (8, 16), (16, 4)), (0, 1)),
     ("softmax", lambda x, c: (F.softmax(x, dim=-1) * c).sum(), _inputs(1, (8, 16), (8, 16)), (0,)),
     (

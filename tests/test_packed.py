@@ -163,7 +163,13 @@ def family(model_type: str, **kwargs):
     return functools.partial(build, Family(model_type, **kwargs))
 
 
-MODELS = {"torch": PackedLM, "llama": llama, "qwen3": family("qwen3"), "qwen3_moe": family("qwen3_moe", moe=True)}
+MODELS = {
+    "torch": PackedLM,
+    "llama": llama,
+    "qwen3": family("qwen3"),
+    "qwen3_moe": family("qwen3_moe", moe=True),
+    "hrm_text": family("hrm_text"),
+}
 
 
 def packed_loss(model, batch):
@@ -210,6 +216,8 @@ STRATEGIES = {
     "context-all_gather-llama": ("llama", *DATA_CONTEXT, 4, {"context": VARIANTS["all_gather"]}),
     "context-ring-qwen3": ("qwen3", *DATA_CONTEXT, 4, {"context": VARIANTS["ring"]}),
     "context-all_gather-balanced-qwen3": ("qwen3", *DATA_CONTEXT, 4, {"context": VARIANTS["all_gather-balanced"]}),
+    # HRM runs its early recurrent cycles under torch.no_grad: no gradient may flow back through them
+    "context-ring-hrm_text": ("hrm_text", *DATA_CONTEXT, 4, {"context": VARIANTS["ring"]}),
     "context-scan-remat-accumulation-llama": (
         "llama", *DATA_CONTEXT, 8,
         {"context": ContextParallel(), "scan_layers": True, "remat": ts.Remat(r"model\.layers\.\d+"),

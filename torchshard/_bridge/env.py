@@ -9,7 +9,7 @@ from typing import Any
 import jax
 import torch
 
-from torchshard._bridge import autocast, init_ops
+from torchshard._bridge import autocast, grad_mode, init_ops
 from torchshard._bridge.fixes import batch_norm_stats, captured_constants, narrow_dtypes
 from torchshard._bridge.loaded import Environment, torchax
 from torchshard._bridge.ops import (
@@ -40,6 +40,7 @@ def env() -> Environment:
 def _install_lowerings(tx: Environment) -> None:
     # one line per file: deleting a workaround deletes its file and its line here
     autocast.install(tx)
+    grad_mode.install(tx)
     batch_norm_stats.install(tx)  # google/torchax#22
     narrow_dtypes.install(tx)
     captured_constants.install(tx)

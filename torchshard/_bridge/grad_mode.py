@@ -1,0 +1,46 @@
+"""``torch.no_grad`` regions honoured by torchax tensors: their results are constants to ``jax.grad``.
+
+torch records no graph inside ``torch.no_grad()``, so nothing computed there passes a gradient back.
+torchax tensors carry no autograd graph at all: the Trainer differentiates the traced JAX program,
+which knows nothing of torch's grad mode. Without this a ``no_grad`` block inside a model's forward
+(transformers' HRM runs its early recurrent cycles so: the "k-step gradient") would silently pass
+gradients through, and training would differ from eager torch.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import torch
+from torch.utils import _pytree as torch_pytree
+
+from torchshard._bridge.loaded import Environment, Tensor
+
+
+def _constant(result: Any, inputs: set[int]) -> Any:
+    """``result`` with each new torchax tensor's value behind ``stop_gradient`` (in place: same objects)."""
+    for leaf in torch_pytree.tree_leaves(result):
+        # an input returned again (an in-place op) keeps its value: torch leaves its history alone too
+        if isinstance(leaf, Tensor) and id(leaf) not in inputs:
+            leaf._elem = jax.lax.stop_gradient(leaf._elem)
+    return result
+
+
+def _honouring_no_grad(dispatch: Callable[..., Any]) -> Callable[..., Any]:
+    """``dispatch`` whose results inside ``torch.no_grad()`` pass no gradient back, as in eager torch."""
+
+    def no_grad_dispatch(func: Any, types: Any, args: Any, kwargs: Any) -> Any:
+        result = dispatch(func, types, args, kwargs)
+        if torch.is_grad_enabled():
+            return result
+        inputs = {id(x) for x in torch_pytree.tree_leaves((args, kwargs)) if isinstance(x, Tensor)}
+        return _constant(result, inputs)
+
+    return no_grad_dispatch
+
+
+def install(tx: Environment) -> None:
+    """Wraps ``tx``'s dispatch so ``torch.no_grad`` regions stop gradients."""
+    tx.dispatch = _honouring_no_grad(tx.dispatch)
