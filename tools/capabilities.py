@@ -99,8 +99,8 @@ class Row:
         self.batch = test_families._batches(seed=9)[0]  # for evaluate and the forward comparisons
 
     def fresh(self) -> torch.nn.Module:
-        """A train-mode copy of the original model."""
-        return copy.deepcopy(self.original).train()
+        """A train-mode copy of the original model (eval mode where train mode samples: `Family.samples`)."""
+        return copy.deepcopy(self.original).train(not self.family.samples)
 
     @functools.cached_property
     def plan_kind(self) -> str:
@@ -113,8 +113,11 @@ class Row:
         return test_families.trainer_for(self.fresh(), self.plan_kind)
 
     def noted(self, cell: Cell) -> Cell:
-        """``cell``, saying so when it ran on FSDP alone."""
-        return cell if self.plan_kind == "hf_rules" else Cell(cell.status, f"{cell.text} (FSDP: no tp_plan)")
+        """``cell``, saying so when it ran on FSDP alone or trained in eval mode."""
+        notes = ("" if self.plan_kind == "hf_rules" else " (FSDP: no tp_plan)") + (
+            f" (eval mode: {self.family.samples})" if self.family.samples else ""
+        )
+        return Cell(cell.status, cell.text + notes)
 
     @functools.cached_property
     def forward_refusal(self) -> str:
@@ -198,7 +201,7 @@ def load_meta(row: Row, work: Work) -> Cell:
     mesh = ts.make_mesh(axes)
     ts.load_safetensors(checkpoint, model, ts.plan(model, mesh, rules))
     work.began = True
-    forward = jit_forward(model, output="logits", use_cache=False)
+    forward = jit_forward(model.eval(), output="logits", use_cache=False)  # the eager logits are eval mode's
     return _loaded_cell(ts.to_torch_state_dict(model), row, lambda: forward(ts.shard_batch(row.batch, mesh)))
 
 

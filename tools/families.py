@@ -77,6 +77,7 @@ class Family:
     moe: bool = False
     extra: tuple[tuple[str, Any], ...] = ()  # config overrides beyond SMALL
     mismatch: str = ""  # why its losses differ from eager torch (an expected failure), if they do
+    samples: str = ""  # why its train mode draws random numbers (a sampling router): it then trains in eval mode
 
 
 def _small(model_type: str) -> dict[str, Any]:
@@ -196,7 +197,12 @@ def family(model_type: str) -> Family:
     A family outside the two lists is MoE when its tiny model has stacked expert weights (`has_experts`).
     """
     known = {f.model_type: f for f in DENSE + MOE}
-    return known.get(model_type) or Family(model_type)
+    found = known.get(model_type) or Family(model_type)
+    return dataclasses.replace(found, samples=SAMPLES.get(model_type, ""))
+
+
+# routers that sample in train mode: torch's and JAX's random streams differ, so no step could equal eager's
+SAMPLES = {"phimoe": "its sparsemixer router samples with torch.rand_like in train mode"}
 
 
 def has_experts(model: torch.nn.Module) -> bool:
