@@ -384,6 +384,19 @@ def _report(argv: list[str], args: argparse.Namespace, results: dict[str, Result
     }
 
 
+def wholly_failed(names: list[str], baseline: dict[str, Any]) -> tuple[list[str], list[str]]:
+    """(``names`` to run, those whose every baseline cell is ✗: a crash or hang before any capability finished).
+
+    Examples:
+        >>> base = {"a": {"cells": {"train": {"status": "fail"}}}, "b": {"cells": {"train": {"status": "ok"}}}}
+        >>> wholly_failed(["a", "b", "c"], base)
+        (['b', 'c'], ['a'])
+    """
+    dead = [n for n in names if (cells := baseline.get(n, {}).get("cells")) and
+            all(c["status"] == "fail" for c in cells.values())]  # fmt: skip
+    return [n for n in names if n not in dead], dead
+
+
 def merge(base: dict[str, Any], *later: dict[str, Any]) -> dict[str, Any]:
     """``base`` with the cells of ``later`` reports (reruns of some families or columns) in place of its own.
 
@@ -435,6 +448,10 @@ def main(argv: list[str]) -> int:
     full = not args.families and not args.only
     out, data = args.out or (DOC if full else None), args.json or (DATA if full else None)
     baseline = json.loads(args.baseline.read_text())["families"] if args.baseline else None  # before it is rewritten
+    if baseline is not None and not args.families:
+        names, dead = wholly_failed(names, baseline)
+        if dead:  # a crash or hang in their first cell: nothing of theirs can regress, and a hang costs --timeout
+            print(f"conformance: not rerun, every cell ✗ in the baseline (see its table): {', '.join(dead)}")
     begun = time.perf_counter()
 
     def save(partial: dict[str, Result]) -> None:  # after each family: a run cut short keeps what it did
