@@ -39,6 +39,11 @@ def layer_kinds(model: torch.nn.Module) -> tuple[tuple[str, ...], list[str]]:
 
     config: Any = model.config
     name = f"{type(model).__name__} ({getattr(config, 'model_type', '?')})"
+    if not {"past_key_values", "cache"} & set(inspect.signature(model.forward).parameters):
+        return (), [  # rwkv: the decode step would feed one token with no state and read garbage
+            f"{name}: its forward takes no past_key_values (it carries a recurrent state of its own); generate "
+            f"decodes over full-attention and sliding-window caches only, so it refuses this model"
+        ]
     try:
         layers = StaticCache(config=config, max_cache_len=1).layers
     except Exception as err:  # any config transformers cannot lay a static cache out for
