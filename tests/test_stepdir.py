@@ -195,7 +195,7 @@ def check_after_kill(root: pathlib.Path, last_newest: int) -> int:
 @pytest.mark.parametrize("background", [False, True], ids=["sync", "background"])
 def test_sigkill_at_random_points_of_save_resave_and_prune(tmp_path, background):
     rng = random.Random(0)
-    newest, first, started = 0, 1, time.monotonic()
+    newest, first = 0, 1
     for _ in range(30):
         with warnings.catch_warnings():  # JAX warns of forks; the child never touches JAX
             warnings.filterwarnings("ignore", r"os\.fork\(\) was called", RuntimeWarning)
@@ -213,4 +213,3 @@ def test_sigkill_at_random_points_of_save_resave_and_prune(tmp_path, background)
     assert newest > 1, "the writer never committed: the kills came too early to test anything"
     save_fake(tmp_path, 10**7, "final")
     assert sorted(p.name for p in tmp_path.iterdir()) == [step_name(newest), step_name(10**7)]
-    assert time.monotonic() - started < 20
