@@ -2,6 +2,7 @@
 
 import contextlib
 import copy
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -41,6 +42,21 @@ def _k_step_grad(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     return h.square().sum()
 
 
+class _Gelu(torch.autograd.Function):
+    """A custom Function, as transformers' Bloom GELU: torch runs its forward with grad mode off."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor) -> torch.Tensor:
+        ctx.save_for_backward(x)
+        return x * 0.5 * (1.0 + torch.tanh(0.79788456 * x * (1 + 0.044715 * x * x)))
+
+    @staticmethod
+    def backward(ctx: Any, g: torch.Tensor) -> torch.Tensor:
+        (x,) = ctx.saved_tensors
+        t = torch.tanh(0.79788456 * x * (1 + 0.044715 * x * x))
+        return g * (0.5 * x * ((1 - t * t) * (0.79788456 + 0.1070322243 * x * x)) + 0.5 * (1 + t))
+
+
 def _seen_rows(m: torch.Tensor) -> torch.Tensor:
     """Query rows 0 and 3 of 6 may attend to nothing (as left padding's rows): False there."""
     return torch.arange(6, device=m.device)[:, None] % 3 != 0
@@ -49,6 +65,8 @@ def _seen_rows(m: torch.Tensor) -> torch.Tensor:
 # name, scalar torch function, inputs, indices of the float inputs to differentiate
 OPS = [
     ("no_grad_block", _k_step_grad, _inputs(8, (8, 16), (16, 16)), (0, 1)),
+    # a Function's forward runs with grad mode off, yet passes gradients (not a no_grad region)
+    ("autograd_function", lambda x, w: _Gelu.apply(x @ w).square().sum(), _inputs(9, (8, 16), (16, 4)), (0, 1)),
     ("matmul", lambda x, w: (x @ w).tanh().sum(), _inputs(0, (8, 16), (16, 4)), (0, 1)),
     ("softmax", lambda x, c: (F.softmax(x, dim=-1) * c).sum(), _inputs(1, (8, 16), (8, 16)), (0,)),
     (

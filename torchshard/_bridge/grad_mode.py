@@ -5,10 +5,17 @@ torchax tensors carry no autograd graph at all: the Trainer differentiates the t
 which knows nothing of torch's grad mode. Without this a ``no_grad`` block inside a model's forward
 (transformers' HRM runs its early recurrent cycles so: the "k-step gradient") would silently pass
 gradients through, and training would differ from eager torch.
+
+A custom ``torch.autograd.Function`` runs its ``forward`` with grad mode off, yet its output carries a
+gradient (through its own ``backward``) whenever grad mode was on at ``apply``. torchax differentiates
+the forward itself, so inside a Function's forward the mode that counts is the one at ``apply``:
+``_function_grad`` keeps it per thread (transformers' Bloom GELU is such a Function; reentrant
+``torch.utils.checkpoint`` is another).
 """
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Callable
 from typing import Any
 
@@ -17,6 +24,30 @@ import torch
 from torch.utils import _pytree as torch_pytree
 
 from torchshard._bridge.loaded import Environment, Tensor
+
+
+_applying = threading.local()  # .modes: grad mode at each enclosing autograd.Function.apply, innermost last
+
+
+def _grad_enabled() -> bool:
+    """Whether results now pass gradients back: grad mode, or the mode at the innermost Function's apply."""
+    modes = getattr(_applying, "modes", None)
+    return torch.is_grad_enabled() or bool(modes and modes[-1])
+
+
+def _recording_apply(original: Callable[..., Any]) -> Callable[..., Any]:
+    """``Function.apply`` that notes the grad mode it was called in, for the forward it runs."""
+
+    def apply(cls: type, *args: Any, **kwargs: Any) -> Any:
+        modes = _applying.__dict__.setdefault("modes", [])
+        modes.append(torch.is_grad_enabled())
+        try:
+            return original(cls, *args, **kwargs)
+        finally:
+            modes.pop()
+
+    apply.__wrapped__ = original  # type: ignore[attr-defined]
+    return apply
 
 
 def _constant(result: Any, inputs: set[int]) -> Any:
@@ -33,7 +64,7 @@ def _honouring_no_grad(dispatch: Callable[..., Any]) -> Callable[..., Any]:
 
     def no_grad_dispatch(func: Any, types: Any, args: Any, kwargs: Any) -> Any:
         result = dispatch(func, types, args, kwargs)
-        if torch.is_grad_enabled():
+        if _grad_enabled():
             return result
         inputs = {id(x) for x in torch_pytree.tree_leaves((args, kwargs)) if isinstance(x, Tensor)}
         return _constant(result, inputs)
@@ -44,3 +75,7 @@ def _honouring_no_grad(dispatch: Callable[..., Any]) -> Callable[..., Any]:
 def install(tx: Environment) -> None:
     """Wraps ``tx``'s dispatch so ``torch.no_grad`` regions stop gradients."""
     tx.dispatch = _honouring_no_grad(tx.dispatch)
+    function = torch.autograd.Function
+    # once per process: eager torch is unaffected (the wrapper only records the mode and calls through)
+    if not hasattr(function.apply.__func__, "__wrapped__"):
+        function.apply = classmethod(_recording_apply(function.apply.__func__))  # type: ignore[method-assign]
