@@ -24,6 +24,7 @@ ROOT = Path(__file__).resolve().parent
 VENV = ROOT / ".venv"
 PY = VENV / "bin" / "python"
 STAMP = VENV / ".torchshard-installed"
+PTH = "torchshard-lm_eval.pth"  # lm_eval's start-up hook (setup.py)
 # each command is a list of steps; a step that fails stops the command
 CHECKS = [
     ["-m", "ruff", "check", "."],
@@ -58,14 +59,25 @@ ALL_COMMANDS = (*COMMANDS, "compat")
 
 def _fingerprint() -> str:
     digest = hashlib.sha256()
-    for name in ("pyproject.toml", "constraints.txt"):
+    for name in ("pyproject.toml", "constraints.txt", "setup.py"):
         digest.update((ROOT / name).read_bytes())
     return digest.hexdigest()
+
+
+def _install_lm_eval_hook() -> None:
+    """Puts setup.py's ``.pth`` in .venv's site-packages: a wheel ships it, an editable install leaves it out.
+
+    It lets a bare ``lm_eval --model torchshard`` find torchshard's model (lm_eval discovers no plugins).
+    """
+    for site_packages in VENV.glob("lib/python3*/site-packages"):
+        if not (site_packages / PTH).exists():
+            shutil.copyfile(ROOT / PTH, site_packages / PTH)
 
 
 def ensure_venv() -> None:
     """Creates .venv and installs the pinned dependencies unless that is already done."""
     if STAMP.exists() and STAMP.read_text() == _fingerprint():
+        _install_lm_eval_hook()
         return
     if not PY.exists():
         print("dev.py: creating .venv", flush=True)
@@ -73,6 +85,7 @@ def ensure_venv() -> None:
     print("dev.py: installing pinned dependencies (first run only)", flush=True)
     pip = [str(PY), "-m", "pip", "install", "--disable-pip-version-check", "-q"]
     subprocess.run([*pip, "-c", "constraints.txt", "-e", f".[{','.join(EXTRAS)}]"], cwd=ROOT, check=True)
+    _install_lm_eval_hook()
     STAMP.write_text(_fingerprint())
 
 

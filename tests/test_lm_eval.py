@@ -5,8 +5,11 @@ from __future__ import annotations
 import copy
 import json
 import os
+import shutil
 import subprocess
 import sys
+import sysconfig
+import zipfile
 from pathlib import Path
 
 import lm_eval
@@ -189,10 +192,12 @@ def test_a_trainer_is_evaluated_with_its_latest_weights(llama, tasks):
 
 
 @pytest.mark.slow
-def test_the_command_line_evaluates_a_saved_model_as_hflm(llama, tasks, tmp_path):
+def test_a_bare_lm_eval_command_evaluates_a_saved_model_as_hflm(llama, tasks, tmp_path):
+    hook = Path(sysconfig.get_path("purelib")) / "torchshard-lm_eval.pth"
+    assert hook.exists(), f"{hook} is missing: python3 dev.py test installs it (an editable install leaves it out)"
     llama.save_pretrained(tmp_path / "model")
     _tokenizer().save_pretrained(tmp_path / "model")
-    cli = [sys.executable, "-m", "torchshard.lm_eval", "--model", "torchshard", "--model_args",
+    cli = [str(Path(sys.executable).with_name("lm_eval")), "--model", "torchshard", "--model_args",
            f"pretrained={tmp_path / 'model'},mesh=data=4", "--batch_size", "2", "--tasks", "ts_mc", "--include_path",
            str(tasks), "--output_path", str(tmp_path / "out")]  # fmt: skip
     env = {**os.environ, "TORCHSHARD_CPU_DEVICES": "4", "PYTHONPATH": str(ROOT)}
@@ -201,6 +206,36 @@ def test_the_command_line_evaluates_a_saved_model_as_hflm(llama, tasks, tmp_path
     (results,) = (tmp_path / "out").rglob("results_*.json")
     expected = _evaluate(HFLM(pretrained=llama, tokenizer=_tokenizer(), batch_size=4), tasks, ["ts_mc"])
     assert json.loads(results.read_text())["results"]["ts_mc"]["acc,none"] == expected["results"]["ts_mc"]["acc,none"]
+
+
+def test_the_start_up_hook_registers_torchshard_lazily_beside_lm_evals_own_models():
+    script = (
+        "import sys; sys.path.insert(0, sys.argv[1]); import _torchshard_lm_eval\n"
+        "from lm_eval.api.registry import get_model\n"
+        "print(get_model('hf').__name__, 'torchshard.lm_eval' in sys.modules, 'jax' in sys.modules)\n"
+        "print(get_model('torchshard').__name__)"
+    )
+    done = subprocess.run([sys.executable, "-c", script, str(ROOT)], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    # lm_eval's own models still load (registering before lm_eval.models ran would hide them), and torchshard
+    # (with JAX) is imported only when its model is asked for
+    assert done.stdout.split() == ["HFLM", "False", "False", "TorchshardLM"]
+
+
+def test_the_wheel_ships_the_start_up_hook_at_its_root(tmp_path):
+    source = tmp_path / "source"  # a copy: an in-tree build would write build/ and egg-info into the clone
+    shutil.copytree(ROOT / "torchshard", source / "torchshard", ignore=shutil.ignore_patterns("__pycache__"))
+    hook = ("_torchshard_lm_eval.py", "torchshard-lm_eval.pth")
+    for name in ("pyproject.toml", "setup.py", "README.md", "LICENSE", *hook):
+        shutil.copy(ROOT / name, source / name)
+    cmd = [sys.executable, "-m", "pip", "wheel", str(source), "--no-deps", "--no-build-isolation", "-q"]
+    cmd += ["-w", str(tmp_path)]
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=tmp_path)
+    assert done.returncode == 0, done.stderr[-3000:]
+    (wheel,) = tmp_path.glob("torchshard-*.whl")
+    names = zipfile.ZipFile(wheel).namelist()
+    assert {"torchshard-lm_eval.pth", "_torchshard_lm_eval.py"} <= set(names)
+    assert zipfile.ZipFile(wheel).read("torchshard-lm_eval.pth").decode().strip() == "import _torchshard_lm_eval"
 
 
 def test_a_tokenizer_without_a_pad_token_is_refused_and_left_as_it_was(llama):

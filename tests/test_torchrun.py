@@ -149,9 +149,9 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _run(root: Path, mode: str, *flags: str, wait: bool = True):
+def _run(root: Path, mode: str, *flags: str, wait: bool = True, slurm: dict[str, str] | None = None):
     env = {**os.environ, "TORCHSHARD_CPU_DEVICES": "2", "JAX_PLATFORMS": "cpu", "OMP_NUM_THREADS": "1",
-           "PYTHONPATH": str(TESTS.parent)}  # fmt: skip
+           "PYTHONPATH": str(TESTS.parent), **(slurm or {})}  # fmt: skip
     command = [str(TORCHRUN), *flags, str(TESTS / "mp_torchrun_script.py"), str(root), mode]
     popen = subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     if not wait:
@@ -179,12 +179,27 @@ def _losses(result: dict) -> list[float]:
     return [result["losses"][str(s)] for s in range(result["started"], result["stopped"])]
 
 
+def _srun_task(node: int, *, nodes: int) -> dict[str, str]:
+    """The variables srun sets for the task on ``node`` of a step with one task per node."""
+    return {"SLURM_JOB_ID": "7", "SLURM_STEP_ID": "0", "SLURM_NNODES": str(nodes), "SLURM_NODEID": str(node),
+            "SLURM_NTASKS": str(nodes), "SLURM_PROCID": str(node), "SLURM_LOCALID": "0",
+            "SLURM_STEP_NODELIST": f"n[0-{nodes - 1}]", "SLURM_JOB_NODELIST": f"n[0-{nodes - 1}]",
+            "SLURM_STEP_NUM_TASKS": str(nodes), "SLURM_CPUS_ON_NODE": "2"}  # fmt: skip
+
+
 @pytest.fixture(scope="module")
 def two_nodes(tmp_path_factory) -> list[dict]:
-    """Two torchrun invocations of one process each (node ranks 0 and 1) meeting at one rendezvous endpoint."""
+    """Two torchrun invocations of one process each (node ranks 0 and 1) meeting at one rendezvous endpoint.
+
+    Each runs in the environment ``srun --nodes 2 --ntasks-per-node 1 torchrun ...`` gives its task
+    (there is no SLURM here): JAX's own cluster detection would take the SLURM step, so the results'
+    ``source`` being "torchrun" shows torchrun's variables win, as the docs' SLURM recipe needs.
+    """
     root, port = tmp_path_factory.mktemp("nodes"), _free_port()
     flags = ["--nnodes", "2", "--nproc-per-node", "1", "--rdzv-endpoint", f"127.0.0.1:{port}"]
-    nodes = [_run(root, "train", *flags, "--node-rank", str(i), wait=False) for i in range(2)]
+    nodes = [
+        _run(root, "train", *flags, "--node-rank", str(i), wait=False, slurm=_srun_task(i, nodes=2)) for i in range(2)
+    ]
     for node in nodes:
         out, _ = node.communicate(timeout=400)
         assert node.returncode == 0, out[-4000:]

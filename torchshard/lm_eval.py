@@ -331,6 +331,7 @@ def _from_pretrained(path: str, target: Any, tokenizer: Any, mesh: Any, pad_toke
     if target is not None or tokenizer is not None:
         raise ArgumentError("pass pretrained= alone, or a target and a tokenizer, not both")
     axes = _mesh_axes(mesh)
+    _cpu_devices_from_environment()
     config = transformers.AutoConfig.from_pretrained(path)
     build = lambda: transformers.AutoModelForCausalLM.from_config(config)  # noqa: E731
     with torch.device("meta"):
@@ -344,15 +345,22 @@ def _from_pretrained(path: str, target: Any, tokenizer: Any, mesh: Any, pad_toke
     return model, tokenizer
 
 
+def _cpu_devices_from_environment() -> None:
+    """``TORCHSHARD_CPU_DEVICES=n`` simulates ``n`` CPU devices (JAX must not have started yet)."""
+    if os.environ.get("TORCHSHARD_CPU_DEVICES"):
+        use_cpu_devices(int(os.environ["TORCHSHARD_CPU_DEVICES"]))
+
+
 def main(argv: Sequence[str] | None = None) -> None:
     """lm_eval's command line with the ``"torchshard"`` model registered (``python -m torchshard.lm_eval ...``).
 
-    ``TORCHSHARD_CPU_DEVICES=n`` simulates ``n`` CPU devices (set before JAX starts).
+    The same as a bare ``lm_eval --model torchshard ...`` where torchshard's start-up hook is installed
+    (``torchshard-lm_eval.pth``: a wheel ships it, ``dev.py`` puts it in ``.venv``; an editable
+    ``pip install -e .`` leaves it out). ``TORCHSHARD_CPU_DEVICES=n`` simulates ``n`` CPU devices.
     """
     from lm_eval.__main__ import cli_evaluate
 
-    if os.environ.get("TORCHSHARD_CPU_DEVICES"):
-        use_cpu_devices(int(os.environ["TORCHSHARD_CPU_DEVICES"]))
+    _cpu_devices_from_environment()
     if argv is not None:
         sys.argv = [sys.argv[0], *argv]
     cli_evaluate()

@@ -25,7 +25,6 @@ from torch.utils import _pytree as torch_pytree
 
 from torchshard._bridge.loaded import Environment, Tensor
 
-
 _applying = threading.local()  # .modes: grad mode at each enclosing autograd.Function.apply, innermost last
 
 
