@@ -65,6 +65,20 @@ def _seen_rows(m: torch.Tensor) -> torch.Tensor:
 # name, scalar torch function, inputs, indices of the float inputs to differentiate
 OPS = [
     ("no_grad_block", _k_step_grad, _inputs(8, (8, 16), (16, 16)), (0, 1)),
+    # depthwise conv1d (Mamba's and linear attention's short causal conv): shifted sums; others: torchax's conv
+    (
+        "depthwise_conv1d_causal",
+        lambda x, w, b: F.conv1d(x, w, b, padding=3, groups=8)[..., :10].sin().sum(),
+        _inputs(10, (2, 8, 10), (8, 1, 4), (8,)),
+        (0, 1, 2),
+    ),
+    (
+        "depthwise_conv1d_dilated_unbatched",
+        lambda x, w: F.conv1d(x, w, padding=2, dilation=2, groups=8).tanh().sum(),
+        _inputs(11, (8, 9), (8, 1, 3)),
+        (0, 1),
+    ),
+    ("grouped_conv1d", lambda x, w: F.conv1d(x, w, groups=2).sin().sum(), _inputs(12, (2, 8, 10), (4, 4, 3)), (0, 1)),
     # a Function's forward runs with grad mode off, yet passes gradients (not a no_grad region)
     ("autograd_function", lambda x, w: _Gelu.apply(x @ w).square().sum(), _inputs(9, (8, 16), (16, 4)), (0, 1)),
     ("matmul", lambda x, w: (x @ w).tanh().sum(), _inputs(0, (8, 16), (16, 4)), (0, 1)),

@@ -15,6 +15,7 @@ from torchshard._bridge.loaded import Environment, torchax
 from torchshard._bridge.ops import (
     asserts,
     attention,
+    conv,
     cross_entropy,
     embedding,
     gather,
@@ -50,6 +51,7 @@ def _install_lowerings(tx: Environment) -> None:
     linear.install(tx)
     grouped_mm.install(tx)
     attention.install(tx)
+    conv.install(tx)
     cross_entropy.install(tx)
     asserts.install(tx)
     tensor_set.install(tx)
