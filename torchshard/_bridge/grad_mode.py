@@ -74,7 +74,7 @@ def _honouring_no_grad(dispatch: Callable[..., Any]) -> Callable[..., Any]:
 def install(tx: Environment) -> None:
     """Wraps ``tx``'s dispatch so ``torch.no_grad`` regions stop gradients."""
     tx.dispatch = _honouring_no_grad(tx.dispatch)
-    function = torch.autograd.Function
+    function: Any = torch.autograd.Function
     # once per process: eager torch is unaffected (the wrapper only records the mode and calls through)
     if not hasattr(function.apply.__func__, "__wrapped__"):
-        function.apply = classmethod(_recording_apply(function.apply.__func__))  # type: ignore[method-assign]
+        function.apply = classmethod(_recording_apply(function.apply.__func__))

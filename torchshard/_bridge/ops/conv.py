@@ -11,6 +11,7 @@ and summed, and its gradients are slices and reductions, which every backend run
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -52,10 +53,8 @@ def depthwise_conv1d(x: jax.Array, w: jax.Array, bias: jax.Array | None, padding
     padded = jnp.pad(x, [(0, 0)] * (x.ndim - 1) + [(padding, padding)])
     length = padded.shape[-1] - dilation * (taps - 1)
     dtype = jnp.result_type(x, w)
-    out = sum(
-        jax.lax.slice_in_dim(padded, k * dilation, k * dilation + length, axis=-1).astype(dtype) * w[:, 0, k, None]
-        for k in range(taps)
-    )
+    shifted = (jax.lax.slice_in_dim(padded, k * dilation, k * dilation + length, axis=-1) for k in range(taps))
+    out = functools.reduce(jnp.add, (s.astype(dtype) * w[:, 0, k, None] for k, s in enumerate(shifted)))
     return out if bias is None else out + bias[:, None]
 
 
