@@ -350,6 +350,8 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--check", action="store_true", help="exit 1 if any cell is ✗ (with --baseline: any new ✗)")
     parser.add_argument("--baseline", type=Path, help="a results JSON: --check fails only on cells it had as ✓/refused")
     parser.add_argument("--budget", type=float, default=float("inf"), help="start no family after this many seconds")
+    parser.add_argument("--skip-slower", type=float, default=float("inf"), metavar="SECONDS",
+                        help="with --baseline: leave out rows that took more CPU seconds there")  # fmt: skip
     parser.add_argument("--out", type=Path, help=f"markdown to write (default: {DOC.relative_to(ROOT)} for a full run)")
     parser.add_argument("--json", type=Path, help=f"results JSON (default: {DATA.relative_to(ROOT)} for a full run)")
     parser.add_argument(
@@ -397,6 +399,19 @@ def wholly_failed(names: list[str], baseline: dict[str, Any]) -> tuple[list[str]
     return [n for n in names if n not in dead], dead
 
 
+def slower(names: list[str], baseline: dict[str, Any], limit: float) -> tuple[list[str], list[str]]:
+    """(``names`` to run, those whose baseline row took over ``limit`` CPU seconds, with their time).
+
+    Examples:
+        >>> base = {"a": {"cpu_seconds": 400.0, "seconds": 420.0}, "b": {"cpu_seconds": 20.0, "seconds": 25.0}}
+        >>> slower(["a", "b", "c"], base, 300)
+        (['b', 'c'], ['a (400 s)'])
+    """
+    cost = {n: r.get("cpu_seconds") or r.get("seconds", 0.0) for n, r in baseline.items()}
+    slow = [n for n in names if cost.get(n, 0.0) > limit]
+    return [n for n in names if n not in slow], [f"{n} ({cost[n]:.0f} s)" for n in slow]
+
+
 def merge(base: dict[str, Any], *later: dict[str, Any]) -> dict[str, Any]:
     """``base`` with the cells of ``later`` reports (reruns of some families or columns) in place of its own.
 
@@ -413,7 +428,9 @@ def merge(base: dict[str, Any], *later: dict[str, Any]) -> dict[str, Any]:
     for rerun in later:
         for name, row in rerun["families"].items():
             kept = families.get(name)
-            families[name] = {**kept, "cells": {**kept["cells"], **row["cells"]}} if kept else row  # its time stays
+            if kept and not set(row["cells"]) >= set(kept["cells"]):  # some columns rerun: the row's time stays
+                row = {**kept, "cells": {**kept["cells"], **row["cells"]}}
+            families[name] = row
         report["merged"].append({"command": rerun["command"], "date": rerun["date"],
                                  "families": sorted(rerun["families"])})  # fmt: skip
     return report
@@ -452,6 +469,10 @@ def main(argv: list[str]) -> int:
         names, dead = wholly_failed(names, baseline)
         if dead:  # a crash or hang in their first cell: nothing of theirs can regress, and a hang costs --timeout
             print(f"conformance: not rerun, every cell ✗ in the baseline (see its table): {', '.join(dead)}")
+        names, slow = slower(names, baseline, args.skip_slower)
+        if slow:  # CI's time limit: their cells stay as the committed table has them
+            print(f"conformance: not rerun, over --skip-slower {args.skip_slower:.0f} CPU s in the baseline: "
+                  f"{', '.join(slow)}")  # fmt: skip
     begun = time.perf_counter()
 
     def save(partial: dict[str, Result]) -> None:  # after each family: a run cut short keeps what it did
