@@ -251,22 +251,35 @@ def communication(args: argparse.Namespace, batch: Any) -> list[dict[str, Any]]:
         costs = step_costs(str(compiled.as_text()))
         rows.append({"config": name, "per_axes": per_axes, "off_stage": sum(n for k, n in per_axes.items()
                      if k != "stage"), "temp_bytes": compiled.memory_analysis().temp_size_in_bytes,
-                     "flops": costs.flops, "recompute_flops": costs.recompute_flops})  # fmt: skip
+                     "flops": costs.flops, "recompute_flops": costs.recompute_flops,
+                     "bubble": trainer.pipeline_bubble if schedule else None})  # fmt: skip
         print(f"compiled {name}", flush=True)
+    useful = rows[1]["flops"]
+    for row in rows:
+        row["compiled_bubble"] = compiled_bubble(row, useful) if row["bubble"] is not None else None
     return rows
+
+
+def compiled_bubble(row: dict[str, Any], useful: float) -> float:
+    """The share of a pipelined step's FLOPs spent on the bubble's placeholder micro-batches, from the compiled
+    program: 1 - useful ÷ (FLOPs - recomputed FLOPs), ``useful`` being the unpipelined step's per device on as
+    many devices (each device of stage=S × data=D holds 1/S of the layers for 1/D of the rows)."""
+    return 1 - useful / (row["flops"] - row["recompute_flops"])
 
 
 def print_communication(rows: list[dict[str, Any]], head: str) -> None:
     mib, base, useful = 2**20, rows[0], rows[1]
     print(f"\n{head}, mesh stage=4 × data=2 (but the data=8 row), 8 CPU devices, compiled only\n")
     print("| config | bytes/step over data (MiB) | over stage,data | over stage | non-stage ÷ unpipelined | "
-          "temp (MiB) | GFLOP/step | ÷ useful (data=8) |")  # fmt: skip
-    print("|---|---|---|---|---|---|---|---|")
+          "temp (MiB) | GFLOP/step | ÷ useful (data=8) | recomputed share | bubble (formula) | "
+          "bubble (compiled FLOPs) |")  # fmt: skip
+    print("|---|---|---|---|---|---|---|---|---|---|---|")
     for r in rows:
         over = lambda k: r["per_axes"].get(k, 0) / mib  # noqa: E731
+        bubbles = "– | –" if r["bubble"] is None else f"{r['bubble']:.3f} | {r['compiled_bubble']:.3f}"
         print(f"| {r['config']} | {over('data'):.2f} | {over('stage,data'):.2f} | {over('stage'):.2f} | "
               f"{r['off_stage'] / base['off_stage']:.2f} | {r['temp_bytes'] / mib:.1f} | {r['flops'] / 1e9:.2f} | "
-              f"{r['flops'] / useful['flops']:.2f} |")  # fmt: skip
+              f"{r['flops'] / useful['flops']:.2f} | {r['recompute_flops'] / r['flops']:.2f} | {bubbles} |")  # fmt: skip
 
 
 def measured_bubbles(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
