@@ -468,3 +468,28 @@ def test_the_textbook_moe_loop_is_named_a_data_dependent_shape_with_the_static_f
                                                r"top_k_index == e.*ExpertDispatch") as caught:  # fmt: skip
         trainer.step(torch.randn(16, 32))
     assert "instead of if" not in str(caught.value)
+
+
+class _RescalesItself(nn.Module):
+    """RWKV's pattern: the forward writes a weight in place under no_grad (on a mode switch)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(8, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        with torch.no_grad():
+            self.lin.weight.mul_(0.5)
+        return self.lin(x)
+
+
+def test_a_forward_that_writes_its_parameters_is_refused_before_anything_changes():
+    model = _RescalesItself()
+    plan = ts.plan(model, ts.make_mesh({"data": 8}), presets.fsdp(min_size=0))
+    trainer = ts.Trainer(model, lambda m, x: m(x).square().mean(), optax.sgd(0.1), plan)
+    before = ts.to_torch_state_dict(trainer)
+    with pytest.raises(ts.ShardingError, match=r"_RescalesItself's forward writes parameter\(s\) lin.weight in place"):
+        trainer.step(torch.randn(8, 8))
+    assert trainer.step_count == 0
+    for name, value in ts.to_torch_state_dict(trainer).items():
+        assert torch.equal(value, before[name]), name

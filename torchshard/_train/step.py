@@ -187,13 +187,28 @@ class Runtime:
             values |= layer_slices(group, state)
         return values
 
-    def run(self, fn: LossFn, params: Arrays, buffers: Arrays, frozen: Arrays, batch: Any, key: jax.Array):
-        """``fn(model, batch)`` with the module bound to these arrays: (what it returned, new buffers, reported)."""
+    def run(
+        self,
+        fn: LossFn,
+        params: Arrays,
+        buffers: Arrays,
+        frozen: Arrays,
+        batch: Any,
+        key: jax.Array,
+        *,
+        training: bool = False,
+    ):
+        """``fn(model, batch)`` with the module bound to these arrays: (what it returned, new buffers, reported).
+
+        Raises:
+            ShardingError: ``training`` and the forward wrote a parameter in place (see `_written_parameters`).
+        """
         state = {**self._cast({**params, **frozen}), **buffers}
         # torch randomness (dropout, torch.rand) draws from torchax's key: this step's, for this trace
         # only; factory calls without a device make traced tensors, not CPU ones frozen at trace time
         with seeded(key), env(), torch.device("jax"):
             values = self._values(state)
+            before = {k: unwrap(values[k]) for k in (*params, *frozen) if k in values}
             runs = self._runs(state, batch)
             with (
                 bound(self.model, values),
@@ -206,6 +221,8 @@ class Runtime:
                 out = call_loss(fn, self.model, jax.tree.map(wrap, self._inputs(batch)))
             for run in runs:
                 run.finish()
+        if training and (written := [k for k, array in before.items() if unwrap(values[k]) is not array]):
+            raise ShardingError(_written_parameters(self.model, written))
         new_buffers = {k: unwrap(values[k]) for k in buffers if k in values}
         for run in runs:
             new_buffers |= {
@@ -215,9 +232,22 @@ class Runtime:
 
     def loss(self, params: Arrays, buffers: Arrays, frozen: Arrays, batch: Any, key: jax.Array):
         """``loss_fn(model, batch)`` with the module bound to these arrays: (loss, (new buffers, aux))."""
-        out, new_buffers, reported = self.run(self.loss_fn, params, buffers, frozen, batch, key)
+        out, new_buffers, reported = self.run(self.loss_fn, params, buffers, frozen, batch, key, training=True)
         loss, aux = loss_and_aux(out)
         return loss, (new_buffers, aux | reported)
+
+
+def _written_parameters(model: torch.nn.Module, names: Sequence[str]) -> str:
+    """Why a forward that writes its own parameters in place cannot be trained as it is, and the fix."""
+    shown = ", ".join(names[:4]) + (f" and {len(names) - 4} more" if len(names) > 4 else "")
+    return (
+        f"loss_fn: {type(model).__name__}'s forward writes parameter(s) {shown} in place (e.g. under torch.no_grad, "
+        "as transformers' RWKV rescales its weights when it switches between train and eval mode). The Trainer's "
+        "step is a pure function of the parameters: the write would not persist, every step would redo it, and "
+        "the gradient would be taken through it, unlike eager torch. Make the write once, eagerly, before "
+        "building the Trainer (e.g. run one forward in the mode you will train in), or turn the behaviour off "
+        "(RWKV: config.rescale_every=0)."
+    )
 
 
 def micro_batches(batch: Any, k: int) -> Any:
