@@ -279,7 +279,8 @@ def print_communication(rows: list[dict[str, Any]], head: str) -> None:
         bubbles = "– | –" if r["bubble"] is None else f"{r['bubble']:.3f} | {r['compiled_bubble']:.3f}"
         print(f"| {r['config']} | {over('data'):.2f} | {over('stage,data'):.2f} | {over('stage'):.2f} | "
               f"{r['off_stage'] / base['off_stage']:.2f} | {r['temp_bytes'] / mib:.1f} | {r['flops'] / 1e9:.2f} | "
-              f"{r['flops'] / useful['flops']:.2f} | {r['recompute_flops'] / r['flops']:.2f} | {bubbles} |")  # fmt: skip
+              f"{r['flops'] / useful['flops']:.2f} | {r['recompute_flops'] / r['flops']:.2f} | "
+              f"{bubbles} |")  # fmt: skip
 
 
 def measured_bubbles(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
