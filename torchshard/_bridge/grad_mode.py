@@ -15,6 +15,7 @@ the forward itself, so inside a Function's forward the mode that counts is the o
 
 from __future__ import annotations
 
+import inspect
 import threading
 from collections.abc import Callable
 from typing import Any
@@ -25,6 +26,7 @@ from torch.utils import _pytree as torch_pytree
 
 from torchshard._bridge.loaded import Environment, Tensor
 
+_patched = False  # whether torch.autograd.Function.apply records the grad mode (install)
 _applying = threading.local()  # .modes: grad mode at each enclosing autograd.Function.apply, innermost last
 
 
@@ -34,18 +36,21 @@ def _grad_enabled() -> bool:
     return torch.is_grad_enabled() or bool(modes and modes[-1])
 
 
-def _recording_apply(original: Callable[..., Any]) -> Callable[..., Any]:
-    """``Function.apply`` that notes the grad mode it was called in, for the forward it runs."""
+def _recording_apply(original: Any) -> Callable[..., Any]:
+    """``Function.apply`` that notes the grad mode it was called in, for the forward it runs.
+
+    ``original`` is the raw descriptor (a Python classmethod in torch 2.13, torch's C one in 2.15),
+    bound to the subclass each call is made on.
+    """
 
     def apply(cls: type, *args: Any, **kwargs: Any) -> Any:
         modes = _applying.__dict__.setdefault("modes", [])
         modes.append(torch.is_grad_enabled())
         try:
-            return original(cls, *args, **kwargs)
+            return original.__get__(None, cls)(*args, **kwargs)
         finally:
             modes.pop()
 
-    apply.__wrapped__ = original  # type: ignore[attr-defined]
     return apply
 
 
@@ -74,7 +79,9 @@ def _honouring_no_grad(dispatch: Callable[..., Any]) -> Callable[..., Any]:
 def install(tx: Environment) -> None:
     """Wraps ``tx``'s dispatch so ``torch.no_grad`` regions stop gradients."""
     tx.dispatch = _honouring_no_grad(tx.dispatch)
-    function: Any = torch.autograd.Function
+    global _patched
     # once per process: eager torch is unaffected (the wrapper only records the mode and calls through)
-    if not hasattr(function.apply.__func__, "__wrapped__"):
-        function.apply = classmethod(_recording_apply(function.apply.__func__))
+    if not _patched:
+        function: Any = torch.autograd.Function
+        function.apply = classmethod(_recording_apply(inspect.getattr_static(function, "apply")))
+        _patched = True
