@@ -9,7 +9,7 @@ gradients through, and training would differ from eager torch.
 A custom ``torch.autograd.Function`` runs its ``forward`` with grad mode off, yet its output carries a
 gradient (through its own ``backward``) whenever grad mode was on at ``apply``. torchax differentiates
 the forward itself, so inside a Function's forward the mode that counts is the one at ``apply``:
-``_function_grad`` keeps it per thread (transformers' Bloom GELU is such a Function; reentrant
+``_applying`` keeps it per thread (transformers' Bloom GELU is such a Function; reentrant
 ``torch.utils.checkpoint`` is another).
 """
 

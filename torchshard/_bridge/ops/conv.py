@@ -26,7 +26,13 @@ MAX_TAPS = 16  # longer kernels stay XLA convolutions: K slices would cost more 
 
 
 def _depthwise_1d(
-    stride: Sequence[int], dilation: Sequence[int], transposed: bool, groups: int, x: Any, w: Any
+    stride: Sequence[int],
+    padding: Sequence[int],
+    dilation: Sequence[int],
+    transposed: bool,
+    groups: int,
+    x: Any,
+    w: Any,
 ) -> bool:
     """Whether ``aten.convolution``'s arguments describe a stride-1 depthwise 1-D conv with few taps."""
     return (
@@ -36,7 +42,7 @@ def _depthwise_1d(
         and w.shape[1] == 1
         and groups == w.shape[0] == x.shape[-2]
         and list(stride) == [1]
-        and len(dilation) == 1
+        and len(padding) == len(dilation) == 1
         and w.shape[-1] <= MAX_TAPS
     )
 
@@ -62,7 +68,7 @@ def convolution(reference: Callable[..., Any]) -> Callable[..., Any]:
     """``aten.convolution``: depthwise 1-D convs as `depthwise_conv1d`, every other one by ``reference``."""
 
     def lowering(x, w, bias, stride, padding, dilation, transposed, output_padding, groups):
-        if _depthwise_1d(stride, dilation, transposed, groups, x, w) and len(padding) == 1:
+        if _depthwise_1d(stride, padding, dilation, transposed, groups, x, w):
             return depthwise_conv1d(x, w, bias, padding=padding[0], dilation=dilation[0])
         return reference(x, w, bias, stride, padding, dilation, transposed, output_padding, groups)
 
