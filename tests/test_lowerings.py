@@ -78,6 +78,19 @@ OPS = [
         _inputs(11, (8, 9), (8, 1, 3)),
         (0, 1),
     ),
+    # gated delta-rule chunks (qwen3_next, olmo_hybrid): blocked substitution on CPU, not LAPACK's trsm
+    (
+        "solve_triangular_unit_lower_broadcast",
+        lambda a, b: torch.linalg.solve_triangular(0.3 * a, b, upper=False, unitriangular=True).sin().sum(),
+        _inputs(24, (2, 1, 20, 20), (2, 3, 20, 5)),
+        (0, 1),
+    ),
+    (
+        "solve_triangular_upper_right",
+        lambda a, b: torch.linalg.solve_triangular(a + 4 * torch.eye(11), b, upper=True, left=False).tanh().sum(),
+        _inputs(25, (11, 11), (3, 6, 11)),
+        (0, 1),
+    ),
     ("grouped_conv1d", lambda x, w: F.conv1d(x, w, groups=2).sin().sum(), _inputs(12, (2, 8, 10), (4, 4, 3)), (0, 1)),
     # a Function's forward runs with grad mode off, yet passes gradients (not a no_grad region)
     ("autograd_function", lambda x, w: _Gelu.apply(x @ w).square().sum(), _inputs(9, (8, 16), (16, 4)), (0, 1)),
@@ -506,3 +519,17 @@ def test_set_onto_another_tensor_is_refused_naming_the_fix():
     a, b = on_jax(_inputs(0, (2, 3), (3,)))
     with env(), pytest.raises(ShardingError, match=r"set_\(source\) of a \(2, 3\) tensor onto another \(3,\) tensor"):
         a.set_(b)
+
+
+def test_a_triangular_solve_on_cpu_calls_no_lapack_kernel():
+    """LAPACK's trsm splits its batch over the pool the simulated devices run on: eight devices
+    entering it at once wait on each other for ever (qwen3_next's first step hung). The compiled
+    step, gradient included, is matmuls and slices."""
+    a, b = _inputs(26, (4, 2, 64, 64), (4, 2, 64, 8))
+
+    def solved(a, b):
+        return torch.linalg.solve_triangular(a, b, upper=False, unitriangular=True).square().sum()
+
+    arrays = [jnp.asarray(t.numpy()) for t in (a, b)]
+    hlo = jax.jit(jax.grad(torchax.interop.jax_view(solved), argnums=(0, 1))).lower(*arrays).compile().as_text()
+    assert "trsm" not in hlo, "the solve still calls LAPACK"
