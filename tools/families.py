@@ -164,6 +164,17 @@ MOE = [
     _f("granitemoehybrid", moe=True, layer_types=["full_attention", "linear_attention"]),
     _f("jamba", moe=True, attn_layer_period=2, attn_layer_offset=0),
 ]  # fmt: skip
+_TINY_BLOCK = {"hidden_size": 64, "num_attention_heads": 4, "num_key_value_heads": 4, "head_dim": 16,
+               "intermediate_size": 128, "max_position_embeddings": 64, "num_hidden_layers": 2}
+# families outside the two lists whose config needs more than SMALL to be tiny
+OTHER = [
+    # byte latent transformer: four nested configs (SMALL reaches only the outer one: 25 global layers of
+    # 2048 and a 500,002-row hash embedding would be built) and a hash-embedding vocabulary of its own
+    _f("blt", encoder_hash_byte_group_vocab=256,
+       encoder_config=_TINY_BLOCK | {"hidden_size_global": 64, "num_hidden_layers": 1},
+       decoder_config=_TINY_BLOCK | {"hidden_size_global": 64},
+       global_config=_TINY_BLOCK, patcher_config=_TINY_BLOCK),
+]  # fmt: skip
 # MoE families whose experts module is not called with the router's choice, so the Trainer leaves
 # token movement to the plan's sharding (ExpertDispatch's default falls back)
 NO_DISPATCH = {"llama4_text": "Llama4TextExperts.forward(hidden_states) takes rows already grouped by expert"}
@@ -192,11 +203,11 @@ def causal_lm_types() -> list[str]:
 
 
 def family(model_type: str) -> Family:
-    """The family of DENSE/MOE (with its overrides) when it is there, else one without overrides.
+    """The family of DENSE/MOE/OTHER (with its overrides) when it is there, else one without overrides.
 
     A family outside the two lists is MoE when its tiny model has stacked expert weights (`has_experts`).
     """
-    known = {f.model_type: f for f in DENSE + MOE}
+    known = {f.model_type: f for f in DENSE + MOE + OTHER}
     found = known.get(model_type) or Family(model_type)
     return dataclasses.replace(found, samples=SAMPLES.get(model_type, ""))
 
