@@ -431,6 +431,9 @@ ASSERTS = {
     "functional_false": lambda x: torch.ops.aten._functional_assert_async.msg(
         x.sum() < 0, "functional", torch.ops.aten._make_dep_token()
     ),
+    # torch._check_tensor_all (blt's byte patcher): `aten._is_all_true`, then `.item()`
+    "check_tensor_all": lambda x: torch._check_tensor_all(x > 0),
+    "check_tensor_all_false": lambda x: torch._check_tensor_all(x < 0, lambda: "all negative"),
     "assert_scalar_false": lambda x: torch.ops.aten._assert_scalar(x.shape[0] == 3, "three rows"),
     "tensor_metadata": lambda x: torch.ops.aten._assert_tensor_metadata(x, [4], None, torch.float32),
     "tensor_metadata_size": lambda x: torch.ops.aten._assert_tensor_metadata(x, [3], None, torch.float32),
@@ -461,6 +464,7 @@ def test_runtime_assertions_check_known_values_as_torch_does(name):
 def test_a_traced_condition_is_dropped_and_prints_run_every_call(capfd):
     def checked(x):
         torch._assert_async(x.sum() < 0, "negative")  # traced: no value to check inside jit
+        torch._check_tensor_all(x < 0)
         torch.ops.aten._print("printed")
         return x * 2
 

@@ -164,8 +164,15 @@ MOE = [
     _f("granitemoehybrid", moe=True, layer_types=["full_attention", "linear_attention"]),
     _f("jamba", moe=True, attn_layer_period=2, attn_layer_offset=0),
 ]  # fmt: skip
-_TINY_BLOCK = {"hidden_size": 64, "num_attention_heads": 4, "num_key_value_heads": 4, "head_dim": 16,
-               "intermediate_size": 128, "max_position_embeddings": 64, "num_hidden_layers": 2}
+_TINY_BLOCK = {
+    "hidden_size": 64,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 4,
+    "head_dim": 16,
+    "intermediate_size": 128,
+    "max_position_embeddings": 64,
+    "num_hidden_layers": 2,
+}
 # families outside the two lists whose config needs more than SMALL to be tiny
 OTHER = [
     # byte latent transformer: four nested configs (SMALL reaches only the outer one: 25 global layers of

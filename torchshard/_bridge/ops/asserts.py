@@ -1,4 +1,4 @@
-"""torch's runtime assertions (``torch._assert_async``, range constraints, ``_print``): checked when values are known.
+"""torch's runtime assertions (``_assert_async``, ``_check_tensor_all``, ``_print``, ...): checked when known.
 
 torchax has no lowering for most of them (torchtitan's RoPE shape check, ``torch._assert_async``,
 stopped the first step) and lowers ``_assert_scalar`` / ``_assert_tensor_metadata`` to nothing.
@@ -53,6 +53,18 @@ def make_dep_token(**_: Any) -> jax.Array:
     return jnp.zeros((), jnp.float32)
 
 
+def is_all_true(condition: Any) -> jax.Array:
+    """``aten._is_all_true``, ``torch._check_tensor_all``'s test: whether every element is true.
+
+    The check then reads it with ``.item()``: a traced condition counts as true, so that the check
+    is dropped like the assertions above rather than failing on a value the trace does not have.
+    """
+    if _known(condition):
+        return jnp.all(condition)
+    with jax.ensure_compile_time_eval():  # a constant, not staged into the trace: `.item()` reads it
+        return jnp.bool_(True)
+
+
 def assert_scalar(condition: Any, assert_msg: str) -> None:
     """``aten._assert_scalar``: a Python (or known) boolean must be true."""
     _check(condition, assert_msg)
@@ -99,6 +111,7 @@ def install(tx: Environment) -> None:
         aten._functional_assert_async.msg: functional_assert_async,
         aten._make_dep_token.default: make_dep_token,
         aten._assert_scalar.default: assert_scalar,
+        aten._is_all_true.default: is_all_true,
         aten._assert_tensor_metadata.default: assert_tensor_metadata,
         aten.sym_constrain_range.default: constrain_range,
         aten.sym_constrain_range_for_size.default: constrain_range,
