@@ -1,0 +1,73 @@
+"""A function's vjp residuals, split into those that change with its varying inputs and those that do not."""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import jax
+from jax.extend.core import Literal
+
+
+@dataclasses.dataclass(frozen=True)
+class Residuals:
+    """How the residuals of ``jax.vjp(fn, diff)`` (the leaves of the pullback it returns) split.
+
+    A pipeline stage keeps each micro-batch's residuals from its forward to its backward. Those
+    that depend only on the weights (a transposed weight matrix) are the same for every
+    micro-batch: computed once, they are not kept once per micro-batch in flight.
+    """
+
+    treedef: Any
+    varying: tuple[bool, ...]  # per residual: whether it depends on a varying input
+    avals: tuple[Any, ...]  # per residual: its shape and dtype
+
+    def split(self, leaves: Sequence[jax.Array]) -> tuple[list[jax.Array], list[jax.Array]]:
+        """(the fixed residuals, the varying ones), each in order."""
+        if len(leaves) != len(self.varying):
+            raise AssertionError(f"a stage's vjp has {len(leaves)} residuals, traced with {len(self.varying)}")
+        fixed = [x for x, v in zip(leaves, self.varying, strict=True) if not v]
+        return fixed, [x for x, v in zip(leaves, self.varying, strict=True) if v]
+
+    def kept(self) -> list[Any]:
+        """The shapes and dtypes of the varying residuals (what a stage keeps per micro-batch in flight)."""
+        return [a for a, v in zip(self.avals, self.varying, strict=True) if v]
+
+    def pullback(self, fixed: Sequence[jax.Array], varying: Sequence[jax.Array]) -> Callable[..., Any]:
+        """The pullback rebuilt from its two kinds of residuals."""
+        fixed_it, varying_it = iter(fixed), iter(varying)
+        leaves = [next(varying_it) if v else next(fixed_it) for v in self.varying]
+        return jax.tree_util.tree_unflatten(self.treedef, leaves)
+
+
+def residuals(fn: Callable[[Any, Any], Any], diff: Any, rest: Any, varying: Any) -> Residuals:
+    """The residuals of ``jax.vjp(lambda d: fn(d, rest), diff)`` and which depend on the inputs ``varying`` marks.
+
+    Args:
+        fn: ``fn(diff, rest) -> output``.
+        diff: the inputs it is differentiated by.
+        rest: its other inputs.
+        varying: a pytree of bools shaped like ``(diff, rest)``'s leaves' prefix: True where an input
+            changes between calls (the micro-batch), False where it does not (the weights).
+    """
+    found: list[Any] = []
+
+    def leaves(diff: Any, rest: Any) -> list[jax.Array]:
+        _, pull = jax.vjp(lambda d: fn(d, rest), diff)
+        flat, treedef = jax.tree_util.tree_flatten(pull)
+        found.append(treedef)
+        return flat
+
+    closed = jax.make_jaxpr(leaves)(diff, rest)
+    marks = jax.tree.leaves(jax.tree.map(lambda mark, x: jax.tree.map(lambda _: mark, x), varying, (diff, rest)))
+    return Residuals(found[-1], tuple(_dependent(closed.jaxpr, marks)), tuple(closed.out_avals))
+
+
+def _dependent(jaxpr: Any, marks: Sequence[bool]) -> list[bool]:
+    """Which outputs of ``jaxpr`` depend on the inputs ``marks`` flags (an equation's outputs on all its inputs)."""
+    marked = {v for v, m in zip(jaxpr.invars, marks, strict=True) if m}
+    for eqn in jaxpr.eqns:
+        if any(not isinstance(v, Literal) and v in marked for v in eqn.invars):
+            marked.update(eqn.outvars)
+    return [not isinstance(v, Literal) and v in marked for v in jaxpr.outvars]
