@@ -12,13 +12,14 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import dataclasses
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
 
 import jax
 import jax.numpy as jnp
 
 from torchshard._base.errors import ShardingError
+from torchshard._bridge.module_call import PureForward
 from torchshard._parallel import one_f_one_b
 from torchshard._parallel.pipeline import LayerFn, Stages
 from torchshard._train.scan import ScanGroup
@@ -38,6 +39,8 @@ class _Capture:
     layer_fn: LayerFn | None = None
     h: jax.Array | None = None
     others: Sequence[jax.Array] = ()
+    output: Any = None  # the structure of a block's output (`PureForward.output`), for the tail's rebuild
+    given: jax.Array | None = None  # in the tail: the stack's output for the micro-batch
 
 
 @contextlib.contextmanager
@@ -49,7 +52,10 @@ def _stack_is(value: Any) -> Iterator[None]:
         _STACK.reset(token)
 
 
-def intercepted(layer_fn: LayerFn, h: jax.Array, others: Sequence[jax.Array], key: jax.Array) -> Any:
+def intercepted(
+    pure: PureForward, layer: Mapping[str, jax.Array], layer_fn: LayerFn, h: jax.Array, others: Sequence[jax.Array],
+    key: jax.Array,
+) -> Any:
     """What a pipelined stack returns while a 1F1B step traces its prefix or tail: None when it runs as usual.
 
     Raises:
@@ -59,15 +65,18 @@ def intercepted(layer_fn: LayerFn, h: jax.Array, others: Sequence[jax.Array], ke
     mode = _STACK.get()
     if mode is None:
         return None
-    if isinstance(mode, _Capture):
-        mode.layer_fn, mode.h, mode.others = layer_fn, h, tuple(others)
+    if mode.given is None:
+        shaped = lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype)  # noqa: E731
+        jax.eval_shape(layer_fn, *jax.tree.map(shaped, (dict(layer), h, list(others), key)))  # the block's output
+        mode.layer_fn, mode.h, mode.others, mode.output = layer_fn, h, tuple(others), pure.output
         raise _Stop
-    if mode.shape != h.shape:
+    if mode.given.shape != h.shape:
         raise ShardingError(
             f"Pipeline(schedule='1f1b'): the stack got a hidden state {list(h.shape)} for one micro-batch, "
-            f"expected {list(mode.shape)}; the model's code before the stack must treat rows independently"
+            f"expected {list(mode.given.shape)}; the model's code before the stack must treat rows independently"
         )
-    return mode.astype(h.dtype), key
+    pure.output = mode.output
+    return mode.given.astype(h.dtype), key
 
 
 def _floating(x: jax.Array) -> bool:
@@ -108,7 +117,7 @@ class Gradient:
             mb = jax.tree.map(lambda x: jax.lax.dynamic_index_in_dim(x, i, 0, keepdims=False), split)
 
             def loss(tp: Arrays, h_mb: jax.Array):
-                with _stack_is(h_mb):
+                with _stack_is(dataclasses.replace(capture, given=h_mb)):
                     value, (new_buffers, aux) = self.runtime.loss({**tp, **fixed_params}, buffers, frozen, mb,
                                                                   jax.random.fold_in(key, i))  # fmt: skip
                 _check_buffers(new_buffers, buffers)

@@ -113,7 +113,8 @@ class Staged:
             return out[0], key
 
         scan.new_buffers = {s: a for s, a in scan.params.items() if s in scan.group.buffers}
-        if (given := one_f_one_b_grads.intercepted(layer_fn, h, others, current_key())) is not None:
+        layer = {s: w[0] for s, w in scan.params.items()}
+        if (given := one_f_one_b_grads.intercepted(pure, layer, layer_fn, h, others, current_key())) is not None:
             return given  # a 1F1B step's prefix or tail: the stack runs in its own loop
         where = f"Pipeline: {prefix}"
         return schedule.run(
