@@ -68,6 +68,20 @@ def _dependent(jaxpr: Any, marks: Sequence[bool]) -> list[bool]:
     """Which outputs of ``jaxpr`` depend on the inputs ``marks`` flags (an equation's outputs on all its inputs)."""
     marked = {v for v, m in zip(jaxpr.invars, marks, strict=True) if m}
     for eqn in jaxpr.eqns:
-        if any(not isinstance(v, Literal) and v in marked for v in eqn.invars):
-            marked.update(eqn.outvars)
+        given = [not isinstance(v, Literal) and v in marked for v in eqn.invars]
+        if not any(given):
+            continue
+        inner = _inner(eqn)  # a call (jit, custom_jvp): through its body, whose weight-only outputs stay fixed
+        outs = _dependent(inner, given) if inner is not None else [True] * len(eqn.outvars)
+        marked.update(v for v, out in zip(eqn.outvars, outs, strict=True) if out)
     return [not isinstance(v, Literal) and v in marked for v in jaxpr.outvars]
+
+
+def _inner(eqn: Any) -> Any:
+    """The body of a call-like equation whose inputs and outputs are the equation's, or None."""
+    for value in eqn.params.values():
+        body = getattr(value, "jaxpr", value)
+        if (hasattr(body, "eqns") and len(body.invars) == len(eqn.invars)
+                and len(body.outvars) == len(eqn.outvars)):  # fmt: skip
+            return body
+    return None
