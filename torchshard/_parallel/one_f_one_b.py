@@ -21,7 +21,18 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import NamedSharding, PartitionSpec
 
-from torchshard._parallel.pipeline import LayerFn, Stages, _by_batch, _merge, _per_stage, _reordered, _split
+from torchshard._parallel.pipeline import (
+    LayerFn,
+    Stages,
+    _batch_axes,
+    _by_batch,
+    _gathered,
+    _merge,
+    _per_stage,
+    _reordered,
+    _shards,
+    _split,
+)
 from torchshard._parallel.residuals import Residuals, residuals
 from torchshard._parallel.vmapped import vmapped_over
 
@@ -51,6 +62,7 @@ class _Kernel:
     split_float: tuple[bool, ...]
     whole_float: tuple[bool, ...]
     context: Callable[[], contextlib.AbstractContextManager[Any]]
+    shards: int = 1  # copies of a stage's weights, one per shard of the batch axes (`pipeline._gathered`)
 
     def stage(self, diff: Any, rest: Any) -> jax.Array:
         """One stage's chunk of layers on one micro-batch (its unbatched view): the output hidden state."""
@@ -79,6 +91,39 @@ class _Kernel:
     def vmapped(self, fn: Callable[..., Any], *args: Any) -> Any:
         with self.context(), vmapped_over(self.spec.axis):
             return jax.vmap(fn, spmd_axis_name=self.spec.axis)(*args)
+
+    def per_shard(self, fn: Callable[..., Any], *args: Any) -> Any:
+        """``fn`` on each batch shard's rows with its own copy of the weights (inside `vmapped`): the weight
+        gradient stays a partial sum per shard in the loop, reduced once after it."""
+        if self.shards == 1:
+            return jax.vmap(fn)(*args)
+        axes = _batch_axes(self.spec)
+        with contextlib.ExitStack() as inside:
+            for axis in axes:
+                inside.enter_context(vmapped_over(axis))
+            return jax.vmap(fn, spmd_axis_name=axes)(*args)
+
+    def local(self, x: jax.Array) -> jax.Array:
+        """A micro-batch's rows ``[mb, ...]`` as each shard's, ``[D, mb/D, ...]``."""
+        return x.reshape(self.shards, x.shape[0] // self.shards, *x.shape[1:])
+
+    def stage_forward(self, res: Residuals, weights: Any, h: jax.Array, split: Any, whole: Any, key: jax.Array):
+        """One stage's forward of one micro-batch: (output, the residuals it keeps, ``[D, ...]``)."""
+        keys = jax.vmap(lambda n: jax.random.fold_in(key, n))(jnp.arange(self.shards))
+        one = lambda w, h, sp, k: self.forward(res, w, h, sp, whole, k)  # noqa: E731
+        out, kept = self.per_shard(one, weights, self.local(h), [self.local(x) for x in split], keys)
+        return _merge_shards(out), kept
+
+    def stage_backward(self, res: Residuals, fixed: Any, kept: Any, g: jax.Array):
+        """One stage's backward of one micro-batch: (d weights ``[D, chunk, ...]``, d input, d split, d whole)."""
+        layers, d_h, dsplit, dwhole = self.per_shard(lambda f, k, g: res.pullback(f, k)(g)[0], fixed, kept,
+                                                     self.local(g))  # fmt: skip
+        weights = {k: jnp.stack([layer[k] for layer in layers], axis=1) for k in layers[0]} if layers else {}
+        return weights, _merge_shards(d_h), [_merge_shards(d) for d in dsplit], dwhole
+
+
+def _merge_shards(x: jax.Array) -> jax.Array:
+    return x.reshape(x.shape[0] * x.shape[1], *x.shape[2:])
 
 
 def _parted(xs: Sequence[jax.Array], mask: Sequence[bool]) -> tuple[list[jax.Array], list[jax.Array]]:
@@ -125,6 +170,11 @@ class _Loop:
     def spec(self) -> Stages:
         return self.kernel.spec
 
+    @property
+    def shard_dim(self) -> Any:
+        """How the copies' dim (after the stage dim) is laid: over the batch axes, if there are copies."""
+        return _batch_axes(self.spec) if self.kernel.shards > 1 else None
+
     def on_stages(self, x: jax.Array, *dims: Any) -> jax.Array:
         spec = PartitionSpec(self.spec.axis, *dims, *([PartitionSpec.UNCONSTRAINED] * (x.ndim - 1 - len(dims))))
         return jax.lax.with_sharding_constraint(x, NamedSharding(self.spec.mesh, spec))
@@ -150,11 +200,11 @@ class _Loop:
             h = self.on_stages(jnp.where(_column(stage == 0, carry["h"].ndim), first, carry["h"]), self.spec.batch)
             split = tuple(_per_stage(x, jnp.clip(j, 0, m - 1)) for x in self.split)
             whole = tuple(self.whole)
-            fwd = lambda w, h, sp, k: self.kernel.forward(self.res, w, h, sp, whole, k)  # noqa: E731
+            fwd = lambda w, h, sp, k: self.kernel.stage_forward(self.res, w, h, sp, whole, k)  # noqa: E731
             out, kept = self.kernel.vmapped(fwd, self.weights, h, split, self.keys(t))
             valid = (j >= 0) & (j < m)
-            carry["ring"] = [self.on_stages(_write(r, k, j % slots, valid)) for r, k in zip(carry["ring"], kept,
-                                                                                            strict=True)]
+            carry["ring"] = [self.on_stages(_write(r, k, j % slots, valid), None, self.shard_dim)
+                             for r, k in zip(carry["ring"], kept, strict=True)]  # fmt: skip
         if backward:
             g = carry["g"]
             if out is not None:  # the last stage's output of micro-batch t-S+1 through the loss tail
@@ -170,12 +220,10 @@ class _Loop:
         m = self.spec.microbatches
         valid, at = (j >= 0) & (j < m), jnp.clip(j, 0, m - 1)
         kept = [_read(r, j % slots) for r in carry["ring"]]
-        bwd = lambda fixed, kept, g: self.res.pullback(fixed, kept)(g)[0]  # noqa: E731
-        layers, d_h, dsplit, dwhole = self.kernel.vmapped(bwd, self.fixed, kept, g)
-        for k in self.weights:
-            if k in self.kernel.trainable:
-                d = jnp.stack([layer[k] for layer in layers], axis=1)
-                carry["w"][k] = carry["w"][k] + _masked(valid, d, jnp.zeros_like(d))
+        bwd = lambda fixed, kept, g: self.kernel.stage_backward(self.res, fixed, kept, g)  # noqa: E731
+        d_w, d_h, dsplit, dwhole = self.kernel.vmapped(bwd, self.fixed, kept, g)
+        for k, d in d_w.items():
+            carry["w"][k] = carry["w"][k] + _masked(valid, d, jnp.zeros_like(d))
         first = valid & (jnp.arange(self.spec.stages) == 0)
         carry["dh"] = _write(carry["dh"], d_h, at, first)
         carry["split"] = [_write(acc, d + _read(acc, at), at, valid) for acc, d in zip(carry["split"], dsplit,
@@ -222,30 +270,50 @@ def run(
         context: entered around every trace of the layers (the torch environment).
     """
     m, s, rows = spec.microbatches, spec.stages, h.shape[0]
+    shards = _shards(spec, rows // m)
+    try:
+        carry = _looped(spec, layer_fn, weights, trainable, h, others, key, tail, context, shards)
+    except ValueError as err:
+        if shards == 1 or "spmd_axis_name cannot appear in shard_map" not in str(err):
+            raise
+        # a shard_map inside the layers splits the rows over the batch axes itself (expert dispatch's all-to-all)
+        carry = _looped(spec, layer_fn, weights, trainable, h, others, key, tail, context, 1)
+    d_split, d_whole = iter(carry["split"]), iter(carry["whole"])
+    d_others = [
+        (_merge(next(d_split).sum(0)) if _by_batch(x, rows) else next(d_whole).sum((0, 1))) if _floating(x) else None
+        for x in others
+    ]
+    # the copies' gradients summed once, here: the one reduction over the batch axes of the step
+    d_weights = {k: w.sum(1).reshape(-1, *w.shape[3:]) for k, w in carry["w"].items()}
+    return Result(carry["sums"], d_weights, _merge(carry["dh"][0]), tuple(d_others))
+
+
+def _looped(spec: Stages, layer_fn: LayerFn, weights: Mapping[str, jax.Array], trainable: frozenset[str],
+            h: jax.Array, others: Sequence[jax.Array], key: jax.Array, tail: Tail,
+            context: Callable[[], contextlib.AbstractContextManager[Any]], shards: int) -> dict[str, Any]:  # fmt: skip
+    """The three phases of the loop with ``shards`` copies of each stage's weights: the final carry."""
+    m, s, rows = spec.microbatches, spec.stages, h.shape[0]
     split = tuple(_split(x, m) for x in others if _by_batch(x, rows))
     whole = tuple(x for x in others if not _by_batch(x, rows))
     kernel = _Kernel(spec, _reordered(layer_fn, others, rows), trainable, tuple(map(_floating, split)),
-                     tuple(map(_floating, whole)), context)  # fmt: skip
+                     tuple(map(_floating, whole)), context, shards)  # fmt: skip
     blocks = {k: w.reshape(s, spec.chunk, *w.shape[1:]) for k, w in weights.items()}
+    blocks = _gathered(spec, blocks, shards, 2) if shards > 1 else {k: w[:, None] for k, w in blocks.items()}
     micro = _split(h, m)
-    one = {k: w[0] for k, w in blocks.items()}
-    diff, rest = kernel.inputs(one, micro[0], [x[0] for x in split], whole, key)
+    rows_d = micro.shape[1] // shards  # one shard's rows of a micro-batch
+    diff, rest = kernel.inputs({k: w[0, 0] for k, w in blocks.items()}, micro[0, :rows_d],
+                               [x[0, :rows_d] for x in split], whole, key)  # fmt: skip
     with context():
         res = residuals(kernel.stage, diff, rest, ((False, True, True, False), (False, True, False, True)))
-    fixed = kernel.vmapped(lambda w: _fixed(kernel, res, w, micro[0], [x[0] for x in split], whole, key), blocks)
+    fixed = kernel.vmapped(lambda w: kernel.per_shard(
+        lambda w: _fixed(kernel, res, w, micro[0, :rows_d], [x[0, :rows_d] for x in split], whole, key), w), blocks)
     loop = _Loop(kernel, res, blocks, fixed, micro, split, whole, key, tail)
-    loop = dataclasses.replace(loop, weights={k: loop.on_stages(w) for k, w in blocks.items()})
+    loop = dataclasses.replace(loop, weights={k: loop.on_stages(w, loop.shard_dim) for k, w in blocks.items()},
+                               fixed=[loop.on_stages(f, loop.shard_dim) for f in fixed])  # fmt: skip
     carry = _initial(loop, slots=min(2 * s - 1, m))
     carry = loop.phase(carry, 0, s - 1, forward=True, backward=False)
     carry = loop.phase(carry, s - 1, m + s - 1, forward=True, backward=True)
-    carry = loop.phase(carry, m + s - 1, m + 2 * s - 2, forward=False, backward=True)
-    d_split, d_whole = iter(carry["split"]), iter(carry["whole"])
-    d_others = [
-        (_merge(next(d_split).sum(0)) if _by_batch(x, rows) else next(d_whole).sum(0)) if _floating(x) else None
-        for x in others
-    ]
-    return Result(carry["sums"], {k: w.reshape(-1, *w.shape[2:]) for k, w in carry["w"].items()},
-                  _merge(carry["dh"][0]), tuple(d_others))  # fmt: skip
+    return loop.phase(carry, m + s - 1, m + 2 * s - 2, forward=False, backward=True)
 
 
 def _fixed(kernel: _Kernel, res: Residuals, weights: Any, h: jax.Array, split: Any, whole: Any, key: jax.Array):
@@ -257,17 +325,20 @@ def _fixed(kernel: _Kernel, res: Residuals, weights: Any, h: jax.Array, split: A
 
 def _initial(loop: _Loop, *, slots: int) -> dict[str, Any]:
     """The loop's carry before the first tick: zeros, each array's dim 0 over the stages."""
-    spec, s, micro, kernel = loop.spec, loop.spec.stages, loop.micro, loop.kernel
+    spec, s, micro, kernel, d = loop.spec, loop.spec.stages, loop.micro, loop.kernel, loop.kernel.shards
     zeros = lambda shape, dtype: jnp.zeros(shape, dtype)  # noqa: E731
     h0 = loop.on_stages(zeros((s, *micro.shape[1:]), micro.dtype), spec.batch)
     sums = jax.tree.map(lambda x: zeros(x.shape, x.dtype), jax.eval_shape(loop.tail, jnp.int32(0), micro[0])[0])
     return {
-        "ring": [loop.on_stages(zeros((s, slots, *k.shape), k.dtype)) for k in loop.res.kept()],
+        "ring": [loop.on_stages(zeros((s, slots, d, *k.shape), k.dtype), None, loop.shard_dim)
+                 for k in loop.res.kept()],
         "h": h0,
         "g": h0,
         "sums": sums,
-        "w": {k: loop.on_stages(jnp.zeros_like(w)) for k, w in loop.weights.items() if k in kernel.trainable},
+        "w": {k: loop.on_stages(jnp.zeros_like(w), loop.shard_dim) for k, w in loop.weights.items()
+              if k in kernel.trainable},
         "dh": loop.on_stages(zeros((s, *micro.shape), micro.dtype), None, spec.batch),
         "split": [loop.on_stages(zeros((s, *x.shape), x.dtype)) for x in loop.split if _floating(x)],
-        "whole": [loop.on_stages(zeros((s, *x.shape), x.dtype)) for x in loop.whole if _floating(x)],
+        "whole": [loop.on_stages(zeros((s, d, *x.shape), x.dtype), loop.shard_dim) for x in loop.whole
+                  if _floating(x)],
     }
