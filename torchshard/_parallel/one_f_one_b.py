@@ -63,14 +63,18 @@ class _Kernel:
     whole_float: tuple[bool, ...]
     context: Callable[[], contextlib.AbstractContextManager[Any]]
     shards: int = 1  # copies of a stage's weights, one per shard of the batch axes (`pipeline._gathered`)
+    policy: Any = None  # remat of the blocks: what each layer keeps, the rest recomputed in the backward
 
     def stage(self, diff: Any, rest: Any) -> jax.Array:
         """One stage's chunk of layers on one micro-batch (its unbatched view): the output hidden state."""
         layers, h, dsplit, dwhole = diff
         fixed_layers, nsplit, nwhole, key = rest
         split, whole = _joined(dsplit, nsplit, self.split_float), _joined(dwhole, nwhole, self.whole_float)
+        layer_fn = self.layer_fn
+        if self.policy is not None:
+            layer_fn = jax.checkpoint(layer_fn, policy=self.policy, prevent_cse=False)
         for layer, fixed in zip(layers, fixed_layers, strict=True):
-            h, key = self.layer_fn({**layer, **fixed}, h, (*split, *whole), key)
+            h, key = layer_fn({**layer, **fixed}, h, (*split, *whole), key)
         return h
 
     def inputs(self, weights: Mapping[str, jax.Array], h: jax.Array, split: Sequence[jax.Array],
@@ -212,7 +216,7 @@ class _Loop:
                 carry["sums"] = jax.tree.map(jnp.add, carry["sums"], sums)
                 g = self.on_stages(jnp.where(_column(stage == s - 1, g.ndim), d_out[None], g), self.spec.batch)
             carry = self.backward(carry, g, t - (2 * s - 2 - stage), slots)
-        if forward:
+        if out is not None:
             carry["h"] = self.shift(out, 1)
         return carry, None
 
@@ -226,10 +230,12 @@ class _Loop:
             carry["w"][k] = carry["w"][k] + _masked(valid, d, jnp.zeros_like(d))
         first = valid & (jnp.arange(self.spec.stages) == 0)
         carry["dh"] = _write(carry["dh"], d_h, at, first)
-        carry["split"] = [_write(acc, d + _read(acc, at), at, valid) for acc, d in zip(carry["split"], dsplit,
-                                                                                        strict=True)]
-        carry["whole"] = [acc + _masked(valid, d, jnp.zeros_like(d)) for acc, d in zip(carry["whole"], dwhole,
-                                                                                        strict=True)]
+        carry["split"] = [
+            _write(acc, d + _read(acc, at), at, valid) for acc, d in zip(carry["split"], dsplit, strict=True)
+        ]
+        carry["whole"] = [
+            acc + _masked(valid, d, jnp.zeros_like(d)) for acc, d in zip(carry["whole"], dwhole, strict=True)
+        ]
         carry["g"] = self.shift(d_h, -1)
         return carry
 
@@ -255,6 +261,7 @@ def run(
     tail: Tail,
     *,
     context: Callable[[], contextlib.AbstractContextManager[Any]] = contextlib.nullcontext,
+    policy: Any = None,
 ) -> Result:
     """The stack and the loss tail of every micro-batch of ``h`` as a 1F1B pipeline, forward and backward.
 
@@ -268,16 +275,17 @@ def run(
         key: raw RNG key; each stage and tick draws from its own fold of it.
         tail: ``(i, stack output of micro-batch i) -> (sums, d output)``, at the last stage.
         context: entered around every trace of the layers (the torch environment).
+        policy: a ``jax.checkpoint`` policy for each layer (remat), or None.
     """
-    m, s, rows = spec.microbatches, spec.stages, h.shape[0]
+    m, rows = spec.microbatches, h.shape[0]
     shards = _shards(spec, rows // m)
     try:
-        carry = _looped(spec, layer_fn, weights, trainable, h, others, key, tail, context, shards)
+        carry = _looped(spec, layer_fn, weights, trainable, h, others, key, tail, context, shards, policy)
     except ValueError as err:
         if shards == 1 or "spmd_axis_name cannot appear in shard_map" not in str(err):
             raise
         # a shard_map inside the layers splits the rows over the batch axes itself (expert dispatch's all-to-all)
-        carry = _looped(spec, layer_fn, weights, trainable, h, others, key, tail, context, 1)
+        carry = _looped(spec, layer_fn, weights, trainable, h, others, key, tail, context, 1, policy)
     d_split, d_whole = iter(carry["split"]), iter(carry["whole"])
     d_others = [
         (_merge(next(d_split).sum(0)) if _by_batch(x, rows) else next(d_whole).sum((0, 1))) if _floating(x) else None
@@ -290,13 +298,14 @@ def run(
 
 def _looped(spec: Stages, layer_fn: LayerFn, weights: Mapping[str, jax.Array], trainable: frozenset[str],
             h: jax.Array, others: Sequence[jax.Array], key: jax.Array, tail: Tail,
-            context: Callable[[], contextlib.AbstractContextManager[Any]], shards: int) -> dict[str, Any]:  # fmt: skip
+            context: Callable[[], contextlib.AbstractContextManager[Any]], shards: int,
+            policy: Any) -> dict[str, Any]:  # fmt: skip
     """The three phases of the loop with ``shards`` copies of each stage's weights: the final carry."""
     m, s, rows = spec.microbatches, spec.stages, h.shape[0]
     split = tuple(_split(x, m) for x in others if _by_batch(x, rows))
     whole = tuple(x for x in others if not _by_batch(x, rows))
     kernel = _Kernel(spec, _reordered(layer_fn, others, rows), trainable, tuple(map(_floating, split)),
-                     tuple(map(_floating, whole)), context, shards)  # fmt: skip
+                     tuple(map(_floating, whole)), context, shards, policy)  # fmt: skip
     blocks = {k: w.reshape(s, spec.chunk, *w.shape[1:]) for k, w in weights.items()}
     blocks = _gathered(spec, blocks, shards, 2) if shards > 1 else {k: w[:, None] for k, w in blocks.items()}
     micro = _split(h, m)
@@ -305,8 +314,12 @@ def _looped(spec: Stages, layer_fn: LayerFn, weights: Mapping[str, jax.Array], t
                                [x[0, :rows_d] for x in split], whole, key)  # fmt: skip
     with context():
         res = residuals(kernel.stage, diff, rest, ((False, True, True, False), (False, True, False, True)))
-    fixed = kernel.vmapped(lambda w: kernel.per_shard(
-        lambda w: _fixed(kernel, res, w, micro[0, :rows_d], [x[0, :rows_d] for x in split], whole, key), w), blocks)
+    fixed = kernel.vmapped(
+        lambda w: kernel.per_shard(
+            lambda w: _fixed(kernel, res, w, micro[0, :rows_d], [x[0, :rows_d] for x in split], whole, key), w
+        ),
+        blocks,
+    )
     loop = _Loop(kernel, res, blocks, fixed, micro, split, whole, key, tail)
     loop = dataclasses.replace(loop, weights={k: loop.on_stages(w, loop.shard_dim) for k, w in blocks.items()},
                                fixed=[loop.on_stages(f, loop.shard_dim) for f in fixed])  # fmt: skip
@@ -330,15 +343,18 @@ def _initial(loop: _Loop, *, slots: int) -> dict[str, Any]:
     h0 = loop.on_stages(zeros((s, *micro.shape[1:]), micro.dtype), spec.batch)
     sums = jax.tree.map(lambda x: zeros(x.shape, x.dtype), jax.eval_shape(loop.tail, jnp.int32(0), micro[0])[0])
     return {
-        "ring": [loop.on_stages(zeros((s, slots, d, *k.shape), k.dtype), None, loop.shard_dim)
-                 for k in loop.res.kept()],
+        "ring": [
+            loop.on_stages(zeros((s, slots, d, *k.shape), k.dtype), None, loop.shard_dim) for k in loop.res.kept()
+        ],
         "h": h0,
         "g": h0,
         "sums": sums,
-        "w": {k: loop.on_stages(jnp.zeros_like(w), loop.shard_dim) for k, w in loop.weights.items()
-              if k in kernel.trainable},
+        "w": {
+            k: loop.on_stages(jnp.zeros_like(w), loop.shard_dim)
+            for k, w in loop.weights.items()
+            if k in kernel.trainable
+        },
         "dh": loop.on_stages(zeros((s, *micro.shape), micro.dtype), None, spec.batch),
         "split": [loop.on_stages(zeros((s, *x.shape), x.dtype)) for x in loop.split if _floating(x)],
-        "whole": [loop.on_stages(zeros((s, d, *x.shape), x.dtype), loop.shard_dim) for x in loop.whole
-                  if _floating(x)],
+        "whole": [loop.on_stages(zeros((s, d, *x.shape), x.dtype), loop.shard_dim) for x in loop.whole if _floating(x)],
     }

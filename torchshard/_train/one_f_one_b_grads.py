@@ -17,11 +17,12 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+from jax.sharding import NamedSharding, PartitionSpec
 
 from torchshard._base.errors import ShardingError
 from torchshard._bridge.module_call import PureForward
 from torchshard._parallel import one_f_one_b
-from torchshard._parallel.pipeline import LayerFn, Stages
+from torchshard._parallel.pipeline import LayerFn, Stages, _batch_axes
 from torchshard._train.scan import ScanGroup
 from torchshard._train.state import Arrays
 from torchshard._train.step import Runtime, micro_batches
@@ -41,6 +42,7 @@ class _Capture:
     others: Sequence[jax.Array] = ()
     output: Any = None  # the structure of a block's output (`PureForward.output`), for the tail's rebuild
     given: jax.Array | None = None  # in the tail: the stack's output for the micro-batch
+    policy: Any = None  # remat of the blocks: a jax.checkpoint policy for each layer
 
 
 @contextlib.contextmanager
@@ -53,8 +55,13 @@ def _stack_is(value: Any) -> Iterator[None]:
 
 
 def intercepted(
-    pure: PureForward, layer: Mapping[str, jax.Array], layer_fn: LayerFn, h: jax.Array, others: Sequence[jax.Array],
+    pure: PureForward,
+    layer: Mapping[str, jax.Array],
+    layer_fn: LayerFn,
+    h: jax.Array,
+    others: Sequence[jax.Array],
     key: jax.Array,
+    policy: Any = None,
 ) -> Any:
     """What a pipelined stack returns while a 1F1B step traces its prefix or tail: None when it runs as usual.
 
@@ -68,7 +75,7 @@ def intercepted(
     if mode.given is None:
         shaped = lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype)  # noqa: E731
         jax.eval_shape(layer_fn, *jax.tree.map(shaped, (dict(layer), h, list(others), key)))  # the block's output
-        mode.layer_fn, mode.h, mode.others, mode.output = layer_fn, h, tuple(others), pure.output
+        mode.layer_fn, mode.h, mode.others, mode.output, mode.policy = layer_fn, h, tuple(others), pure.output, policy
         raise _Stop
     if mode.given.shape != h.shape:
         raise ShardingError(
@@ -99,18 +106,16 @@ class Gradient:
         def prefix(p: Arrays):
             with _stack_is(capture), contextlib.suppress(_Stop):
                 self.runtime.loss(p, buffers, frozen, batch, key)
-            if capture.h is None:
-                raise ShardingError(
-                    f"Pipeline(schedule='1f1b'): loss_fn never called {group.prefix}; a 1F1B pipeline runs the "
-                    f"loss after the stack at its last stage"
-                )
+            assert capture.h is not None  # a loss_fn that skips the stack fails in ScanRun.finish
             return (capture.h, [x for x in capture.others if _floating(x)]), None
 
-        (h, d_others_at), prefix_pull, _ = jax.vjp(prefix, params, has_aux=True)
+        (h, _), prefix_pull, _ = jax.vjp(prefix, params, has_aux=True)
         assert capture.layer_fn is not None
         others = capture.others
-        tail_params = {k: v for k, v in params.items() if k not in stacked}
+        gathered = lambda arrays: _gathered(arrays, self.runtime.shardings, self.stages)  # noqa: E731
+        tail_params = gathered({k: v for k, v in params.items() if k not in stacked})
         fixed_params = {k: v for k, v in params.items() if k in stacked}
+        frozen = {**frozen, **gathered({k: v for k, v in frozen.items() if k not in stacked})}
         split = micro_batches(batch, m)
 
         def tail(i: jax.Array, h_mb: jax.Array) -> tuple[Any, jax.Array]:
@@ -132,12 +137,32 @@ class Gradient:
             lambda w: self.runtime.cast_state(w, frozen, buffers, group), {k: params[k] for k in stacked if k in params}
         )
         result = one_f_one_b.run(self.stages, capture.layer_fn, weights, trainable, h, others, key, tail,
-                                 context=self.runtime.around_layers)  # fmt: skip
+                                 context=self.runtime.around_layers, policy=capture.policy)  # fmt: skip
         loss, aux, d_tail = result.sums
         d_prefix = prefix_pull((result.h, [d for d in result.others if d is not None]))[0]
         d_stack = cast_pull({s: d for s, d in result.weights.items()})[0]
         grads = {k: d_prefix[k] + d_tail.get(k, 0) + d_stack.get(k, 0) for k in params}
         return (loss, (buffers, aux)), grads
+
+
+def _gathered(arrays: Arrays, shardings: Mapping[str, NamedSharding], stages: Stages) -> Arrays:
+    """``arrays`` gathered over the pipeline's batch axes once, before the loop: the tail runs in every tick, and
+    FSDP-sharded head weights would be all-gathered in each (other axes, e.g. tensor parallelism, stay)."""
+    batch = _batch_axes(stages)
+    out = {}
+    for k, v in arrays.items():
+        sharding = shardings.get(k)
+        if sharding is None or not batch:
+            out[k] = v
+            continue
+        dims = [_drop(entry, batch) for entry in sharding.spec]
+        out[k] = jax.lax.with_sharding_constraint(v, NamedSharding(sharding.mesh, PartitionSpec(*dims)))
+    return out
+
+
+def _drop(entry: Any, axes: tuple[str, ...]) -> Any:
+    kept = tuple(a for a in ((entry,) if isinstance(entry, str) else entry or ()) if a not in axes)
+    return kept[0] if len(kept) == 1 else (kept or None)
 
 
 def _check_buffers(new: Arrays, old: Arrays) -> None:

@@ -114,7 +114,8 @@ class Staged:
 
         scan.new_buffers = {s: a for s, a in scan.params.items() if s in scan.group.buffers}
         layer = {s: w[0] for s, w in scan.params.items()}
-        if (given := one_f_one_b_grads.intercepted(pure, layer, layer_fn, h, others, current_key())) is not None:
+        given = one_f_one_b_grads.intercepted(pure, layer, layer_fn, h, others, current_key(), scan.body_policy)
+        if given is not None:
             return given  # a 1F1B step's prefix or tail: the stack runs in its own loop
         where = f"Pipeline: {prefix}"
         return schedule.run(
