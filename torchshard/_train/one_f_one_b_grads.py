@@ -107,11 +107,14 @@ class Gradient:
             with _stack_is(capture), contextlib.suppress(_Stop):
                 self.runtime.loss(p, buffers, frozen, batch, key)
             assert capture.h is not None  # a loss_fn that skips the stack fails in ScanRun.finish
-            return (capture.h, [x for x in capture.others if _floating(x)]), None
+            floats = [x for x in capture.others if _floating(x)]
+            return (capture.h, floats), [x for x in capture.others if not _floating(x)]
 
-        (h, _), prefix_pull, _ = jax.vjp(prefix, params, has_aux=True)
+        # the stack's inputs as the vjp returns them (what the trace captured may be its own tracers)
+        (h, floats), prefix_pull, ints = jax.vjp(prefix, params, has_aux=True)
         assert capture.layer_fn is not None
-        others = capture.others
+        floats_it, ints_it = iter(floats), iter(ints)
+        others = [next(floats_it) if _floating(x) else next(ints_it) for x in capture.others]
         gathered = lambda arrays: _gathered(arrays, self.runtime.shardings, self.stages)  # noqa: E731
         tail_params = gathered({k: v for k, v in params.items() if k not in stacked})
         fixed_params = {k: v for k, v in params.items() if k in stacked}
