@@ -227,6 +227,10 @@ STRATEGIES = {
         "llama", {"stage": 2, "data": 2, "context": 2}, ("data", "context"), 4,
         {"context": ContextParallel(), "pipeline": ts.Pipeline(microbatches=2)},
     ),
+    "context-pipeline-1f1b-llama": (
+        "llama", {"stage": 2, "data": 2, "context": 2}, ("data", "context"), 4,
+        {"context": ContextParallel(), "pipeline": ts.Pipeline(microbatches=2, schedule="1f1b")},
+    ),
     "data-torch": ("torch", {"data": 4}, ("data",), 4, {}),
     "data-llama": ("llama", {"data": 4}, ("data",), 4, {}),
     "accumulation-llama": ("llama", {"data": 2}, ("data",), 4, {"grad_accum_steps": 2}),

@@ -90,7 +90,7 @@ class _Kernel:
     def forward(self, res: Residuals, weights: Any, h: jax.Array, split: Any, whole: Any, key: jax.Array):
         diff, rest = self.inputs(weights, h, split, whole, key)
         out, pull = jax.vjp(lambda d: self.stage(d, rest), diff)
-        return out, res.split(jax.tree_util.tree_leaves(pull))[1]
+        return out, res.split(jax.tree_util.tree_leaves(pull))[1]  # the micro-batch's own, to keep
 
     def vmapped(self, fn: Callable[..., Any], *args: Any) -> Any:
         with self.context(), vmapped_over(self.spec.axis):
@@ -117,6 +117,20 @@ class _Kernel:
         one = lambda w, h, sp, k: self.forward(res, w, h, sp, whole, k)  # noqa: E731
         out, kept = self.per_shard(one, weights, self.local(h), [self.local(x) for x in split], keys)
         return _merge_shards(out), kept
+
+    def pullbacks(self, weights: Any, h: jax.Array, split: Any, whole: Any, keys: jax.Array) -> Any:
+        """Every stage's and shard's pullback of one micro-batch (leaves ``[S, D, ...]``), traced as the loop does."""
+
+        def one_stage(w, h, sp, key):
+            keys = jax.vmap(lambda n: jax.random.fold_in(key, n))(jnp.arange(self.shards))
+            one = lambda w, h, sp, k: self.pullback(w, h, sp, whole, k)  # noqa: E731
+            return self.per_shard(one, w, self.local(h), [self.local(x) for x in sp], keys)
+
+        return self.vmapped(one_stage, weights, h, split, keys)
+
+    def pullback(self, weights: Any, h: jax.Array, split: Any, whole: Any, key: jax.Array) -> Any:
+        diff, rest = self.inputs(weights, h, split, whole, key)
+        return jax.vjp(lambda d: self.stage(d, rest), diff)[1]
 
     def stage_backward(self, res: Residuals, fixed: Any, kept: Any, g: jax.Array):
         """One stage's backward of one micro-batch: (d weights ``[D, chunk, ...]``, d input, d split, d whole)."""
@@ -309,17 +323,18 @@ def _looped(spec: Stages, layer_fn: LayerFn, weights: Mapping[str, jax.Array], t
     blocks = {k: w.reshape(s, spec.chunk, *w.shape[1:]) for k, w in weights.items()}
     blocks = _gathered(spec, blocks, shards, 2) if shards > 1 else {k: w[:, None] for k, w in blocks.items()}
     micro = _split(h, m)
-    rows_d = micro.shape[1] // shards  # one shard's rows of a micro-batch
-    diff, rest = kernel.inputs({k: w[0, 0] for k, w in blocks.items()}, micro[0, :rows_d],
-                               [x[0, :rows_d] for x in split], whole, key)  # fmt: skip
-    with context():
-        res = residuals(kernel.stage, diff, rest, ((False, True, True, False), (False, True, False, True)))
-    fixed = kernel.vmapped(
-        lambda w: kernel.per_shard(
-            lambda w: _fixed(kernel, res, w, micro[0, :rows_d], [x[0, :rows_d] for x in split], whole, key), w
-        ),
+    # every stage on a placeholder micro-batch: its weight-only residuals (the rest is dead code), and the
+    # pullback's structure, traced under the vmaps the loop traces it under
+    placeholder = (
         blocks,
+        jnp.zeros((s, *micro.shape[1:]), micro.dtype),
+        [jnp.zeros((s, *x.shape[1:]), x.dtype) for x in split],
+        jax.vmap(lambda i: key)(jnp.arange(s)),
     )
+    pullbacks = lambda w, h, sp, k: kernel.pullbacks(w, h, sp, whole, k)  # noqa: E731
+    with context():
+        res = residuals(pullbacks, placeholder, (False, True, True, True), lead=2)
+    fixed = res.split(jax.tree_util.tree_leaves(pullbacks(*placeholder)))[0]
     loop = _Loop(kernel, res, blocks, fixed, micro, split, whole, key, tail)
     loop = dataclasses.replace(loop, weights={k: loop.on_stages(w, loop.shard_dim) for k, w in blocks.items()},
                                fixed=[loop.on_stages(f, loop.shard_dim) for f in fixed])  # fmt: skip
@@ -327,13 +342,6 @@ def _looped(spec: Stages, layer_fn: LayerFn, weights: Mapping[str, jax.Array], t
     carry = loop.phase(carry, 0, s - 1, forward=True, backward=False)
     carry = loop.phase(carry, s - 1, m + s - 1, forward=True, backward=True)
     return loop.phase(carry, m + s - 1, m + 2 * s - 2, forward=False, backward=True)
-
-
-def _fixed(kernel: _Kernel, res: Residuals, weights: Any, h: jax.Array, split: Any, whole: Any, key: jax.Array):
-    """One stage's residuals that depend only on its weights (the rest, from a placeholder micro-batch, is dead)."""
-    diff, rest = kernel.inputs(weights, h, split, whole, key)
-    _, pull = jax.vjp(lambda d: kernel.stage(d, rest), diff)
-    return res.split(jax.tree_util.tree_leaves(pull))[0]
 
 
 def _initial(loop: _Loop, *, slots: int) -> dict[str, Any]:

@@ -41,27 +41,30 @@ class Residuals:
         return jax.tree_util.tree_unflatten(self.treedef, leaves)
 
 
-def residuals(fn: Callable[[Any, Any], Any], diff: Any, rest: Any, varying: Any) -> Residuals:
-    """The residuals of ``jax.vjp(lambda d: fn(d, rest), diff)`` and which depend on the inputs ``varying`` marks.
+def residuals(
+    pullbacks: Callable[..., Any], args: Sequence[Any], varying: Sequence[bool], *, lead: int = 0
+) -> Residuals:
+    """The residuals of the pullback ``pullbacks(*args)`` returns, and which depend on the ``varying`` arguments.
 
     Args:
-        fn: ``fn(diff, rest) -> output``.
-        diff: the inputs it is differentiated by.
-        rest: its other inputs.
-        varying: a pytree of bools shaped like ``(diff, rest)``'s leaves' prefix: True where an input
-            changes between calls (the micro-batch), False where it does not (the weights).
+        pullbacks: returns a pullback (``jax.vjp``'s second output), or ``lead`` dims of them stacked
+            (vmapped): traced exactly as the caller later traces it, so the pullback is the same.
+        args: its arguments.
+        varying: per argument, True where it changes between calls (the micro-batch), False where
+            it does not (the weights).
+        lead: the stacked dims, left out of the residuals' shapes.
     """
     found: list[Any] = []
 
-    def leaves(diff: Any, rest: Any) -> list[jax.Array]:
-        _, pull = jax.vjp(lambda d: fn(d, rest), diff)
-        flat, treedef = jax.tree_util.tree_flatten(pull)
+    def leaves(*args: Any) -> list[jax.Array]:
+        flat, treedef = jax.tree_util.tree_flatten(pullbacks(*args))
         found.append(treedef)
         return flat
 
-    closed = jax.make_jaxpr(leaves)(diff, rest)
-    marks = jax.tree.leaves(jax.tree.map(lambda mark, x: jax.tree.map(lambda _: mark, x), varying, (diff, rest)))
-    return Residuals(found[-1], tuple(_dependent(closed.jaxpr, marks)), tuple(closed.out_avals))
+    closed = jax.make_jaxpr(leaves)(*args)
+    marks = [m for arg, m in zip(args, varying, strict=True) for _ in jax.tree.leaves(arg)]
+    avals = tuple(jax.ShapeDtypeStruct(a.shape[lead:], a.dtype) for a in closed.out_avals)
+    return Residuals(found[-1], tuple(_dependent(closed.jaxpr, marks)), avals)
 
 
 def _dependent(jaxpr: Any, marks: Sequence[bool]) -> list[bool]:

@@ -99,6 +99,11 @@ class Gradient:
     group: ScanGroup
 
     def __call__(self, params: Arrays, buffers: Arrays, frozen: Arrays, batch: Any, key: jax.Array):
+        # the strategies' trace-time checks (context parallelism's "no SDPA call") see prefix, stages and tail as one
+        with self.runtime.tracing():
+            return self._grads(params, buffers, frozen, batch, key)
+
+    def _grads(self, params: Arrays, buffers: Arrays, frozen: Arrays, batch: Any, key: jax.Array):
         group, m = self.group, self.stages.microbatches
         stacked = {group.stacked(s): s for s in group.suffixes}
         capture = _Capture()
