@@ -120,11 +120,31 @@ class Counted(torch.nn.Module):
         return self.stack.head(self.stats(h.transpose(1, 2)).transpose(1, 2))
 
 
+class Doubled(torch.nn.Module):
+    """A BlockStack whose code before the stack doubles the rows of batches of more than 2: not row by row."""
+
+    def __init__(self, grow=1):
+        super().__init__()
+        self.stack, self.grow = blocks(4), grow
+
+    def forward(self, ids):
+        h = self.stack.embed(ids)
+        n = h.shape[0] * self.grow + (1 if self.grow > 2 else 0)
+        h = h.repeat(4, 1, 1)[:n].clone() if h.shape[0] > 2 else h
+        for block in self.stack.blocks:
+            h = block(h)
+        return self.stack.head(h)[: ids.shape[0]]
+
+
 @pytest.mark.parametrize(
     ("model", "loss_fn", "match"),
     [
         (Counted, blocks_loss, r"updates buffer\(s\) \['stats\.num_batches_tracked', 'stats\.running_mean', "
          r"'stats\.running_var'\] outside its stack .* use schedule='gpipe'"),
+        (lambda: Doubled(2), blocks_loss, r"the stack got a hidden state \[2, 11, 32\] for one micro-batch, expected "
+         r"\[4, 11, 32\]; the model's code before the stack must treat rows independently"),
+        (lambda: Doubled(3), blocks_loss, r"the stack's input \[25, 11, 32\] does not split into microbatches=4 .* "
+         r"must keep the batch's rows \(a multiple of 4\)"),
     ],
 )  # fmt: skip
 def test_what_it_cannot_run_is_refused(model, loss_fn, match):

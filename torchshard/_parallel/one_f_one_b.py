@@ -21,6 +21,7 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import NamedSharding, PartitionSpec
 
+from torchshard._base.errors import ShardingError
 from torchshard._parallel.pipeline import (
     LayerFn,
     Stages,
@@ -292,6 +293,11 @@ def run(
         policy: a ``jax.checkpoint`` policy for each layer (remat), or None.
     """
     m, rows = spec.microbatches, h.shape[0]
+    if rows % m:
+        raise ShardingError(
+            f"Pipeline(schedule='1f1b'): the stack's input {list(h.shape)} does not split into microbatches={m} along "
+            f"dim 0; the model's code before the stack must keep the batch's rows (a multiple of {m})"
+        )
     shards = _shards(spec, rows // m)
     try:
         carry = _looped(spec, layer_fn, weights, trainable, h, others, key, tail, context, shards, policy)
