@@ -42,8 +42,8 @@ class Pipeline:
     ``S * repeats`` contiguous chunks of layers, ``S = mesh.shape[axis]``; a chunk's weights live only
     on the devices at its index of ``axis`` (sharded over the other axes as the plan says). Each batch
     is split into ``microbatches`` along dim 0 and streamed through the stages; activations move
-    between stages with ``ppermute``. Everything outside the stack (embeddings, final norm, head,
-    loss) runs outside the pipeline.
+    between stages with ``ppermute``. Embeddings run before the loop; final norm, head and loss after
+    it, or under ``"1f1b"`` in it, per micro-batch.
 
     Args:
         axis: the mesh axis the stages are laid along.
