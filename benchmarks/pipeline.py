@@ -1,12 +1,12 @@
-"""Pipeline parallelism: per-device memory, step time and the measured bubble of gpipe, circular and 1f1b schedules.
+"""Pipeline parallelism: per-device memory, step time and the measured bubble of gpipe, circular, 1f1b and 1f1b_remat.
 
 The model is a residual stack in plain torch (pre-norm MLP blocks, MSE loss, AdamW); every tensor
 is replicated over the data axis (``presets.data_parallel``), so only the pipeline splits weights.
 
 Table 1, memory and time on 8 devices: unpipelined data=8 against 1, 2 and 4 stages (the rest of
 the devices over data), gpipe and circular. For each: the parameter bytes each device holds, the
-compiled step's per-device argument and temp bytes (``memory_analysis``; a 1f1b row's temp also over
-gpipe's on the same stages, without remat), and the median wall and CPU time of a step
+compiled step's per-device argument and temp bytes (``memory_analysis``; a 1f1b or 1f1b_remat row's temp
+also over gpipe's on the same stages, without remat), and the median wall and CPU time of a step
 (configurations interleaved in rounds).
 
 Table 2, the bubble: pipelines over S = 1, 2, 4 devices (a mesh of the stage axis alone), every
@@ -23,7 +23,7 @@ else the machine runs.
 Table 3 (``--comm``, compiled only, nothing runs): FSDP over data inside the stages, stage=4 × data=2
 against the unpipelined step on the same mesh and plan: per schedule the collective bytes per device
 per step over each axis group (``ts.inspect.collectives``, loop trip counts applied), the temp bytes,
-and the matmul FLOPs per step (trip counts applied) against the unpipelined step's.
+and the matmul FLOPs per step (trip counts applied) against the unpipelined step's and against gpipe's.
 
     python benchmarks/pipeline.py           # the README tables
     python benchmarks/pipeline.py --comm    # table 3
@@ -62,8 +62,10 @@ MEMORY = [
     Config("circular S=4 r=2", 4, "circular", 2),
     Config("1f1b S=2", 2, "1f1b"),
     Config("1f1b S=4", 4, "1f1b"),
+    Config("1f1b_remat S=2", 2, "1f1b_remat"),
+    Config("1f1b_remat S=4", 4, "1f1b_remat"),
 ]
-TINY_MEMORY = ("unpipelined", "gpipe S=4", "circular S=2 r=2", "1f1b S=4")
+TINY_MEMORY = ("unpipelined", "gpipe S=4", "circular S=2 r=2", "1f1b S=4", "1f1b_remat S=4")
 BUBBLE = [
     Config(f"{name}{' ×2' if scale == 2 else ''}", stages, schedule, repeats, stages, True, scale)
     for name, stages, schedule, repeats in [
@@ -229,7 +231,7 @@ def main() -> None:
 # the first row is the baseline of the traffic ratio (the same mesh and plan), the second of the FLOPs ratio:
 # the useful FLOPs per device (on stage=4 × data=2 unpipelined, the 4 stage replicas each compute half the batch)
 COMM = [("unpipelined", None, 1), ("unpipelined data=8", None, 1), ("gpipe", "gpipe", 1), ("1f1b", "1f1b", 1),
-        ("circular r=2", "circular", 2)]  # fmt: skip
+        ("1f1b_remat", "1f1b_remat", 1), ("circular r=2", "circular", 2)]  # fmt: skip
 
 
 def communication(args: argparse.Namespace, batch: Any) -> list[dict[str, Any]]:
@@ -254,9 +256,11 @@ def communication(args: argparse.Namespace, batch: Any) -> list[dict[str, Any]]:
                      "flops": costs.flops, "recompute_flops": costs.recompute_flops,
                      "bubble": trainer.pipeline_bubble if schedule else None})  # fmt: skip
         print(f"compiled {name}", flush=True)
-    useful = rows[1]["flops"]
+    useful, gpipe = rows[1]["flops"], next(r for r in rows if r["config"] == "gpipe")
     for row in rows:
         row["compiled_bubble"] = compiled_bubble(row, useful) if row["bubble"] is not None else None
+        row["flops_vs_gpipe"] = row["flops"] / gpipe["flops"]
+        row["temp_vs_gpipe"] = row["temp_bytes"] / gpipe["temp_bytes"]
     return rows
 
 
@@ -271,16 +275,16 @@ def print_communication(rows: list[dict[str, Any]], head: str) -> None:
     mib, base, useful = 2**20, rows[0], rows[1]
     print(f"\n{head}, mesh stage=4 × data=2 (but the data=8 row), 8 CPU devices, compiled only\n")
     print("| config | bytes/step over data (MiB) | over stage,data | over stage | non-stage ÷ unpipelined | "
-          "temp (MiB) | GFLOP/step | ÷ useful (data=8) | recomputed share | bubble (formula) | "
-          "bubble (compiled FLOPs) |")  # fmt: skip
-    print("|---|---|---|---|---|---|---|---|---|---|---|")
+          "temp (MiB) | temp ÷ gpipe | GFLOP/step | ÷ useful (data=8) | ÷ gpipe | recomputed share | "
+          "bubble (formula) | bubble (compiled FLOPs) |")  # fmt: skip
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     for r in rows:
         over = lambda k: r["per_axes"].get(k, 0) / mib  # noqa: E731
         bubbles = "– | –" if r["bubble"] is None else f"{r['bubble']:.3f} | {r['compiled_bubble']:.3f}"
         print(f"| {r['config']} | {over('data'):.2f} | {over('stage,data'):.2f} | {over('stage'):.2f} | "
-              f"{r['off_stage'] / base['off_stage']:.2f} | {r['temp_bytes'] / mib:.1f} | {r['flops'] / 1e9:.2f} | "
-              f"{r['flops'] / useful['flops']:.2f} | {r['recompute_flops'] / r['flops']:.2f} | "
-              f"{bubbles} |")  # fmt: skip
+              f"{r['off_stage'] / base['off_stage']:.2f} | {r['temp_bytes'] / mib:.1f} | {r['temp_vs_gpipe']:.2f} | "
+              f"{r['flops'] / 1e9:.2f} | {r['flops'] / useful['flops']:.2f} | {r['flops_vs_gpipe']:.2f} | "
+              f"{r['recompute_flops'] / r['flops']:.2f} | {bubbles} |")  # fmt: skip
 
 
 def measured_bubbles(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:

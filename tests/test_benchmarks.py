@@ -84,9 +84,10 @@ def test_pipeline_benchmark_runs(tmp_path):
     assert "| gpipe S=4 | stage=4×data=2 |" in stdout and "| circular S=4 r=2 | stage=4 |" in stdout
     result = json.loads(out.read_text())
     memory = {r["config"]: r for r in result["memory"]}
-    assert list(memory) == ["unpipelined", "gpipe S=4", "circular S=2 r=2", "1f1b S=4"]  # --tiny's subset
+    assert list(memory) == ["unpipelined", "gpipe S=4", "circular S=2 r=2", "1f1b S=4", "1f1b_remat S=4"]  # --tiny's
     assert memory["gpipe S=4"]["param_ratio"] <= 0.45  # a quarter of the blocks per device
-    assert memory["1f1b S=4"]["temp_vs_gpipe"] <= 0.6  # one micro-batch's activations per stage, not M
+    assert memory["1f1b_remat S=4"]["temp_vs_gpipe"] <= 0.6  # one micro-batch's activations per stage, not M
+    assert memory["1f1b S=4"]["temp_vs_gpipe"] < 1  # 2S-1 micro-batches' activations per stage, not M+S-1
     assert memory["circular S=2 r=2"]["bubble"] == pytest.approx(1 / (2 * 4 + 1))
     assert [r["config"] for r in result["bubble"]] == ["gpipe S=4", "circular S=4 r=2", "1f1b S=4"]  # --tiny's
     assert all("measured_bubble" in r for r in result["bubble"])  # one tiny round: its sign is noise
@@ -98,8 +99,14 @@ def test_pipeline_benchmark_counts_fsdp_traffic_per_step(tmp_path):
     stdout = run_benchmark("pipeline.py", "--tiny", "--comm", "--json", str(out))
     assert "| config | bytes/step over data (MiB) |" in stdout
     rows = {r["config"]: r for r in json.loads(out.read_text())["communication"]}
-    assert list(rows) == ["unpipelined", "unpipelined data=8", "gpipe", "1f1b", "circular r=2"]
-    for name in ("gpipe", "1f1b", "circular r=2"):  # gathered and reduced once per step, not per iteration
+    assert list(rows) == ["unpipelined", "unpipelined data=8", "gpipe", "1f1b", "1f1b_remat", "circular r=2"]
+    assert rows["1f1b"]["flops_vs_gpipe"] <= 1.05 and rows["1f1b"]["recompute_flops"] == 0
+    for name in (
+        "gpipe",
+        "1f1b",
+        "1f1b_remat",
+        "circular r=2",
+    ):  # gathered and reduced once per step, not per iteration
         assert rows[name]["off_stage"] <= 1.1 * rows["unpipelined"]["off_stage"], (name, rows[name]["per_axes"])
         assert rows[name]["flops"] > rows["unpipelined data=8"]["flops"]  # the bubble's placeholder micro-batches
         # the compiled loop's wasted share of FLOPs is the formula's bubble (the optimizer's and the loss's FLOPs

@@ -227,12 +227,20 @@ STRATEGIES = {
         "llama", {"stage": 2, "data": 2, "context": 2}, ("data", "context"), 4,
         {"context": ContextParallel(), "pipeline": ts.Pipeline(microbatches=2)},
     ),
+    "context-pipeline-1f1b-llama": (
+        "llama", {"stage": 2, "data": 2, "context": 2}, ("data", "context"), 4,
+        {"context": ContextParallel(), "pipeline": ts.Pipeline(microbatches=2, schedule="1f1b")},
+    ),
     "data-torch": ("torch", {"data": 4}, ("data",), 4, {}),
     "data-llama": ("llama", {"data": 4}, ("data",), 4, {}),
     "accumulation-llama": ("llama", {"data": 2}, ("data",), 4, {"grad_accum_steps": 2}),
     "remat-torch": ("torch", {"data": 4}, ("data",), 4, {"remat": ts.Remat(r"layers\.\d+")}),
     "scan-llama": ("llama", {"data": 4}, ("data",), 4, {"scan_layers": True}),
     "pipeline-llama": ("llama", {"stage": 2, "data": 2}, ("data",), 4, {"pipeline": ts.Pipeline(microbatches=2)}),
+    # the loss is the mean over micro-batches of the token means: here they count 506 and 507 tokens
+    "pipeline-1f1b-llama": (
+        "llama", {"stage": 2, "data": 2}, ("data",), 4, {"pipeline": ts.Pipeline(microbatches=2, schedule="1f1b")},
+    ),
     "expert-dispatch-qwen3_moe": ("qwen3_moe", {"data": 2, "expert": 4}, (("data", "expert"),), 8, {}),
 }  # fmt: skip
 

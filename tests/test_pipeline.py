@@ -423,7 +423,10 @@ def test_a_block_updating_buffers_is_refused():
 @pytest.mark.parametrize(
     ("kwargs", "match"),
     [
-        ({"schedule": "zero-bubble"}, r"schedule='zero-bubble' must be one of \['gpipe', 'circular', '1f1b'\]"),
+        (
+            {"schedule": "zero-bubble"},
+            r"schedule='zero-bubble' must be one of \['gpipe', 'circular', '1f1b', '1f1b_remat'\]",
+        ),
         ({"repeats": 2}, r"repeats=2 needs schedule='circular'"),
         ({"microbatches": 0}, r"microbatches=0 must be an int ≥ 1"),
         ({"axis": 3}, r"axis=3 must be a mesh axis name"),

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import contextvars
 import dataclasses
 import warnings
 import weakref
@@ -276,6 +277,7 @@ class ContextParallelWarning(UserWarning):
 
 
 _WARNED: weakref.WeakSet[torch.nn.Module] = weakref.WeakSet()  # models a ContextParallelWarning has named
+_CALLS: contextvars.ContextVar[list[int] | None] = contextvars.ContextVar("torchshard_sdpa_calls", default=None)
 
 
 def _attention_of(model: torch.nn.Module) -> str:
@@ -324,7 +326,8 @@ def tracing(
     sequences and passes ``is_causal=True`` with no mask, as in eager torch (with traced positions it
     builds a ``[B, 1, S, S]`` mask), and a constant mask a model builds can be read and recognised.
     """
-    calls: list[int] = []
+    outer = _CALLS.get()  # a step traced in parts (a 1F1B pipeline's) checks its parts' calls together
+    calls: list[int] = outer if outer is not None else []
     sdpa = _sdpa(context, mesh, row_axes, calls)
     with contextlib.ExitStack() as stack:
         for op in ATTENTION_OPS:
@@ -333,6 +336,10 @@ def tracing(
         stack.enter_context(documents.as_segments())
         stack.enter_context(hf_documents.segments_from_position_ids())
         stack.enter_context(tokens.laid_out(tokens.TokenLayout(mesh.shape[context.axis], mesh, row_axes, context.axis)))
-        yield
-    if not calls and model is not None:
+        token = _CALLS.set(calls)
+        try:
+            yield
+        finally:
+            _CALLS.reset(token)
+    if outer is None and not calls and model is not None:
         _warn_no_attention(context, model)

@@ -6,7 +6,7 @@ every stage on its current micro-batch at once (``vmap`` over the stage dim: und
 device computes only its own stage), then passes every stage's output to the next stage with a
 ``ppermute`` (a collective-permute). The loop steps one layer at a time (an iteration is ``chunk``
 steps), so autodiff of the loop, the backward pass, keeps one gradient accumulator for the stack
-and slices each layer out of the stack again rather than keeping its slice; under ``"1f1b"`` and
+and slices each layer out of the stack again rather than keeping its slice; under ``"1f1b_remat"`` and
 ``"circular"`` each step is checkpointed, so the backward recomputes and differentiates one layer
 of one micro-batch per stage at a time. Under FSDP or data parallelism inside the stages, weights
 are gathered once before the loop and gradients reduced once after it (`_gathered`).
@@ -29,7 +29,7 @@ from torchshard._base.schedule import bubble_fraction
 from torchshard._base.validate import describe_mesh, int_problems, raise_for_arguments, regex_problem
 from torchshard._parallel.vmapped import vmapped_over
 
-SCHEDULES = ("gpipe", "circular", "1f1b")
+SCHEDULES = ("gpipe", "circular", "1f1b", "1f1b_remat")
 # layer_fn(one layer's arrays, hidden state, other call arrays, key) -> (hidden state, key after)
 LayerFn = Callable[[Mapping[str, jax.Array], jax.Array, Sequence[jax.Array], jax.Array], tuple[jax.Array, jax.Array]]
 
@@ -42,18 +42,18 @@ class Pipeline:
     ``S * repeats`` contiguous chunks of layers, ``S = mesh.shape[axis]``; a chunk's weights live only
     on the devices at its index of ``axis`` (sharded over the other axes as the plan says). Each batch
     is split into ``microbatches`` along dim 0 and streamed through the stages; activations move
-    between stages with ``ppermute``. Everything outside the stack (embeddings, final norm, head,
-    loss) runs outside the pipeline.
+    between stages with ``ppermute``. Embeddings run before the loop; final norm, head and loss after
+    it, or under ``"1f1b"`` in it, per micro-batch.
 
     Args:
         axis: the mesh axis the stages are laid along.
         microbatches: micro-batches per batch (at least the number of stages; default: one per stage).
         schedule: ``"gpipe"``: all forwards, then the backward by autodiff; ``"circular"``: chunk ``j``
             on stage ``j mod S``, and micro-batches go ``repeats`` times round the stages, which shrinks
-            the idle fraction to ``(S-1)/(repeats*M + S-1)``; ``"1f1b"``: gpipe's order, but the forward
-            keeps only each layer's input per micro-batch and the backward runs one layer's forward
-            and its backward together, so a stage holds one layer's activations of one micro-batch
-            instead of all of them for M, for one more forward per micro-batch.
+            the idle fraction to ``(S-1)/(repeats*M + S-1)``; ``"1f1b"``: a forward and a backward per
+            stage per iteration, each micro-batch's loss at the last stage (the step's loss is their
+            mean, as with ``grad_accum_steps``): activations of ≤ ``2S-1`` micro-batches, no recompute;
+            ``"1f1b_remat"``: gpipe's order, each layer recomputed in the backward: the least memory.
         repeats: rounds of a circular schedule (1 for gpipe and 1f1b).
         layers: regex (``re.fullmatch``) naming the ModuleList to pipeline, if the model has several.
 
@@ -297,9 +297,9 @@ def _unsliced(prim: Any, *_: Any, **__: Any) -> bool:
 
 
 def backward_policy(schedule: str, policy: Any) -> Any:
-    """What the backward keeps of each layer: ``policy`` (remat) or everything for gpipe, but never a slice of
-    the stack; only the layer's input for circular and 1f1b, which recompute the layer in the backward."""
-    if schedule != "gpipe":
+    """What the backward keeps of each layer: ``policy`` (remat) or everything, never a slice of the stack;
+    only the layer's input for circular and 1f1b_remat, which recompute the layer in the backward."""
+    if schedule in ("circular", "1f1b_remat"):
         return jax.checkpoint_policies.nothing_saveable
     if policy is None:
         return _unsliced

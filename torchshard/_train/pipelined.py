@@ -19,6 +19,7 @@ from torchshard._bridge.module_call import PureForward, argument_names
 from torchshard._parallel import pipeline as schedule
 from torchshard._parallel.pipeline import Pipeline, Stages, resolve
 from torchshard._sharding.plan import ShardingPlan
+from torchshard._train import one_f_one_b_grads
 from torchshard._train.scan import ScanGroup, ScanRun, block_problems, check_output, find_groups, is_stack, module_lists
 from torchshard._train.strategy import Bound, Flag, Setting, Strategy
 
@@ -112,6 +113,10 @@ class Staged:
             return out[0], key
 
         scan.new_buffers = {s: a for s, a in scan.params.items() if s in scan.group.buffers}
+        layer = {s: w[0] for s, w in scan.params.items()}
+        given = one_f_one_b_grads.intercepted(pure, layer, layer_fn, h, others, current_key(), scan.body_policy)
+        if given is not None:
+            return given  # a 1F1B step's prefix or tail: the stack runs in its own loop
         where = f"Pipeline: {prefix}"
         return schedule.run(
             self.stages,
@@ -148,6 +153,10 @@ class Pipelined(Bound):
 
     def rows(self) -> tuple[str, int]:
         return "microbatches", self.stages.microbatches
+
+    def gradient(self) -> Any:
+        """1F1B differentiates the step itself: the loss and the backward run inside the pipeline's loop."""
+        return one_f_one_b_grads.gradient(self.stages, self.group) if self.stages.schedule == "1f1b" else None
 
     @property
     def bubble(self) -> float:

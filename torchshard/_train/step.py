@@ -165,6 +165,17 @@ class Runtime:
             return arrays
         return {k: cast_on_shards(v, self.shardings.get(k), self.precision) for k, v in arrays.items()}
 
+    def cast_state(self, params: Arrays, frozen: Arrays, buffers: Arrays, group: ScanGroup) -> dict[str, jax.Array]:
+        """``group``'s stacked arrays as its blocks see them (cast by the precision policy), by suffix."""
+        state = {**self._cast({**params, **frozen}), **buffers}
+        return {s: state[group.stacked(s)] for s in group.suffixes if group.stacked(s) in state}
+
+    @contextlib.contextmanager
+    def around_layers(self) -> Iterator[None]:
+        """What a block's forward is traced inside when a strategy runs it outside ``loss_fn`` (a 1F1B stage)."""
+        with env(), torch.device("jax"), _forwards(self.model, self.remat, self.remat_policy, ()), self.tracing():
+            yield
+
     def _inputs(self, batch: Any) -> Any:
         if self.precision is None or not self.precision.cast_inputs:
             return batch
@@ -273,10 +284,15 @@ class Step:
     grad_accum_steps: int
     batch: BatchLayout  # each micro-batch is constrained to it
     skip_nonfinite: bool = False
+    # a strategy's own value_and_grad of runtime.loss (a 1F1B pipeline's), made from the runtime
+    gradient: Callable[[Runtime], Callable[..., Any]] | None = None
 
     def grads(self, state: TrainState, frozen: Arrays, batch: Any, key: jax.Array):
         """(mean loss, mean grads, new buffers, mean aux) over ``grad_accum_steps`` micro-batches."""
-        grad_fn = jax.value_and_grad(self.runtime.loss, has_aux=True)
+        if self.gradient is not None:
+            grad_fn = self.gradient(self.runtime)
+        else:
+            grad_fn = jax.value_and_grad(self.runtime.loss, has_aux=True)
         k = self.grad_accum_steps
         if k == 1:
             (loss, (buffers, aux)), grads = grad_fn(state.params, state.buffers, frozen, batch, key)

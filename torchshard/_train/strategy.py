@@ -60,6 +60,10 @@ class Bound:
         """Entered around every trace of the model (e.g. attention lowered as ring attention)."""
         return contextlib.nullcontext()
 
+    def gradient(self) -> Callable[[Any], Callable[..., Any]] | None:
+        """The step's value_and_grad of the loss, from its `Runtime`, if this strategy differentiates it itself."""
+        return None
+
     @property
     def bubble(self) -> float:
         """The idle fraction of the devices' schedule this strategy adds."""
@@ -148,3 +152,8 @@ def tracing_all(bound: Sequence[Bound]) -> Callable[[], contextlib.AbstractConte
             yield
 
     return entered
+
+
+def gradient_of(bound: Sequence[Bound]) -> Callable[[Any], Callable[..., Any]] | None:
+    """The value_and_grad the step uses: a strategy's own (a 1F1B pipeline's), else None (autodiff of the loss)."""
+    return next((g for strategy in bound if (g := strategy.gradient()) is not None), None)

@@ -45,7 +45,7 @@ from torchshard._train.state import (
 )
 from torchshard._train.step import LossFn, Runtime, Step
 from torchshard._train.strategies import bind_all
-from torchshard._train.strategy import Setting, leaf_problems, tracing_all
+from torchshard._train.strategy import Setting, gradient_of, leaf_problems, tracing_all
 from torchshard._train.trackers import Tracker
 
 
@@ -153,10 +153,10 @@ class Trainer(Observed):
         self._frozen = self._physical(self._names[2])
         self._state = self._initial_state()
         self._views()
-        runtime = Runtime(self._model, loss_fn, precision, self._shardings(), setting.groups, tuple(targets),
-                          remat_.jax_policy() if remat_ is not None else None, body_policies, self._batch,
-                          tracing_all(list(self._strategies.values())))  # fmt: skip
-        step = Step(runtime, optimizer, grad_accum_steps, self._batch, skip_nonfinite)
+        bound, policy = list(self._strategies.values()), remat_.jax_policy() if remat_ is not None else None
+        runtime = Runtime(self._model, loss_fn, precision, self._shardings(), setting.groups, tuple(targets), policy,
+                          body_policies, self._batch, tracing_all(bound))  # fmt: skip
+        step = Step(runtime, optimizer, grad_accum_steps, self._batch, skip_nonfinite, gradient_of(bound))
         self._step_fn = self._compile(step, donate)
         self._evaluations = Compiled(runtime)
         self._trained_on: Any = None  # the structure of the batches steps took, which evaluate checks against

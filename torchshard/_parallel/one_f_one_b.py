@@ -1,0 +1,374 @@
+"""The 1F1B pipeline schedule: forwards and backwards interleaved in one loop, the loss at the last stage.
+
+Tick ``t`` (every stage runs every tick, each on its own devices): stage ``s`` runs the forward of
+micro-batch ``t - s`` and the backward of micro-batch ``t - (2S-2-s)``. The last stage's forward of
+micro-batch ``i`` feeds the loss tail (what the model does after the stack, and ``loss_fn``) in the
+same tick, whose gradient starts that micro-batch's backward there at once. A stage keeps the
+forward's vjp residuals of each micro-batch in flight (at most ``2S-1``; none of them recomputed)
+in a ring of slots; residuals that depend only on the weights are computed once. The loop runs in
+three phases so that no tick computes a forward or a backward no stage needs: ``S-1`` ticks of
+forwards only (the fill), ``M`` ticks of both, ``S-1`` of backwards only (the drain).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from jax.sharding import NamedSharding, PartitionSpec
+
+from torchshard._base.errors import ShardingError
+from torchshard._parallel.pipeline import (
+    LayerFn,
+    Stages,
+    _batch_axes,
+    _by_batch,
+    _gathered,
+    _merge,
+    _per_stage,
+    _reordered,
+    _shards,
+    _split,
+)
+from torchshard._parallel.residuals import Residuals, residuals
+from torchshard._parallel.vmapped import vmapped_over
+
+# tail(micro-batch index, the stack's output for it) -> (what the step sums over micro-batches, d output)
+Tail = Callable[[jax.Array, jax.Array], tuple[Any, jax.Array]]
+
+
+@dataclasses.dataclass(frozen=True)
+class Result:
+    """What one 1F1B step computed: the tail's sums, the stack's gradients and the stack input's."""
+
+    sums: Any  # the tail's first output summed over the micro-batches
+    weights: dict[str, jax.Array]  # d trainable stacked weights, [L, ...]
+    h: jax.Array  # d the stack's input, [B, ...]
+    others: tuple[jax.Array | None, ...]  # d each other call array (None for those not floating)
+
+
+def _floating(x: jax.Array) -> bool:
+    return jnp.issubdtype(x.dtype, jnp.floating)
+
+
+@dataclasses.dataclass(frozen=True)
+class _Kernel:
+    spec: Stages
+    layer_fn: LayerFn
+    trainable: frozenset[str]
+    split_float: tuple[bool, ...]
+    whole_float: tuple[bool, ...]
+    context: Callable[[], contextlib.AbstractContextManager[Any]]
+    shards: int = 1  # copies of a stage's weights, one per shard of the batch axes (`pipeline._gathered`)
+    policy: Any = None  # remat of the blocks: what each layer keeps, the rest recomputed in the backward
+
+    def stage(self, diff: Any, rest: Any) -> jax.Array:
+        """One stage's chunk of layers on one micro-batch (its unbatched view): the output hidden state."""
+        layers, h, dsplit, dwhole = diff
+        fixed_layers, nsplit, nwhole, key = rest
+        split, whole = _joined(dsplit, nsplit, self.split_float), _joined(dwhole, nwhole, self.whole_float)
+        layer_fn = self.layer_fn
+        if self.policy is not None:
+            layer_fn = jax.checkpoint(layer_fn, policy=self.policy, prevent_cse=False)
+        for layer, fixed in zip(layers, fixed_layers, strict=True):
+            h, key = layer_fn({**layer, **fixed}, h, (*split, *whole), key)
+        return h
+
+    def inputs(self, weights: Mapping[str, jax.Array], h: jax.Array, split: Sequence[jax.Array],
+               whole: Sequence[jax.Array], key: jax.Array) -> tuple[Any, Any]:  # fmt: skip
+        """(diff, rest) of `stage` from one stage's weights ``[chunk, ...]`` and one micro-batch's arrays."""
+        chunk = self.spec.chunk
+        layers = [{k: w[i] for k, w in weights.items() if k in self.trainable} for i in range(chunk)]
+        fixed = [{k: w[i] for k, w in weights.items() if k not in self.trainable} for i in range(chunk)]
+        dsplit, nsplit = _parted(split, self.split_float)
+        dwhole, nwhole = _parted(whole, self.whole_float)
+        return (layers, h, dsplit, dwhole), (fixed, nsplit, nwhole, key)
+
+    def forward(self, res: Residuals, weights: Any, h: jax.Array, split: Any, whole: Any, key: jax.Array):
+        diff, rest = self.inputs(weights, h, split, whole, key)
+        out, pull = jax.vjp(lambda d: self.stage(d, rest), diff)
+        return out, res.split(jax.tree_util.tree_leaves(pull))[1]  # the micro-batch's own, to keep
+
+    def vmapped(self, fn: Callable[..., Any], *args: Any) -> Any:
+        with self.context(), vmapped_over(self.spec.axis):
+            return jax.vmap(fn, spmd_axis_name=self.spec.axis)(*args)
+
+    def per_shard(self, fn: Callable[..., Any], *args: Any) -> Any:
+        """``fn`` on each batch shard's rows with its own copy of the weights (inside `vmapped`): the weight
+        gradient stays a partial sum per shard in the loop, reduced once after it."""
+        if self.shards == 1:
+            return jax.vmap(fn)(*args)
+        axes = _batch_axes(self.spec)
+        with contextlib.ExitStack() as inside:
+            for axis in axes:
+                inside.enter_context(vmapped_over(axis))
+            return jax.vmap(fn, spmd_axis_name=axes)(*args)
+
+    def local(self, x: jax.Array) -> jax.Array:
+        """A micro-batch's rows ``[mb, ...]`` as each shard's, ``[D, mb/D, ...]``."""
+        return x.reshape(self.shards, x.shape[0] // self.shards, *x.shape[1:])
+
+    def stage_forward(self, res: Residuals, weights: Any, h: jax.Array, split: Any, whole: Any, key: jax.Array):
+        """One stage's forward of one micro-batch: (output, the residuals it keeps, ``[D, ...]``)."""
+        keys = jax.vmap(lambda n: jax.random.fold_in(key, n))(jnp.arange(self.shards))
+        one = lambda w, h, sp, k: self.forward(res, w, h, sp, whole, k)  # noqa: E731
+        out, kept = self.per_shard(one, weights, self.local(h), [self.local(x) for x in split], keys)
+        return _merge_shards(out), kept
+
+    def pullbacks(self, weights: Any, h: jax.Array, split: Any, whole: Any, keys: jax.Array) -> Any:
+        """Every stage's and shard's pullback of one micro-batch (leaves ``[S, D, ...]``), traced as the loop does."""
+
+        def one_stage(w, h, sp, key):
+            keys = jax.vmap(lambda n: jax.random.fold_in(key, n))(jnp.arange(self.shards))
+            one = lambda w, h, sp, k: self.pullback(w, h, sp, whole, k)  # noqa: E731
+            return self.per_shard(one, w, self.local(h), [self.local(x) for x in sp], keys)
+
+        return self.vmapped(one_stage, weights, h, split, keys)
+
+    def pullback(self, weights: Any, h: jax.Array, split: Any, whole: Any, key: jax.Array) -> Any:
+        diff, rest = self.inputs(weights, h, split, whole, key)
+        return jax.vjp(lambda d: self.stage(d, rest), diff)[1]
+
+    def stage_backward(self, res: Residuals, fixed: Any, kept: Any, g: jax.Array):
+        """One stage's backward of one micro-batch: (d weights ``[D, chunk, ...]``, d input, d split, d whole)."""
+        layers, d_h, dsplit, dwhole = self.per_shard(lambda f, k, g: res.pullback(f, k)(g)[0], fixed, kept,
+                                                     self.local(g))  # fmt: skip
+        weights = {k: jnp.stack([layer[k] for layer in layers], axis=1) for k in layers[0]} if layers else {}
+        return weights, _merge_shards(d_h), [_merge_shards(d) for d in dsplit], dwhole
+
+
+def _merge_shards(x: jax.Array) -> jax.Array:
+    return x.reshape(x.shape[0] * x.shape[1], *x.shape[2:])
+
+
+def _parted(xs: Sequence[jax.Array], mask: Sequence[bool]) -> tuple[list[jax.Array], list[jax.Array]]:
+    return [x for x, m in zip(xs, mask, strict=True) if m], [x for x, m in zip(xs, mask, strict=True) if not m]
+
+
+def _joined(diff: Sequence[jax.Array], rest: Sequence[jax.Array], mask: Sequence[bool]) -> list[jax.Array]:
+    d, r = iter(diff), iter(rest)
+    return [next(d) if m else next(r) for m in mask]
+
+
+def _masked(valid: jax.Array, new: jax.Array, old: jax.Array) -> jax.Array:
+    return jnp.where(valid.reshape(valid.shape + (1,) * (new.ndim - 1)), new, old)
+
+
+def _write(ring: jax.Array, new: jax.Array, slot: jax.Array, valid: jax.Array) -> jax.Array:
+    """Each stage's ``new`` into its slot of ``ring`` ``[S, R, ...]`` where valid."""
+
+    def one(r, n, i, v):
+        return jax.lax.dynamic_update_index_in_dim(r, jnp.where(v, n, r[i]), i, 0)
+
+    return jax.vmap(one)(ring, new, slot, valid)
+
+
+def _read(ring: jax.Array, slot: jax.Array) -> jax.Array:
+    return jax.vmap(lambda r, i: jax.lax.dynamic_index_in_dim(r, i, 0, keepdims=False))(ring, slot)
+
+
+@dataclasses.dataclass(frozen=True)
+class _Loop:
+    """The loop's constant arrays and how a tick moves its carry."""
+
+    kernel: _Kernel
+    res: Residuals
+    weights: dict[str, jax.Array]  # [S, chunk, ...]
+    fixed: list[jax.Array]  # the residuals that depend only on the weights, [S, ...]
+    micro: jax.Array  # the stack's input, [M, mb, ...]
+    split: tuple[jax.Array, ...]  # [M, mb, ...]
+    whole: tuple[jax.Array, ...]
+    key: jax.Array
+    tail: Tail
+
+    @property
+    def spec(self) -> Stages:
+        return self.kernel.spec
+
+    @property
+    def shard_dim(self) -> Any:
+        """How the copies' dim (after the stage dim) is laid: over the batch axes, if there are copies."""
+        return _batch_axes(self.spec) if self.kernel.shards > 1 else None
+
+    def on_stages(self, x: jax.Array, *dims: Any) -> jax.Array:
+        spec = PartitionSpec(self.spec.axis, *dims, *([PartitionSpec.UNCONSTRAINED] * (x.ndim - 1 - len(dims))))
+        return jax.lax.with_sharding_constraint(x, NamedSharding(self.spec.mesh, spec))
+
+    def shift(self, x: jax.Array, by: int) -> jax.Array:
+        """Stage s's array to stage s+by (round the ring): one collective-permute."""
+        s, axis = self.spec.stages, self.spec.axis
+        move = jax.shard_map(lambda a: jax.lax.ppermute(a, axis, [(i, (i + by) % s) for i in range(s)]),
+                             mesh=self.spec.mesh, in_specs=PartitionSpec(axis), out_specs=PartitionSpec(axis),
+                             axis_names={axis})  # fmt: skip
+        return self.on_stages(move(x), self.spec.batch)
+
+    def keys(self, t: jax.Array) -> jax.Array:
+        return jax.vmap(lambda i: jax.random.fold_in(jax.random.fold_in(self.key, t), i))(jnp.arange(self.spec.stages))
+
+    def tick(self, carry: dict[str, Any], t: jax.Array, *, forward: bool, backward: bool):
+        s, m, stage = self.spec.stages, self.spec.microbatches, jnp.arange(self.spec.stages)
+        slots = carry["ring"][0].shape[1] if carry["ring"] else 1
+        out = None
+        if forward:
+            j = t - stage
+            first = jax.lax.dynamic_index_in_dim(self.micro, jnp.clip(t, 0, m - 1), 0, keepdims=False)
+            h = self.on_stages(jnp.where(_column(stage == 0, carry["h"].ndim), first, carry["h"]), self.spec.batch)
+            split = tuple(_per_stage(x, jnp.clip(j, 0, m - 1)) for x in self.split)
+            whole = tuple(self.whole)
+            fwd = lambda w, h, sp, k: self.kernel.stage_forward(self.res, w, h, sp, whole, k)  # noqa: E731
+            out, kept = self.kernel.vmapped(fwd, self.weights, h, split, self.keys(t))
+            valid = (j >= 0) & (j < m)
+            carry["ring"] = [self.on_stages(_write(r, k, j % slots, valid), None, self.shard_dim)
+                             for r, k in zip(carry["ring"], kept, strict=True)]  # fmt: skip
+        if backward:
+            g = carry["g"]
+            if out is not None:  # the last stage's output of micro-batch t-S+1 through the loss tail
+                sums, d_out = self.tail(t - (s - 1), out[s - 1])
+                carry["sums"] = jax.tree.map(jnp.add, carry["sums"], sums)
+                g = self.on_stages(jnp.where(_column(stage == s - 1, g.ndim), d_out[None], g), self.spec.batch)
+            carry = self.backward(carry, g, t - (2 * s - 2 - stage), slots)
+        if out is not None:
+            carry["h"] = self.shift(out, 1)
+        return carry, None
+
+    def backward(self, carry: dict[str, Any], g: jax.Array, j: jax.Array, slots: int) -> dict[str, Any]:
+        m = self.spec.microbatches
+        valid, at = (j >= 0) & (j < m), jnp.clip(j, 0, m - 1)
+        kept = [_read(r, j % slots) for r in carry["ring"]]
+        bwd = lambda fixed, kept, g: self.kernel.stage_backward(self.res, fixed, kept, g)  # noqa: E731
+        d_w, d_h, dsplit, dwhole = self.kernel.vmapped(bwd, self.fixed, kept, g)
+        for k, d in d_w.items():
+            carry["w"][k] = carry["w"][k] + _masked(valid, d, jnp.zeros_like(d))
+        first = valid & (jnp.arange(self.spec.stages) == 0)
+        carry["dh"] = _write(carry["dh"], d_h, at, first)
+        carry["split"] = [
+            _write(acc, d + _read(acc, at), at, valid) for acc, d in zip(carry["split"], dsplit, strict=True)
+        ]
+        carry["whole"] = [
+            acc + _masked(valid, d, jnp.zeros_like(d)) for acc, d in zip(carry["whole"], dwhole, strict=True)
+        ]
+        carry["g"] = self.shift(d_h, -1)
+        return carry
+
+    def phase(self, carry: dict[str, Any], start: int, stop: int, **flags: bool) -> dict[str, Any]:
+        if stop <= start:
+            return carry
+        carry, _ = jax.lax.scan(lambda c, t: self.tick(c, t, **flags), carry, jnp.arange(start, stop))
+        return carry
+
+
+def _column(mask: jax.Array, ndim: int) -> jax.Array:
+    return mask.reshape(mask.shape + (1,) * (ndim - 1))
+
+
+def run(
+    spec: Stages,
+    layer_fn: LayerFn,
+    weights: Mapping[str, jax.Array],
+    trainable: frozenset[str],
+    h: jax.Array,
+    others: Sequence[jax.Array],
+    key: jax.Array,
+    tail: Tail,
+    *,
+    context: Callable[[], contextlib.AbstractContextManager[Any]] = contextlib.nullcontext,
+    policy: Any = None,
+) -> Result:
+    """The stack and the loss tail of every micro-batch of ``h`` as a 1F1B pipeline, forward and backward.
+
+    Args:
+        spec: the resolved pipeline (one pass: ``repeats`` 1).
+        layer_fn: one layer as a pure function (see `LayerFn`).
+        weights: stacked arrays ``[L, ...]`` in `Stages.order`, dim 0 over the stage axis.
+        trainable: the names in ``weights`` to differentiate.
+        h: the stack's input ``[B, ...]``, ``B`` a multiple of ``microbatches``.
+        others: the layers' other call arrays, split with ``h`` as `pipeline.run` splits them.
+        key: raw RNG key; each stage and tick draws from its own fold of it.
+        tail: ``(i, stack output of micro-batch i) -> (sums, d output)``, at the last stage.
+        context: entered around every trace of the layers (the torch environment).
+        policy: a ``jax.checkpoint`` policy for each layer (remat), or None.
+    """
+    m, rows = spec.microbatches, h.shape[0]
+    if rows % m:
+        raise ShardingError(
+            f"Pipeline(schedule='1f1b'): the stack's input {list(h.shape)} does not split into microbatches={m} along "
+            f"dim 0; the model's code before the stack must keep the batch's rows (a multiple of {m})"
+        )
+    shards = _shards(spec, rows // m)
+    try:
+        carry = _looped(spec, layer_fn, weights, trainable, h, others, key, tail, context, shards, policy)
+    except ValueError as err:
+        if shards == 1 or "spmd_axis_name cannot appear in shard_map" not in str(err):
+            raise
+        # a shard_map inside the layers splits the rows over the batch axes itself (expert dispatch's all-to-all)
+        carry = _looped(spec, layer_fn, weights, trainable, h, others, key, tail, context, 1, policy)
+    d_split, d_whole = iter(carry["split"]), iter(carry["whole"])
+    d_others = [
+        (_merge(next(d_split).sum(0)) if _by_batch(x, rows) else next(d_whole).sum((0, 1))) if _floating(x) else None
+        for x in others
+    ]
+    # the copies' gradients summed once, here: the one reduction over the batch axes of the step
+    d_weights = {k: w.sum(1).reshape(-1, *w.shape[3:]) for k, w in carry["w"].items()}
+    return Result(carry["sums"], d_weights, _merge(carry["dh"][0]), tuple(d_others))
+
+
+def _looped(spec: Stages, layer_fn: LayerFn, weights: Mapping[str, jax.Array], trainable: frozenset[str],
+            h: jax.Array, others: Sequence[jax.Array], key: jax.Array, tail: Tail,
+            context: Callable[[], contextlib.AbstractContextManager[Any]], shards: int,
+            policy: Any) -> dict[str, Any]:  # fmt: skip
+    """The three phases of the loop with ``shards`` copies of each stage's weights: the final carry."""
+    m, s, rows = spec.microbatches, spec.stages, h.shape[0]
+    split = tuple(_split(x, m) for x in others if _by_batch(x, rows))
+    whole = tuple(x for x in others if not _by_batch(x, rows))
+    kernel = _Kernel(spec, _reordered(layer_fn, others, rows), trainable, tuple(map(_floating, split)),
+                     tuple(map(_floating, whole)), context, shards, policy)  # fmt: skip
+    blocks = {k: w.reshape(s, spec.chunk, *w.shape[1:]) for k, w in weights.items()}
+    blocks = _gathered(spec, blocks, shards, 2) if shards > 1 else {k: w[:, None] for k, w in blocks.items()}
+    micro = _split(h, m)
+    # every stage on a placeholder micro-batch: its weight-only residuals (the rest is dead code), and the
+    # pullback's structure, traced under the vmaps the loop traces it under
+    placeholder = (
+        blocks,
+        jnp.zeros((s, *micro.shape[1:]), micro.dtype),
+        [jnp.zeros((s, *x.shape[1:]), x.dtype) for x in split],
+        jax.vmap(lambda i: key)(jnp.arange(s)),
+    )
+    pullbacks = lambda w, h, sp, k: kernel.pullbacks(w, h, sp, whole, k)  # noqa: E731
+    with context():
+        res = residuals(pullbacks, placeholder, (False, True, True, True), lead=2)
+    fixed = res.split(jax.tree_util.tree_leaves(pullbacks(*placeholder)))[0]
+    loop = _Loop(kernel, res, blocks, fixed, micro, split, whole, key, tail)
+    loop = dataclasses.replace(loop, weights={k: loop.on_stages(w, loop.shard_dim) for k, w in blocks.items()},
+                               fixed=[loop.on_stages(f, loop.shard_dim) for f in fixed])  # fmt: skip
+    carry = _initial(loop, slots=min(2 * s - 1, m))
+    carry = loop.phase(carry, 0, s - 1, forward=True, backward=False)
+    carry = loop.phase(carry, s - 1, m + s - 1, forward=True, backward=True)
+    return loop.phase(carry, m + s - 1, m + 2 * s - 2, forward=False, backward=True)
+
+
+def _initial(loop: _Loop, *, slots: int) -> dict[str, Any]:
+    """The loop's carry before the first tick: zeros, each array's dim 0 over the stages."""
+    spec, s, micro, kernel, d = loop.spec, loop.spec.stages, loop.micro, loop.kernel, loop.kernel.shards
+    zeros = lambda shape, dtype: jnp.zeros(shape, dtype)  # noqa: E731
+    h0 = loop.on_stages(zeros((s, *micro.shape[1:]), micro.dtype), spec.batch)
+    sums = jax.tree.map(lambda x: zeros(x.shape, x.dtype), jax.eval_shape(loop.tail, jnp.int32(0), micro[0])[0])
+    return {
+        "ring": [
+            loop.on_stages(zeros((s, slots, d, *k.shape), k.dtype), None, loop.shard_dim) for k in loop.res.kept()
+        ],
+        "h": h0,
+        "g": h0,
+        "sums": sums,
+        "w": {
+            k: loop.on_stages(jnp.zeros_like(w), loop.shard_dim)
+            for k, w in loop.weights.items()
+            if k in kernel.trainable
+        },
+        "dh": loop.on_stages(zeros((s, *micro.shape), micro.dtype), None, spec.batch),
+        "split": [loop.on_stages(zeros((s, *x.shape), x.dtype)) for x in loop.split if _floating(x)],
+        "whole": [loop.on_stages(zeros((s, d, *x.shape), x.dtype), loop.shard_dim) for x in loop.whole if _floating(x)],
+    }
