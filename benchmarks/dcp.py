@@ -156,7 +156,7 @@ def main() -> None:
 
 def _measure(args: argparse.Namespace) -> tuple[int, dict, dict]:
     """The checkpoint's tensor bytes, the single-process loads' medians and each layout's 2-process loads."""
-    me, folder = [sys.executable, __file__, *(["--tiny"] if args.tiny else [])], ["--dir"]
+    me = [sys.executable, __file__, *(["--tiny"] if args.tiny else [])]
     paths = ("dcp.load", "load_dcp")
     layouts = {"single": "bytes", "sharded": "bytes_sharded", "as_loaded": "bytes_as_loaded"}
     # --tiny, a smoke test, spares process start-ups (each imports torch, JAX and transformers): the save and both
@@ -164,14 +164,16 @@ def _measure(args: argparse.Namespace) -> tuple[int, dict, dict]:
     children = [paths] if args.tiny else [(how,) for how in paths]
     launches = [tuple(layouts.values())] if args.tiny else [(child,) for child in layouts.values()]
     with tempfile.TemporaryDirectory() as tmp:
-        folder.append(tmp)
+        folder = ["--dir", tmp]
         saved = [] if args.tiny else _run([*me, "--save", *folder]).stdout.splitlines()
         rounds: list[dict] = []
-        for _ in range(args.repeats):
+        for _ in range(args.repeats):  # interleaved
             rounds.append({})
             for hows in children:
-                lines = _run([*me, *([] if saved else ["--save"]), "--child", ",".join(hows), *folder]).stdout
-                saved, rounds[-1] = saved or lines.splitlines(), rounds[-1] | json.loads(lines.splitlines()[-1])
+                save = [] if saved else ["--save"]  # --tiny: the first child saves
+                lines = _run([*me, *save, "--child", ",".join(hows), *folder]).stdout.splitlines()
+                saved = saved or lines
+                rounds[-1].update(json.loads(lines[-1]))
         runs = {how: {k: statistics.median(r[how][k] for r in rounds) for k in ("rss", "seconds")} for how in paths}
         launch = [sys.executable, "-m", "torchshard.launch", "--nproc", "2", "--cpu-devices-per-proc", "4"]
         for hows in launches:
