@@ -5,16 +5,16 @@ tensor (``dcp.save(model.state_dict())`` from one rank); ``sharded``, one chunk 
 (``ts.save_dcp`` from 8 devices under FSDP: rows, as an 8-rank FSDP2 save is laid out); ``as_loaded``,
 ``ts.save_dcp`` under the plan it is loaded onto. Loaded onto 8
 simulated devices with ``hf_rules`` (data=4 × model=2), each path in a fresh process (``--tiny``:
-both in one):
+both in the process that saved):
 
 * ``dcp.load + shard``: the model is built on the host, ``dcp.load(model.state_dict())``, then ``shard``.
 * ``load_dcp``: the model is built on ``meta`` and the checkpoint read into its plan.
 
 Reported: the added peak host RSS (VmHWM reset just before the load, minus the RSS then) and the
 wall time, medians of ``--repeats`` interleaved runs. Then 2 processes × 4 devices under
-``torchshard.launch`` load each checkpoint: per process, the bytes of stored chunks DCP read (its
-reader reads whole chunks) over the checkpoint's tensor bytes, the bytes the process read from
-files (``rchar``), and its added peak RSS.
+``torchshard.launch`` load each checkpoint (``--tiny``: all three in one launch): per process, the
+bytes of stored chunks DCP read (its reader reads whole chunks) over the checkpoint's tensor bytes,
+the bytes the process read from files (``rchar``), and its added peak RSS.
 
     python benchmarks/dcp.py [--tiny]
 """
@@ -139,35 +139,49 @@ def main() -> None:
     parser.add_argument("--dir", help=argparse.SUPPRESS)
     parser.add_argument("--save", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
-    if args.save:
-        print(_save(Path(args.dir), args.tiny))
-        return
+    if args.save:  # with --child (--tiny), the loads follow in this process
+        print(f"saved {_save(Path(args.dir), args.tiny)}", flush=True)
     if args.child:
         result = {how: _child(args.dir, how, args.tiny) for how in args.child.split(",")}
         if args.child.startswith("bytes"):
             import jax
 
-            Path(args.dir, f"{args.child}.rank{jax.process_index()}.json").write_text(json.dumps(result[args.child]))
+            for how, numbers in result.items():
+                Path(args.dir, f"{how}.rank{jax.process_index()}.json").write_text(json.dumps(numbers))
         else:
             print(json.dumps(result))
-        return
-    tiny = ["--tiny"] if args.tiny else []
-    me = [sys.executable, __file__, *tiny]
+    if not (args.save or args.child):
+        _report(*_measure(args), args.json)
+
+
+def _measure(args: argparse.Namespace) -> tuple[int, dict, dict]:
+    """The checkpoint's tensor bytes, the single-process loads' medians and each layout's 2-process loads."""
+    me = [sys.executable, __file__, *(["--tiny"] if args.tiny else [])]
+    paths = ("dcp.load", "load_dcp")
+    layouts = {"single": "bytes", "sharded": "bytes_sharded", "as_loaded": "bytes_as_loaded"}
+    # --tiny, a smoke test, spares process start-ups (each imports torch, JAX and transformers): the save and both
+    # paths run in one process, the three layouts in one launch
+    children = [paths] if args.tiny else [(how,) for how in paths]
+    launches = [tuple(layouts.values())] if args.tiny else [(child,) for child in layouts.values()]
     with tempfile.TemporaryDirectory() as tmp:
-        size = int(_run([*me, "--save", "--dir", tmp]).stdout.split()[-1])
-        paths = ("dcp.load", "load_dcp")
-        children = [paths] if args.tiny else [(how,) for how in paths]
-        rounds = [{k: v for hows in children for k, v in
-                   json.loads(_run([*me, "--child", ",".join(hows), "--dir", tmp]).stdout.splitlines()[-1]).items()}
-                  for _ in range(args.repeats)]  # fmt: skip
+        folder = ["--dir", tmp]
+        saved = [] if args.tiny else _run([*me, "--save", *folder]).stdout.splitlines()
+        rounds: list[dict] = []
+        for _ in range(args.repeats):  # interleaved
+            rounds.append({})
+            for hows in children:
+                save = [] if saved else ["--save"]  # --tiny: the first child saves
+                lines = _run([*me, *save, "--child", ",".join(hows), *folder]).stdout.splitlines()
+                saved = saved or lines
+                rounds[-1].update(json.loads(lines[-1]))
         runs = {how: {k: statistics.median(r[how][k] for r in rounds) for k in ("rss", "seconds")} for how in paths}
-        ranks = {}
-        for layout in ("single", "sharded", "as_loaded"):
-            launch = [sys.executable, "-m", "torchshard.launch", "--nproc", "2", "--cpu-devices-per-proc", "4"]
-            child = "bytes" if layout == "single" else f"bytes_{layout}"
-            _run([*launch, __file__, *tiny, "--child", child, "--dir", tmp])
-            ranks[layout] = [json.loads(Path(tmp, f"{child}.rank{i}.json").read_text()) for i in range(2)]
-    _report(size, runs, ranks, args.json)
+        launch = [sys.executable, "-m", "torchshard.launch", "--nproc", "2", "--cpu-devices-per-proc", "4"]
+        for hows in launches:
+            _run([*launch, *me[1:], "--child", ",".join(hows), *folder])
+        ranks = {layout: [json.loads(Path(tmp, f"{child}.rank{i}.json").read_text()) for i in range(2)]
+                 for layout, child in layouts.items()}  # fmt: skip
+    size = next(int(line.split()[1]) for line in saved if line.startswith("saved "))
+    return size, runs, ranks
 
 
 def _report(size: int, runs: dict, ranks: dict, json_path: str | None) -> None:

@@ -83,7 +83,7 @@ def child(args: argparse.Namespace) -> None:
 def main() -> None:
     args = parse_args()
     if args.tiny:
-        args.dim, args.hidden, args.batch, args.seq, args.steps = 128, 512, 8, 4, 2
+        args.dim, args.hidden, args.depth, args.batch, args.seq, args.steps = 128, 512, 4, 8, 4, 2
     if args.child:
         child(args)
         return

@@ -75,7 +75,7 @@ def main() -> None:
     parser.add_argument("--devices", type=int, default=64)
     parser.add_argument("--batch", default="128x8192")
     parser.add_argument("--hardware", default="h100")
-    parser.add_argument("--max-compiles", type=int, default=20)
+    parser.add_argument("--max-compiles", type=int, help="candidates compiled (default: 20; --tiny: 4)")
     parser.add_argument("--published", help="a layout to compile and rank: MESH[:REMAT], e.g. data=8:dots_saveable")
     parser.add_argument("--json", help="write the candidates here")
     args = parser.parse_args()
@@ -86,7 +86,7 @@ def main() -> None:
         model = tiny() if args.tiny else llama(args.model)
     begun = time.perf_counter()
     found = ts.inspect.search(model, devices=devices, batch=(rows, seq), hardware_name=args.hardware,
-                              max_compiles=4 if args.tiny else args.max_compiles,
+                              max_compiles=args.max_compiles or (4 if args.tiny else 20),
                               progress=lambda i, n, what: print(f"[{i}/{n}] {time.perf_counter() - begun:.0f} s {what}",
                                                                 file=sys.stderr, flush=True))  # fmt: skip
     seconds = time.perf_counter() - begun

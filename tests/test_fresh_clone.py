@@ -8,6 +8,7 @@ trains runs with short flags: ``--steps N`` becomes ``--steps N/20`` and a tiny 
 
 from __future__ import annotations
 
+import os
 import re
 import runpy
 import shlex
@@ -74,7 +75,12 @@ def test_every_shell_command_runs_in_a_fresh_clone(tmp_path):
     clone = _clone(tmp_path)
     commands = [c for source in SOURCES for c in shell_commands((clone / source).read_text()) if c not in SETUP]
     assert commands
+    # the commands compile the same tiny programs (a run and its resume, the same run under two --out): one JAX
+    # compilation cache for them all compiles each once; what runs is the same executable either way
+    env = {**os.environ, "JAX_COMPILATION_CACHE_DIR": str(tmp_path / "jax-cache"),
+           "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0"}  # fmt: skip
     for command in commands:
-        run = subprocess.run(["bash", "-c", shortened(command)], cwd=clone, capture_output=True, text=True, timeout=600)
+        run = subprocess.run(["bash", "-c", shortened(command)], cwd=clone, env=env, capture_output=True, text=True,
+                             timeout=600)  # fmt: skip
         output = f"{run.stdout[-2000:]}\n{run.stderr[-3000:]}"
         assert run.returncode == 0, f"{command!r} failed ({run.returncode}):\n{output}"

@@ -22,8 +22,6 @@ from torchshard._bridge.layer_view import LayerView, StackedArray, view_stacks
 from torchshard._bridge.module_tensors import named_tensors
 from torchshard._bridge.tensors import rebind, set_array, unwrap
 from torchshard._multihost.worker import heartbeat
-from torchshard._parallel.context import ContextParallel
-from torchshard._parallel.experts import ExpertDispatch
 from torchshard._sharding.placement import put, put_stacked, shard
 from torchshard._sharding.plan import ShardingPlan
 from torchshard._train.batching import BatchLayout
@@ -162,13 +160,14 @@ class Trainer(Observed):
         self._trained_on: Any = None  # the structure of the batches steps took, which evaluate checks against
         self._start_observing(log_every, trackers, peak_flops)
 
+    # each strategy's option, as its registry entry resolved it (typed Any: the Trainer names no strategy's module)
     @property
-    def context(self) -> ContextParallel | None:
+    def context(self) -> Any:
         """The `ContextParallel` the step runs under, or None."""
         return self._strategies["context"].option
 
     @property
-    def expert_dispatch(self) -> ExpertDispatch | None:
+    def expert_dispatch(self) -> Any:
         """How tokens meet experts: ``ExpertDispatch()`` where all-to-all runs, else what was passed (or None)."""
         return self._strategies["expert_dispatch"].option
 
