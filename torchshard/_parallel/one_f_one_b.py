@@ -51,7 +51,8 @@ class Result:
     others: tuple[jax.Array | None, ...]  # d each other call array (None for those not floating)
 
 
-def _floating(x: jax.Array) -> bool:
+def floating(x: jax.Array) -> bool:
+    """Whether ``x`` is a float array: the arrays a backward differentiates (the rest are passed through)."""
     return jnp.issubdtype(x.dtype, jnp.floating)
 
 
@@ -308,7 +309,7 @@ def run(
         carry = _looped(spec, layer_fn, weights, trainable, h, others, key, tail, context, 1, policy)
     d_split, d_whole = iter(carry["split"]), iter(carry["whole"])
     d_others = [
-        (_merge(next(d_split).sum(0)) if _by_batch(x, rows) else next(d_whole).sum((0, 1))) if _floating(x) else None
+        (_merge(next(d_split).sum(0)) if _by_batch(x, rows) else next(d_whole).sum((0, 1))) if floating(x) else None
         for x in others
     ]
     # the copies' gradients summed once, here: the one reduction over the batch axes of the step
@@ -324,8 +325,8 @@ def _looped(spec: Stages, layer_fn: LayerFn, weights: Mapping[str, jax.Array], t
     m, s, rows = spec.microbatches, spec.stages, h.shape[0]
     split = tuple(_split(x, m) for x in others if _by_batch(x, rows))
     whole = tuple(x for x in others if not _by_batch(x, rows))
-    kernel = _Kernel(spec, _reordered(layer_fn, others, rows), trainable, tuple(map(_floating, split)),
-                     tuple(map(_floating, whole)), context, shards, policy)  # fmt: skip
+    kernel = _Kernel(spec, _reordered(layer_fn, others, rows), trainable, tuple(map(floating, split)),
+                     tuple(map(floating, whole)), context, shards, policy)  # fmt: skip
     blocks = {k: w.reshape(s, spec.chunk, *w.shape[1:]) for k, w in weights.items()}
     blocks = _gathered(spec, blocks, shards, 2) if shards > 1 else {k: w[:, None] for k, w in blocks.items()}
     micro = _split(h, m)
@@ -369,6 +370,6 @@ def _initial(loop: _Loop, *, slots: int) -> dict[str, Any]:
             if k in kernel.trainable
         },
         "dh": loop.on_stages(zeros((s, *micro.shape), micro.dtype), None, spec.batch),
-        "split": [loop.on_stages(zeros((s, *x.shape), x.dtype)) for x in loop.split if _floating(x)],
-        "whole": [loop.on_stages(zeros((s, d, *x.shape), x.dtype), loop.shard_dim) for x in loop.whole if _floating(x)],
+        "split": [loop.on_stages(zeros((s, *x.shape), x.dtype)) for x in loop.split if floating(x)],
+        "whole": [loop.on_stages(zeros((s, d, *x.shape), x.dtype), loop.shard_dim) for x in loop.whole if floating(x)],
     }

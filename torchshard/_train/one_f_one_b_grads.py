@@ -86,10 +86,6 @@ def intercepted(
     return mode.given.astype(h.dtype), key
 
 
-def _floating(x: jax.Array) -> bool:
-    return jnp.issubdtype(x.dtype, jnp.floating)
-
-
 @dataclasses.dataclass(frozen=True)
 class Gradient:
     """``value_and_grad(runtime.loss, has_aux=True)`` for a step whose stack runs the 1F1B schedule."""
@@ -112,14 +108,14 @@ class Gradient:
             with _stack_is(capture), contextlib.suppress(_Stop):
                 self.runtime.loss(p, buffers, frozen, batch, key)
             assert capture.h is not None  # a loss_fn that skips the stack fails in ScanRun.finish
-            floats = [x for x in capture.others if _floating(x)]
-            return (capture.h, floats), [x for x in capture.others if not _floating(x)]
+            floats = [x for x in capture.others if one_f_one_b.floating(x)]
+            return (capture.h, floats), [x for x in capture.others if not one_f_one_b.floating(x)]
 
         # the stack's inputs as the vjp returns them (what the trace captured may be its own tracers)
         (h, floats), prefix_pull, ints = jax.vjp(prefix, params, has_aux=True)
         assert capture.layer_fn is not None
         floats_it, ints_it = iter(floats), iter(ints)
-        others = [next(floats_it) if _floating(x) else next(ints_it) for x in capture.others]
+        others = [next(floats_it) if one_f_one_b.floating(x) else next(ints_it) for x in capture.others]
         gathered = lambda arrays: _gathered(arrays, self.runtime.shardings, self.stages)  # noqa: E731
         tail_params = gathered({k: v for k, v in params.items() if k not in stacked})
         fixed_params = {k: v for k, v in params.items() if k in stacked}
