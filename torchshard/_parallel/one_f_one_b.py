@@ -27,6 +27,7 @@ from torchshard._parallel.pipeline import (
     Stages,
     _batch_axes,
     _by_batch,
+    _column,
     _gathered,
     _merge,
     _per_stage,
@@ -156,7 +157,7 @@ def _joined(diff: Sequence[jax.Array], rest: Sequence[jax.Array], mask: Sequence
 
 
 def _masked(valid: jax.Array, new: jax.Array, old: jax.Array) -> jax.Array:
-    return jnp.where(valid.reshape(valid.shape + (1,) * (new.ndim - 1)), new, old)
+    return jnp.where(_column(valid, new.ndim), new, old)
 
 
 def _write(ring: jax.Array, new: jax.Array, slot: jax.Array, valid: jax.Array) -> jax.Array:
@@ -260,10 +261,6 @@ class _Loop:
             return carry
         carry, _ = jax.lax.scan(lambda c, t: self.tick(c, t, **flags), carry, jnp.arange(start, stop))
         return carry
-
-
-def _column(mask: jax.Array, ndim: int) -> jax.Array:
-    return mask.reshape(mask.shape + (1,) * (ndim - 1))
 
 
 def run(

@@ -20,6 +20,7 @@ import jax.numpy as jnp
 from jax.sharding import NamedSharding, PartitionSpec
 
 from torchshard._base.errors import ShardingError
+from torchshard._base.specs import entry_axes
 from torchshard._bridge.module_call import PureForward
 from torchshard._parallel import one_f_one_b
 from torchshard._parallel.pipeline import LayerFn, Stages, _batch_axes
@@ -165,7 +166,7 @@ def _gathered(arrays: Arrays, shardings: Mapping[str, NamedSharding], stages: St
 
 
 def _drop(entry: Any, axes: tuple[str, ...]) -> Any:
-    kept = tuple(a for a in ((entry,) if isinstance(entry, str) else entry or ()) if a not in axes)
+    kept = tuple(a for a in entry_axes(entry) if a not in axes)
     return kept[0] if len(kept) == 1 else (kept or None)
 
 
