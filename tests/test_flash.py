@@ -149,3 +149,33 @@ def test_tile_pairs_skip_what_the_causal_mask_hides():
 )
 def test_tile_size(length, tile):
     assert flash.tile_size(length) == tile
+
+
+@pytest.mark.parametrize(
+    "attend",
+    [lambda q, k, v: attention_jax(q, k, v, None, True, None), _ring],
+    ids=["flash", "ring"],
+)
+def test_a_scanned_checkpoint_keeps_no_mask_per_tile(attend):
+    """Under ``scan_layers`` + ``nothing_saveable`` the step keeps no more than with no remat at all.
+
+    The masks were ``jnp.where`` broadcasts to the scores' full shape, loop-invariant, so JAX saved
+    them as residuals of the layer scan, one per ring step and tile: a 2-layer Llama at 4k tokens on
+    4 context devices compiled to 481 MiB under remat against 359 MiB without it (148 MiB on FSDP).
+    """
+    seq, heads, dim = 2048, 4, 16
+    x = jax.ShapeDtypeStruct((4, seq, heads * dim), jnp.float32)
+    ws = jax.ShapeDtypeStruct((2, heads * dim, heads * dim), jnp.float32)
+
+    def layer(x, w):
+        q = (x @ w).reshape(*x.shape[:2], heads, dim).transpose(0, 2, 1, 3)
+        return x + attend(q, q, q).transpose(0, 2, 1, 3).reshape(x.shape)
+
+    def temp(policy):
+        body = jax.checkpoint(layer, policy=getattr(jax.checkpoint_policies, policy))
+        loss = lambda ws, x: jax.lax.scan(lambda x, w: (body(x, w), None), x, ws)[0].sum()  # noqa: E731
+        with jax.set_mesh(ts.make_mesh({"context": 2}, devices=jax.devices()[:2])):
+            compiled = jax.jit(jax.grad(loss)).lower(ws, x).compile()
+        return compiled.memory_analysis().temp_size_in_bytes
+
+    assert temp("nothing_saveable") <= temp("everything_saveable")

@@ -88,7 +88,7 @@ def _logits(q: jax.Array, k: jax.Array, q_start: jax.Array, k_start: jax.Array, 
     if q_seg is not None and k_seg is not None:
         same = (q_seg[:, :, None] == k_seg[:, None, :])[:, None, None]
         keep = same if keep is None else same & keep
-    return s if keep is None else jnp.where(keep, s, -jnp.inf)
+    return s if keep is None else online_softmax.masked(s, keep)
 
 
 def _sees(q_start: jax.Array, q_seg: Seg, rows: int, k_start: jax.Array, k_seg: Seg, ring: Ring,

@@ -108,7 +108,7 @@ def _scores(
         row = jax.lax.broadcasted_iota(jnp.int32, s.shape[-2:], 0) + rows[0]
         causal = row >= jax.lax.broadcasted_iota(jnp.int32, s.shape[-2:], 1) + cols[0]
         keep = causal if keep is None else keep & causal
-    return s if keep is None else jnp.where(keep, s, -jnp.inf)
+    return s if keep is None else online_softmax.masked(s, keep)
 
 
 def _each_pair(pairs: tuple[tuple[int, int], ...], step: Callable[[Any, Index, Index], Any], carry: Any) -> Any:

@@ -10,6 +10,21 @@ Stats = tuple[jax.Array, jax.Array, jax.Array]  # running max [..., q], sum [...
 F32 = jnp.float32
 
 
+def masked(s: jax.Array, keep: jax.Array) -> jax.Array:
+    """Scores ``s`` with -inf where ``keep`` (any shape that broadcasts to ``s``'s) is False.
+
+    Added as a bias of ``keep``'s own shape, not ``jnp.where``: a where broadcasts the mask and the
+    -inf to the scores' full [b, k, g, q, s] shape, and under a scanned ``jax.checkpoint`` JAX saves
+    those loop-invariant broadcasts as residuals, one per ring step and tile (a 2-layer Llama at 4k
+    tokens on 4 context devices held 300 MiB of them).
+
+    Examples:
+        >>> masked(jnp.ones((1, 2, 2)), jnp.array([[True, False], [True, True]])).tolist()
+        [[[1.0, -inf], [1.0, 1.0]]]
+    """
+    return s + jnp.where(keep, 0.0, -jnp.inf).astype(s.dtype)
+
+
 def fold(stats: Stats, s: jax.Array, v: jax.Array) -> Stats:
     """One tile's scores ``s`` [b, k, g, q, s] and values ``v`` [b, k, s, h] folded into the running ``stats``.
 
