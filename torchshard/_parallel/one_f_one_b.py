@@ -139,8 +139,12 @@ class _Kernel:
         """One stage's backward of one micro-batch: (d weights ``[D, chunk, ...]``, d input, d split, d whole)."""
         layers, d_h, dsplit, dwhole = self.per_shard(lambda f, k, g: res.pullback(f, k)(g)[0], fixed, kept,
                                                      self.local(g))  # fmt: skip
-        weights = {k: jnp.stack([layer[k] for layer in layers], axis=1) for k in layers[0]} if layers else {}
-        return weights, _merge_shards(d_h), [_merge_shards(d) for d in dsplit], dwhole
+        return _stacked(layers), _merge_shards(d_h), [_merge_shards(d) for d in dsplit], dwhole
+
+
+def _stacked(layers: Sequence[Mapping[str, jax.Array]]) -> dict[str, jax.Array]:
+    """The layers' weight gradients (each ``[D, ...]``) stacked by name: ``[D, chunk, ...]``."""
+    return {k: jnp.stack([layer[k] for layer in layers], axis=1) for k in layers[0]} if layers else {}
 
 
 def _merge_shards(x: jax.Array) -> jax.Array:
@@ -211,51 +215,87 @@ class _Loop:
     def keys(self, t: jax.Array) -> jax.Array:
         return jax.vmap(lambda i: jax.random.fold_in(jax.random.fold_in(self.key, t), i))(jnp.arange(self.spec.stages))
 
+    @property
+    def slots(self) -> int:
+        """The ring's slots: at most the micro-batches a stage has in flight (``2S-1``)."""
+        return min(2 * self.spec.stages - 1, self.spec.microbatches)
+
     def tick(self, carry: dict[str, Any], t: jax.Array, *, forward: bool, backward: bool):
-        s, m, stage = self.spec.stages, self.spec.microbatches, jnp.arange(self.spec.stages)
-        slots = carry["ring"][0].shape[1] if carry["ring"] else 1
-        out = None
-        if forward:
-            j = t - stage
-            first = jax.lax.dynamic_index_in_dim(self.micro, jnp.clip(t, 0, m - 1), 0, keepdims=False)
-            h = self.on_stages(jnp.where(_column(stage == 0, carry["h"].ndim), first, carry["h"]), self.spec.batch)
-            split = tuple(_per_stage(x, jnp.clip(j, 0, m - 1)) for x in self.split)
-            whole = tuple(self.whole)
-            fwd = lambda w, h, sp, k: self.kernel.stage_forward(self.res, w, h, sp, whole, k)  # noqa: E731
-            out, kept = self.kernel.vmapped(fwd, self.weights, h, split, self.keys(t))
-            valid = (j >= 0) & (j < m)
-            carry["ring"] = [self.on_stages(_write(r, k, j % slots, valid), None, self.shard_dim)
-                             for r, k in zip(carry["ring"], kept, strict=True)]  # fmt: skip
+        stage = jnp.arange(self.spec.stages)
+        carry, out = self.forwards(carry, t) if forward else (carry, None)
         if backward:
-            g = carry["g"]
-            if out is not None:  # the last stage's output of micro-batch t-S+1 through the loss tail
-                sums, d_out = self.tail(t - (s - 1), out[s - 1])
-                carry["sums"] = jax.tree.map(jnp.add, carry["sums"], sums)
-                g = self.on_stages(jnp.where(_column(stage == s - 1, g.ndim), d_out[None], g), self.spec.batch)
-            carry = self.backward(carry, g, t - (2 * s - 2 - stage), slots)
+            carry, g = self.with_loss(carry, t, out)
+            carry = self.backward(carry, g, t - (2 * self.spec.stages - 2 - stage))
         if out is not None:
             carry["h"] = self.shift(out, 1)
         return carry, None
 
-    def backward(self, carry: dict[str, Any], g: jax.Array, j: jax.Array, slots: int) -> dict[str, Any]:
-        m = self.spec.microbatches
-        valid, at = (j >= 0) & (j < m), jnp.clip(j, 0, m - 1)
-        kept = [_read(r, j % slots) for r in carry["ring"]]
+    def forwards(self, carry: dict[str, Any], t: jax.Array) -> tuple[dict[str, Any], jax.Array]:
+        """Stage s's forward of micro-batch t-s, its residuals into the ring: (carry, every stage's output)."""
+        m, stage = self.spec.microbatches, jnp.arange(self.spec.stages)
+        j = t - stage
+        first = jax.lax.dynamic_index_in_dim(self.micro, jnp.clip(t, 0, m - 1), 0, keepdims=False)
+        h = self.on_stages(jnp.where(_column(stage == 0, carry["h"].ndim), first, carry["h"]), self.spec.batch)
+        split = tuple(_per_stage(x, jnp.clip(j, 0, m - 1)) for x in self.split)
+        whole = tuple(self.whole)
+        fwd = lambda w, h, sp, k: self.kernel.stage_forward(self.res, w, h, sp, whole, k)  # noqa: E731
+        out, kept = self.kernel.vmapped(fwd, self.weights, h, split, self.keys(t))
+        valid = (j >= 0) & (j < m)
+        carry["ring"] = [self.on_stages(_write(r, k, j % self.slots, valid), None, self.shard_dim)
+                         for r, k in zip(carry["ring"], kept, strict=True)]  # fmt: skip
+        return carry, out
+
+    def with_loss(self, carry: dict[str, Any], t: jax.Array, out: jax.Array | None) -> tuple[dict[str, Any], Any]:
+        """The gradient each stage's backward starts from: the next stage's; in a tick with forwards, the last
+        stage's is the loss tail's on its output of micro-batch t-S+1 (whose sums are added up)."""
+        s, g = self.spec.stages, carry["g"]
+        if out is None:
+            return carry, g
+        sums, d_out = self.tail(t - (s - 1), out[s - 1])
+        carry["sums"] = jax.tree.map(jnp.add, carry["sums"], sums)
+        last = _column(jnp.arange(s) == s - 1, g.ndim)
+        return carry, self.on_stages(jnp.where(last, d_out[None], g), self.spec.batch)
+
+    def backward(self, carry: dict[str, Any], g: jax.Array, j: jax.Array) -> dict[str, Any]:
+        """Stage s's whole backward of micro-batch ``j[s]``."""
+        kept = [_read(r, j % self.slots) for r in carry["ring"]]
         bwd = lambda fixed, kept, g: self.kernel.stage_backward(self.res, fixed, kept, g)  # noqa: E731
         d_w, d_h, dsplit, dwhole = self.kernel.vmapped(bwd, self.fixed, kept, g)
+        return self.handed_back(self.accumulated(carry, j, d_w, dsplit, dwhole), j, d_h)
+
+    def accumulated(self, carry: dict[str, Any], j: jax.Array, d_w: Mapping[str, jax.Array],
+                    dsplit: Sequence[jax.Array], dwhole: Sequence[jax.Array]) -> dict[str, Any]:  # fmt: skip
+        """The carry with micro-batch ``j[s]``'s weight and call-argument gradients added where it is one."""
+        m = self.spec.microbatches
+        valid, at = (j >= 0) & (j < m), jnp.clip(j, 0, m - 1)
         for k, d in d_w.items():
             carry["w"][k] = carry["w"][k] + _masked(valid, d, jnp.zeros_like(d))
-        first = valid & (jnp.arange(self.spec.stages) == 0)
-        carry["dh"] = _write(carry["dh"], d_h, at, first)
         carry["split"] = [
             _write(acc, d + _read(acc, at), at, valid) for acc, d in zip(carry["split"], dsplit, strict=True)
         ]
         carry["whole"] = [
             acc + _masked(valid, d, jnp.zeros_like(d)) for acc, d in zip(carry["whole"], dwhole, strict=True)
         ]
+        return carry
+
+    def handed_back(self, carry: dict[str, Any], j: jax.Array, d_h: jax.Array) -> dict[str, Any]:
+        """Each stage's input gradient to the previous stage; stage 0's is the stack input's, kept."""
+        m = self.spec.microbatches
+        first = (j >= 0) & (j < m) & (jnp.arange(self.spec.stages) == 0)
+        carry["dh"] = _write(carry["dh"], d_h, jnp.clip(j, 0, m - 1), first)
         carry["g"] = self.shift(d_h, -1)
         return carry
 
+    def initial(self) -> dict[str, Any]:
+        """The carry before the first tick."""
+        return _initial(self, slots=self.slots)
+
+    def ticks(self, carry: dict[str, Any]) -> dict[str, Any]:
+        """The three phases: ``S-1`` ticks of forwards (the fill), ``M`` of both, ``S-1`` of backwards (the drain)."""
+        s, m = self.spec.stages, self.spec.microbatches
+        carry = self.phase(carry, 0, s - 1, forward=True, backward=False)
+        carry = self.phase(carry, s - 1, m + s - 1, forward=True, backward=True)
+        return self.phase(carry, m + s - 1, m + 2 * s - 2, forward=False, backward=True)
     def phase(self, carry: dict[str, Any], start: int, stop: int, **flags: bool) -> dict[str, Any]:
         if stop <= start:
             return carry
@@ -275,6 +315,7 @@ def run(
     *,
     context: Callable[[], contextlib.AbstractContextManager[Any]] = contextlib.nullcontext,
     policy: Any = None,
+    loop: type[_Loop] = _Loop,
 ) -> Result:
     """The stack and the loss tail of every micro-batch of ``h`` as a 1F1B pipeline, forward and backward.
 
@@ -289,21 +330,22 @@ def run(
         tail: ``(i, stack output of micro-batch i) -> (sums, d output)``, at the last stage.
         context: entered around every trace of the layers (the torch environment).
         policy: a ``jax.checkpoint`` policy for each layer (remat), or None.
+        loop: the schedule of the ticks (`_Loop`'s is 1F1B's; `zero_bubble` defers the weight gradients).
     """
     m, rows = spec.microbatches, h.shape[0]
     if rows % m:
         raise ShardingError(
-            f"Pipeline(schedule='1f1b'): the stack's input {list(h.shape)} does not split into microbatches={m} along "
+            f"Pipeline(schedule={spec.schedule!r}): the stack's input {list(h.shape)} does not split into microbatches={m} along "
             f"dim 0; the model's code before the stack must keep the batch's rows (a multiple of {m})"
         )
     shards = _shards(spec, rows // m)
     try:
-        carry = _looped(spec, layer_fn, weights, trainable, h, others, key, tail, context, shards, policy)
+        carry = _looped(spec, layer_fn, weights, trainable, h, others, key, tail, context, shards, policy, loop)
     except ValueError as err:
         if shards == 1 or "spmd_axis_name cannot appear in shard_map" not in str(err):
             raise
         # a shard_map inside the layers splits the rows over the batch axes itself (expert dispatch's all-to-all)
-        carry = _looped(spec, layer_fn, weights, trainable, h, others, key, tail, context, 1, policy)
+        carry = _looped(spec, layer_fn, weights, trainable, h, others, key, tail, context, 1, policy, loop)
     d_split, d_whole = iter(carry["split"]), iter(carry["whole"])
     d_others = [
         (_merge(next(d_split).sum(0)) if _by_batch(x, rows) else next(d_whole).sum((0, 1))) if floating(x) else None
@@ -317,8 +359,8 @@ def run(
 def _looped(spec: Stages, layer_fn: LayerFn, weights: Mapping[str, jax.Array], trainable: frozenset[str],
             h: jax.Array, others: Sequence[jax.Array], key: jax.Array, tail: Tail,
             context: Callable[[], contextlib.AbstractContextManager[Any]], shards: int,
-            policy: Any) -> dict[str, Any]:  # fmt: skip
-    """The three phases of the loop with ``shards`` copies of each stage's weights: the final carry."""
+            policy: Any, kind: type[_Loop]) -> dict[str, Any]:  # fmt: skip
+    """The phases of the loop with ``shards`` copies of each stage's weights: the final carry."""
     m, s, rows = spec.microbatches, spec.stages, h.shape[0]
     split = tuple(_split(x, m) for x in others if _by_batch(x, rows))
     whole = tuple(x for x in others if not _by_batch(x, rows))
@@ -339,13 +381,10 @@ def _looped(spec: Stages, layer_fn: LayerFn, weights: Mapping[str, jax.Array], t
     with context():
         res = residuals(pullbacks, placeholder, (False, True, True, True), lead=2)
     fixed = res.split(jax.tree_util.tree_leaves(pullbacks(*placeholder)))[0]
-    loop = _Loop(kernel, res, blocks, fixed, micro, split, whole, key, tail)
+    loop = kind(kernel, res, blocks, fixed, micro, split, whole, key, tail)
     loop = dataclasses.replace(loop, weights={k: loop.on_stages(w, loop.shard_dim) for k, w in blocks.items()},
                                fixed=[loop.on_stages(f, loop.shard_dim) for f in fixed])  # fmt: skip
-    carry = _initial(loop, slots=min(2 * s - 1, m))
-    carry = loop.phase(carry, 0, s - 1, forward=True, backward=False)
-    carry = loop.phase(carry, s - 1, m + s - 1, forward=True, backward=True)
-    return loop.phase(carry, m + s - 1, m + 2 * s - 2, forward=False, backward=True)
+    return loop.ticks(loop.initial())
 
 
 def _initial(loop: _Loop, *, slots: int) -> dict[str, Any]:

@@ -29,7 +29,7 @@ from torchshard._base.schedule import bubble_fraction
 from torchshard._base.validate import describe_mesh, int_problems, raise_for_arguments, regex_problem
 from torchshard._parallel.vmapped import vmapped_over
 
-SCHEDULES = ("gpipe", "circular", "1f1b", "1f1b_remat")
+SCHEDULES = ("gpipe", "circular", "1f1b", "1f1b_remat", "zero_bubble")
 # layer_fn(one layer's arrays, hidden state, other call arrays, key) -> (hidden state, key after)
 LayerFn = Callable[[Mapping[str, jax.Array], jax.Array, Sequence[jax.Array], jax.Array], tuple[jax.Array, jax.Array]]
 
@@ -53,8 +53,11 @@ class Pipeline:
             the idle fraction to ``(S-1)/(repeats*M + S-1)``; ``"1f1b"``: a forward and a backward per
             stage per iteration, each micro-batch's loss at the last stage (the step's loss is their
             mean, as with ``grad_accum_steps``): activations of ≤ ``2S-1`` micro-batches, no recompute;
-            ``"1f1b_remat"``: gpipe's order, each layer recomputed in the backward: the least memory.
-        repeats: rounds of a circular schedule (1 for gpipe and 1f1b).
+            ``"1f1b_remat"``: gpipe's order, each layer recomputed in the backward: the least memory;
+            ``"zero_bubble"``: 1F1B with each backward's weight-gradient half deferred, so that no
+            weight gradient is a placeholder (bubble ``2(S-1)/(3M + 2(S-1))``; S more micro-batches
+            of output cotangents kept).
+        repeats: rounds of a circular schedule (1 for gpipe, 1f1b and zero_bubble).
         layers: regex (``re.fullmatch``) naming the ModuleList to pipeline, if the model has several.
 
     Raises:
@@ -87,8 +90,10 @@ class Pipeline:
         raise_for_arguments(problems, header="invalid Pipeline arguments")
 
     def bubble(self, *, stages: int) -> float:
-        """The idle fraction of the schedule on ``stages`` stages: ``(S-1)/(repeats*M + S-1)``."""
-        return bubble_fraction(stages, self.microbatches or stages, self.repeats)
+        """The idle fraction of the schedule on ``stages`` stages: ``(S-1)/(repeats*M + S-1)`` (see `bubble_fraction`
+        for ``"zero_bubble"``)."""
+        m, deferred = self.microbatches or stages, self.schedule == "zero_bubble"
+        return bubble_fraction(stages, m, self.repeats, deferred=deferred)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -115,7 +120,7 @@ class Stages:
 
     @property
     def bubble(self) -> float:
-        return bubble_fraction(self.stages, self.microbatches, self.repeats)
+        return bubble_fraction(self.stages, self.microbatches, self.repeats, deferred=self.schedule == "zero_bubble")
 
     def order(self) -> tuple[int, ...]:
         """Storage position → layer index: stage ``s``'s ``repeats`` chunks are contiguous, chunk ``j`` on ``j mod S``.

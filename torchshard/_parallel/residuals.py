@@ -34,11 +34,14 @@ class Residuals:
         """The shapes and dtypes of the varying residuals (what a stage keeps per micro-batch in flight)."""
         return [a for a, v in zip(self.avals, self.varying, strict=True) if v]
 
+    def leaves(self, fixed: Sequence[jax.Array], varying: Sequence[jax.Array]) -> list[jax.Array]:
+        """The residuals in the pullback's order, from its two kinds (the inverse of `split`)."""
+        fixed_it, varying_it = iter(fixed), iter(varying)
+        return [next(varying_it) if v else next(fixed_it) for v in self.varying]
+
     def pullback(self, fixed: Sequence[jax.Array], varying: Sequence[jax.Array]) -> Callable[..., Any]:
         """The pullback rebuilt from its two kinds of residuals."""
-        fixed_it, varying_it = iter(fixed), iter(varying)
-        leaves = [next(varying_it) if v else next(fixed_it) for v in self.varying]
-        return jax.tree_util.tree_unflatten(self.treedef, leaves)
+        return jax.tree_util.tree_unflatten(self.treedef, self.leaves(fixed, varying))
 
 
 def residuals(

@@ -22,7 +22,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 from torchshard._base.errors import ShardingError
 from torchshard._base.specs import entry_axes
 from torchshard._bridge.module_call import PureForward
-from torchshard._parallel import one_f_one_b
+from torchshard._parallel import one_f_one_b, zero_bubble
 from torchshard._parallel.pipeline import LayerFn, Stages, _batch_axes
 from torchshard._train.scan import ScanGroup
 from torchshard._train.state import Arrays
@@ -30,6 +30,8 @@ from torchshard._train.step import Runtime, micro_batches
 
 # None: the stack runs as it is; a _Capture: it stops the loss at the stack; an array: the stack returns it
 _STACK: contextvars.ContextVar[Any] = contextvars.ContextVar("torchshard_1f1b_stack", default=None)
+# the schedules whose loop runs the backward (and the loss), by name: the step's gradient is this module's
+LOOPS = {"1f1b": one_f_one_b.run, "zero_bubble": zero_bubble.run}
 
 
 class _Stop(Exception):
@@ -44,6 +46,7 @@ class _Capture:
     output: Any = None  # the structure of a block's output (`PureForward.output`), for the tail's rebuild
     given: jax.Array | None = None  # in the tail: the stack's output for the micro-batch
     policy: Any = None  # remat of the blocks: a jax.checkpoint policy for each layer
+    schedule: str = "1f1b"  # how errors name the Pipeline
 
 
 @contextlib.contextmanager
@@ -80,7 +83,7 @@ def intercepted(
         raise _Stop
     if mode.given.shape != h.shape:
         raise ShardingError(
-            f"Pipeline(schedule='1f1b'): the stack got a hidden state {list(h.shape)} for one micro-batch, "
+            f"Pipeline(schedule={mode.schedule!r}): the stack got a hidden state {list(h.shape)} for one micro-batch, "
             f"expected {list(mode.given.shape)}; the model's code before the stack must treat rows independently"
         )
     pure.output = mode.output
@@ -89,7 +92,7 @@ def intercepted(
 
 @dataclasses.dataclass(frozen=True)
 class Gradient:
-    """``value_and_grad(runtime.loss, has_aux=True)`` for a step whose stack runs the 1F1B schedule."""
+    """``value_and_grad(runtime.loss, has_aux=True)`` for a step whose stack runs a schedule of `LOOPS`."""
 
     runtime: Runtime
     stages: Stages
@@ -103,7 +106,7 @@ class Gradient:
     def _grads(self, params: Arrays, buffers: Arrays, frozen: Arrays, batch: Any, key: jax.Array):
         group, m = self.group, self.stages.microbatches
         stacked = {group.stacked(s): s for s in group.suffixes}
-        capture = _Capture()
+        capture = _Capture(schedule=self.stages.schedule)
 
         def prefix(p: Arrays):
             with _stack_is(capture), contextlib.suppress(_Stop):
@@ -130,7 +133,7 @@ class Gradient:
                 with _stack_is(dataclasses.replace(capture, given=h_mb)):
                     value, (new_buffers, aux) = self.runtime.loss({**tp, **fixed_params}, buffers, frozen, mb,
                                                                   jax.random.fold_in(key, i))  # fmt: skip
-                _check_buffers(new_buffers, buffers)
+                _check_buffers(new_buffers, buffers, self.stages.schedule)
                 return value, aux
 
             value, pull, aux = jax.vjp(loss, tail_params, h_mb, has_aux=True)
@@ -141,7 +144,7 @@ class Gradient:
         weights, cast_pull = jax.vjp(
             lambda w: self.runtime.cast_state(w, frozen, buffers, group), {k: params[k] for k in stacked if k in params}
         )
-        result = one_f_one_b.run(self.stages, capture.layer_fn, weights, trainable, h, others, key, tail,
+        result = LOOPS[self.stages.schedule](self.stages, capture.layer_fn, weights, trainable, h, others, key, tail,
                                  context=self.runtime.around_layers, policy=capture.policy)  # fmt: skip
         loss, aux, d_tail = result.sums
         d_prefix = prefix_pull((result.h, [d for d in result.others if d is not None]))[0]
@@ -170,16 +173,16 @@ def _drop(entry: Any, axes: tuple[str, ...]) -> Any:
     return kept[0] if len(kept) == 1 else (kept or None)
 
 
-def _check_buffers(new: Arrays, old: Arrays) -> None:
+def _check_buffers(new: Arrays, old: Arrays, schedule: str) -> None:
     changed = sorted(k for k, v in new.items() if v is not old.get(k))
     if changed:
         raise ShardingError(
-            f"Pipeline(schedule='1f1b'): the model updates buffer(s) {changed} outside its stack (e.g. BatchNorm "
+            f"Pipeline(schedule={schedule!r}): the model updates buffer(s) {changed} outside its stack (e.g. BatchNorm "
             f"running stats), which a loss computed per micro-batch at the last stage cannot carry; use "
             f"schedule='gpipe'"
         )
 
 
 def gradient(stages: Stages, group: ScanGroup) -> Callable[[Runtime], Gradient]:
-    """The step's gradient function for a 1F1B pipeline of ``group``, given the step's `Runtime`."""
+    """The step's gradient function for a 1F1B or zero-bubble pipeline of ``group``, given the step's `Runtime`."""
     return lambda runtime: Gradient(runtime, stages, group)

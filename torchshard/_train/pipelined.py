@@ -155,8 +155,10 @@ class Pipelined(Bound):
         return "microbatches", self.stages.microbatches
 
     def gradient(self) -> Any:
-        """1F1B differentiates the step itself: the loss and the backward run inside the pipeline's loop."""
-        return one_f_one_b_grads.gradient(self.stages, self.group) if self.stages.schedule == "1f1b" else None
+        """1F1B and zero-bubble differentiate the step themselves: the loss and the backward run in their loop."""
+        if self.stages.schedule not in one_f_one_b_grads.LOOPS:
+            return None
+        return one_f_one_b_grads.gradient(self.stages, self.group)
 
     @property
     def bubble(self) -> float:
