@@ -1,4 +1,5 @@
-"""Pipeline parallelism: per-device memory, step time and the measured bubble of gpipe, circular, 1f1b and 1f1b_remat.
+"""Pipeline parallelism: per-device memory, step time and the measured bubble of gpipe, circular, 1f1b, 1f1b_remat
+and zero_bubble.
 
 The model is a residual stack in plain torch (pre-norm MLP blocks, MSE loss, AdamW); every tensor
 is replicated over the data axis (``presets.data_parallel``), so only the pipeline splits weights.
@@ -22,8 +23,10 @@ else the machine runs.
 
 Table 3 (``--comm``, compiled only, nothing runs): FSDP over data inside the stages, stage=4 × data=2
 against the unpipelined step on the same mesh and plan: per schedule the collective bytes per device
-per step over each axis group (``ts.inspect.collectives``, loop trip counts applied), the temp bytes,
-and the matmul FLOPs per step (trip counts applied) against the unpipelined step's and against gpipe's.
+per step over each axis group (``ts.inspect.collectives``, loop trip counts applied), the temp bytes (also
+against 1f1b's), and the matmul FLOPs per step (trip counts applied) against the unpipelined step's and against
+gpipe's; the wasted FLOPs (the bubble's placeholder micro-batches: FLOPs - recomputed - the data=8 step's per
+device) against gpipe's.
 
     python benchmarks/pipeline.py           # the README tables
     python benchmarks/pipeline.py --comm    # table 3
@@ -231,7 +234,7 @@ def main() -> None:
 # the first row is the baseline of the traffic ratio (the same mesh and plan), the second of the FLOPs ratio:
 # the useful FLOPs per device (on stage=4 × data=2 unpipelined, the 4 stage replicas each compute half the batch)
 COMM = [("unpipelined", None, 1), ("unpipelined data=8", None, 1), ("gpipe", "gpipe", 1), ("1f1b", "1f1b", 1),
-        ("1f1b_remat", "1f1b_remat", 1), ("circular r=2", "circular", 2)]  # fmt: skip
+        ("1f1b_remat", "1f1b_remat", 1), ("circular r=2", "circular", 2), ("zero_bubble", "zero_bubble", 1)]  # fmt: skip
 
 
 def communication(args: argparse.Namespace, batch: Any) -> list[dict[str, Any]]:
@@ -257,11 +260,19 @@ def communication(args: argparse.Namespace, batch: Any) -> list[dict[str, Any]]:
                      "bubble": trainer.pipeline_bubble if schedule else None})  # fmt: skip
         print(f"compiled {name}", flush=True)
     useful, gpipe = rows[1]["flops"], next(r for r in rows if r["config"] == "gpipe")
+    one_f_one_b = next(r for r in rows if r["config"] == "1f1b")
     for row in rows:
         row["compiled_bubble"] = compiled_bubble(row, useful) if row["bubble"] is not None else None
         row["flops_vs_gpipe"] = row["flops"] / gpipe["flops"]
         row["temp_vs_gpipe"] = row["temp_bytes"] / gpipe["temp_bytes"]
+        row["temp_vs_1f1b"] = row["temp_bytes"] / one_f_one_b["temp_bytes"]
+        row["wasted_vs_gpipe"] = wasted(row, useful) / wasted(gpipe, useful) if row["bubble"] is not None else None
     return rows
+
+
+def wasted(row: dict[str, Any], useful: float) -> float:
+    """The FLOPs per device of the bubble's placeholder micro-batches: FLOPs - recomputed - useful."""
+    return row["flops"] - row["recompute_flops"] - useful
 
 
 def compiled_bubble(row: dict[str, Any], useful: float) -> float:
@@ -276,15 +287,16 @@ def print_communication(rows: list[dict[str, Any]], head: str) -> None:
     print(f"\n{head}, mesh stage=4 × data=2 (but the data=8 row), 8 CPU devices, compiled only\n")
     print("| config | bytes/step over data (MiB) | over stage,data | over stage | non-stage ÷ unpipelined | "
           "temp (MiB) | temp ÷ gpipe | GFLOP/step | ÷ useful (data=8) | ÷ gpipe | recomputed share | "
-          "bubble (formula) | bubble (compiled FLOPs) |")  # fmt: skip
-    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|")
+          "bubble (formula) | bubble (compiled FLOPs) | wasted FLOPs ÷ gpipe's | temp ÷ 1f1b |")  # fmt: skip
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     for r in rows:
         over = lambda k: r["per_axes"].get(k, 0) / mib  # noqa: E731
-        bubbles = "– | –" if r["bubble"] is None else f"{r['bubble']:.3f} | {r['compiled_bubble']:.3f}"
+        bubbles = ("– | – | –" if r["bubble"] is None else
+                   f"{r['bubble']:.3f} | {r['compiled_bubble']:.3f} | {r['wasted_vs_gpipe']:.2f}")  # fmt: skip
         print(f"| {r['config']} | {over('data'):.2f} | {over('stage,data'):.2f} | {over('stage'):.2f} | "
               f"{r['off_stage'] / base['off_stage']:.2f} | {r['temp_bytes'] / mib:.1f} | {r['temp_vs_gpipe']:.2f} | "
               f"{r['flops'] / 1e9:.2f} | {r['flops'] / useful['flops']:.2f} | {r['flops_vs_gpipe']:.2f} | "
-              f"{r['recompute_flops'] / r['flops']:.2f} | {bubbles} |")  # fmt: skip
+              f"{r['recompute_flops'] / r['flops']:.2f} | {bubbles} | {r['temp_vs_1f1b']:.2f} |")  # fmt: skip
 
 
 def measured_bubbles(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
