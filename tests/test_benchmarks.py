@@ -99,13 +99,18 @@ def test_pipeline_benchmark_counts_fsdp_traffic_per_step(tmp_path):
     stdout = run_benchmark("pipeline.py", "--tiny", "--comm", "--json", str(out))
     assert "| config | bytes/step over data (MiB) |" in stdout
     rows = {r["config"]: r for r in json.loads(out.read_text())["communication"]}
-    assert list(rows) == ["unpipelined", "unpipelined data=8", "gpipe", "1f1b", "1f1b_remat", "circular r=2"]
+    assert list(rows) == ["unpipelined", "unpipelined data=8", "gpipe", "1f1b", "1f1b_remat", "circular r=2",
+                          "zero_bubble"]  # fmt: skip
     assert rows["1f1b"]["flops_vs_gpipe"] <= 1.05 and rows["1f1b"]["recompute_flops"] == 0
+    # no weight gradient is a placeholder: (F + B) / (F + B + W) of gpipe's waste, in 1F1B's memory and the stash
+    assert rows["zero_bubble"]["wasted_vs_gpipe"] == pytest.approx(2 / 3, abs=0.03)
+    assert rows["zero_bubble"]["temp_vs_1f1b"] <= 1.25
     for name in (
         "gpipe",
         "1f1b",
         "1f1b_remat",
         "circular r=2",
+        "zero_bubble",
     ):  # gathered and reduced once per step, not per iteration
         assert rows[name]["off_stage"] <= 1.1 * rows["unpipelined"]["off_stage"], (name, rows[name]["per_axes"])
         assert rows[name]["flops"] > rows["unpipelined data=8"]["flops"]  # the bubble's placeholder micro-batches

@@ -425,7 +425,7 @@ def test_a_block_updating_buffers_is_refused():
     [
         (
             {"schedule": "zero-bubble"},
-            r"schedule='zero-bubble' must be one of \['gpipe', 'circular', '1f1b', '1f1b_remat'\]",
+            r"schedule='zero-bubble' must be one of \['gpipe', 'circular', '1f1b', '1f1b_remat', 'zero_bubble'\]",
         ),
         ({"repeats": 2}, r"repeats=2 needs schedule='circular'"),
         ({"microbatches": 0}, r"microbatches=0 must be an int ≥ 1"),

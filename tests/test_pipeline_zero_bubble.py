@@ -11,7 +11,7 @@ import pytest
 import torch
 from helpers import assert_trees_close, torch_losses
 from models import Block, tiny_llama
-from test_pipeline import FSDP, LR, WD, adamw, batches, blocks, blocks_loss, hf_loss, values
+from test_pipeline import BLOCK_TP, FSDP, LR, WD, adamw, batches, blocks, blocks_loss, hf_loss, values
 from test_pipeline_1f1b import Counted
 
 import torchshard as ts
@@ -89,6 +89,21 @@ def test_hf_llama_trains_like_eager_torch():
     run = ts.Trainer(model, hf_loss, adamw(), plan, pipeline=ZERO_BUBBLE)
     np.testing.assert_allclose([float(run.step(b)["loss"]) for b in data], expected, rtol=1e-4)
     assert_trees_close(values(run.model), values(ref), tol=1e-4)
+
+
+@pytest.mark.slow
+def test_tensor_parallel_mixed_precision_remat_and_grad_accum_compose():
+    """A checkpointed layer's backward is one call that the cut keeps whole in the input-gradient half."""
+    from test_precision import RTOL, torch_mixed_precision
+    from test_precision import blocks_loss as float_loss  # the loss in fp32 (bf16 losses are 1/128 apart)
+
+    data = batches(3, rows=16)  # 2 accumulation steps × 4 micro-batches × data=2
+    expected = torch_mixed_precision(blocks(), float_loss, data)
+    model = blocks()
+    plan = ts.plan(model, ts.make_mesh({"stage": 2, "data": 2, "model": 2}), BLOCK_TP)
+    run = ts.Trainer(model, float_loss, adamw(), plan, pipeline=ZERO_BUBBLE, precision=ts.MixedPrecision(),
+                     remat=r"blocks\.\d+\.up", grad_accum_steps=2)  # fmt: skip
+    np.testing.assert_allclose([float(run.step(b)["loss"]) for b in data], expected, rtol=RTOL)
 
 
 @pytest.mark.slow

@@ -18,6 +18,10 @@ from jax.extend.core import Literal
 # call-like primitives whose bodies are inlined before the cut, so that a jitted function's weight gradient
 # is not dragged into the first part with its input gradient
 _CALLS = frozenset({"jit", "pjit", "closed_call", "core_call"})
+# data movement the second part redoes on what the first hands over, rather than the first handing over both an
+# array and its view (a layer's dy ``[b, s, d]`` for its bias gradient and ``[b*s, d]`` for its weight gradient)
+_VIEWS = frozenset({"reshape", "squeeze", "expand_dims", "transpose", "broadcast_in_dim", "convert_element_type",
+                    "copy"})  # fmt: skip
 
 
 @dataclasses.dataclass(frozen=True)
@@ -76,13 +80,21 @@ def split(pullback: Callable[[Sequence[Any], Any], Any], residuals: Sequence[Any
     first_out = jaxpr.outvars[at]
     first = _needed(eqns, [first_out])
     rest = [v for i, v in enumerate(jaxpr.outvars) if i != at]
-    second = sorted(_needed(eqns, rest) - first)
-    given = {*jaxpr.invars[:-1], *jaxpr.constvars, *(v for i in second for v in eqns[i].outvars)}
-    read = [v for i in second for v in eqns[i].invars] + rest
-    stash = tuple(dict.fromkeys(v for v in read if not isinstance(v, Literal) and v not in given))
+    second = _needed(eqns, rest) - first
+    made = {v: i for i, eqn in enumerate(eqns) for v in eqn.outvars}
+    while moved := {made[v] for v in _stash(jaxpr, eqns, second, rest) if eqns[made.get(v, 0)].primitive.name
+                    in _VIEWS and v in made}:  # fmt: skip
+        second |= moved
     return Split(tuple(jaxpr.invars), tuple(zip(jaxpr.constvars, flat.consts, strict=True)),
-                 tuple(eqns[i] for i in sorted(first)), tuple(eqns[i] for i in second), first_out,
-                 tuple(jaxpr.outvars), stash, treedef, at)  # fmt: skip
+                 tuple(eqns[i] for i in sorted(first)), tuple(eqns[i] for i in sorted(second)), first_out,
+                 tuple(jaxpr.outvars), _stash(jaxpr, eqns, second, rest), treedef, at)  # fmt: skip
+
+
+def _stash(jaxpr: Any, eqns: Sequence[Any], second: set[int], rest: Sequence[Any]) -> tuple[Any, ...]:
+    """What the equations ``second`` and the outputs ``rest`` read that neither the residuals nor they give."""
+    given = {*jaxpr.invars[:-1], *jaxpr.constvars, *(v for i in second for v in eqns[i].outvars)}
+    read = [v for i in sorted(second) for v in eqns[i].invars] + list(rest)
+    return tuple(dict.fromkeys(v for v in read if not isinstance(v, Literal) and v not in given))
 
 
 def _needed(eqns: Sequence[Any], outs: Iterable[Any]) -> set[int]:
