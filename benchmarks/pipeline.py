@@ -234,7 +234,8 @@ def main() -> None:
 # the first row is the baseline of the traffic ratio (the same mesh and plan), the second of the FLOPs ratio:
 # the useful FLOPs per device (on stage=4 × data=2 unpipelined, the 4 stage replicas each compute half the batch)
 COMM = [("unpipelined", None, 1), ("unpipelined data=8", None, 1), ("gpipe", "gpipe", 1), ("1f1b", "1f1b", 1),
-        ("1f1b_remat", "1f1b_remat", 1), ("circular r=2", "circular", 2), ("zero_bubble", "zero_bubble", 1)]  # fmt: skip
+        ("1f1b_remat", "1f1b_remat", 1), ("circular r=2", "circular", 2),
+        ("zero_bubble", "zero_bubble", 1)]  # fmt: skip
 
 
 def communication(args: argparse.Namespace, batch: Any) -> list[dict[str, Any]]:

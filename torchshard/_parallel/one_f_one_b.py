@@ -296,6 +296,7 @@ class _Loop:
         carry = self.phase(carry, 0, s - 1, forward=True, backward=False)
         carry = self.phase(carry, s - 1, m + s - 1, forward=True, backward=True)
         return self.phase(carry, m + s - 1, m + 2 * s - 2, forward=False, backward=True)
+
     def phase(self, carry: dict[str, Any], start: int, stop: int, **flags: bool) -> dict[str, Any]:
         if stop <= start:
             return carry
@@ -335,12 +336,14 @@ def run(
     m, rows = spec.microbatches, h.shape[0]
     if rows % m:
         raise ShardingError(
-            f"Pipeline(schedule={spec.schedule!r}): the stack's input {list(h.shape)} does not split into microbatches={m} along "
-            f"dim 0; the model's code before the stack must keep the batch's rows (a multiple of {m})"
+            f"Pipeline(schedule={spec.schedule!r}): the stack's input {list(h.shape)} does not split into "
+            f"microbatches={m} along dim 0; the model's code before the stack must keep the batch's rows (a multiple "
+            f"of {m})"
         )
     shards = _shards(spec, rows // m)
     try:
-        carry = _looped(spec, layer_fn, weights, trainable, h, others, key, tail, context, shards, policy, loop)
+        carry = _looped(spec, layer_fn, weights, trainable, h, others, key, tail, context, shards, policy,
+                        loop)  # fmt: skip
     except ValueError as err:
         if shards == 1 or "spmd_axis_name cannot appear in shard_map" not in str(err):
             raise

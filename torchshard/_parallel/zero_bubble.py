@@ -19,6 +19,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import functools
+import itertools
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
@@ -61,7 +62,7 @@ class ZeroBubble(_Loop):
         first), then no forwards (the drain): each part only in the ticks where some stage needs it."""
         s, m = self.spec.stages, self.spec.microbatches
         starts = (0, s - 1, 2 * s - 2, m + s - 1, m + 2 * s - 2)
-        for start, stop in zip(starts, starts[1:], strict=False):
+        for start, stop in itertools.pairwise(starts):
             carry = self.phase(carry, start, stop, forward=start < m + s - 1, backward=start >= s - 1,
                                weights=start >= 2 * s - 2)  # fmt: skip
         return carry
