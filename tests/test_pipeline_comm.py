@@ -14,6 +14,7 @@ SCHEDULES = {
     "gpipe": Pipeline(microbatches=4),
     "1f1b": Pipeline(microbatches=4, schedule="1f1b"),
     "circular": Pipeline(microbatches=4, schedule="circular", repeats=2),
+    "zero_bubble": Pipeline(microbatches=4, schedule="zero_bubble"),
 }
 
 
