@@ -23,13 +23,18 @@ def pipelined(model, axes, rules, pipeline=ONE_F_ONE_B, **kwargs):
 
 @pytest.mark.slow
 def test_trains_like_eager_torch_and_like_the_unpipelined_run():
+    trains_like_eager_torch_and_like_the_unpipelined_run(ONE_F_ONE_B)
+
+
+def trains_like_eager_torch_and_like_the_unpipelined_run(pipeline):
+    """4 AdamW steps over stage=4 × data=2 FSDP against eager torch and the unpipelined run (also zero_bubble's)."""
     eager_model = blocks()
     opt = torch.optim.AdamW(eager_model.parameters(), lr=LR, weight_decay=WD)
     expected = torch_losses(eager_model, blocks_loss, opt, batches(4))
     model = blocks()
     dense = ts.Trainer(model, blocks_loss, adamw(), ts.plan(model, ts.make_mesh({"data": 8}), FSDP))
     dense_losses = [float(dense.step(b)["loss"]) for b in batches(4)]
-    run = pipelined(blocks(), {"stage": 4, "data": 2}, FSDP)
+    run = pipelined(blocks(), {"stage": 4, "data": 2}, FSDP, pipeline)
     losses = [float(run.step(b)["loss"]) for b in batches(4)]
     np.testing.assert_allclose(losses, expected, rtol=1e-4)
     np.testing.assert_allclose(losses, dense_losses, rtol=1e-5)
@@ -39,6 +44,11 @@ def test_trains_like_eager_torch_and_like_the_unpipelined_run():
 
 @pytest.mark.slow
 def test_hf_llama_trains_like_eager_torch():
+    hf_llama_trains_like_eager_torch(ONE_F_ONE_B)
+
+
+def hf_llama_trains_like_eager_torch(pipeline):
+    """A tiny HF Llama with padding over stage=2 × data=2 × model=2 (TP and FSDP inside the stages)."""
     g = torch.Generator().manual_seed(3)
     mask = torch.ones(8, 12, dtype=torch.long)
     mask[::3, -4:] = 0  # padding: the 4-D mask is split into micro-batches with the hidden state
@@ -48,13 +58,17 @@ def test_hf_llama_trains_like_eager_torch():
     model = tiny_llama(layers=4)
     plan = ts.plan(model, ts.make_mesh({"stage": 2, "data": 2, "model": 2}),
                    presets.hf_rules(model, axis="model", fsdp_axis="data", fsdp_min_size=1024))  # fmt: skip
-    run = ts.Trainer(model, hf_loss, adamw(), plan, pipeline=ONE_F_ONE_B)
+    run = ts.Trainer(model, hf_loss, adamw(), plan, pipeline=pipeline)
     np.testing.assert_allclose([float(run.step(b)["loss"]) for b in data], expected, rtol=1e-4)
     assert_trees_close(values(run.model), values(ref), tol=1e-4)
 
 
 @pytest.mark.slow
 def test_tensor_parallel_mixed_precision_remat_and_grad_accum_compose():
+    tensor_parallel_mixed_precision_remat_and_grad_accum_compose(ONE_F_ONE_B)
+
+
+def tensor_parallel_mixed_precision_remat_and_grad_accum_compose(pipeline):
     from test_precision import RTOL, torch_mixed_precision
     from test_precision import blocks_loss as float_loss  # the loss in fp32 (bf16 losses are 1/128 apart)
 
@@ -62,7 +76,7 @@ def test_tensor_parallel_mixed_precision_remat_and_grad_accum_compose():
     expected = torch_mixed_precision(blocks(), float_loss, data)
     model = blocks()
     plan = ts.plan(model, ts.make_mesh({"stage": 2, "data": 2, "model": 2}), BLOCK_TP)
-    run = ts.Trainer(model, float_loss, adamw(), plan, pipeline=ONE_F_ONE_B, precision=ts.MixedPrecision(),
+    run = ts.Trainer(model, float_loss, adamw(), plan, pipeline=pipeline, precision=ts.MixedPrecision(),
                      remat=r"blocks\.\d+\.up", grad_accum_steps=2)  # fmt: skip
     np.testing.assert_allclose([float(run.step(b)["loss"]) for b in data], expected, rtol=RTOL)
 

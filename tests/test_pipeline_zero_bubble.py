@@ -9,13 +9,18 @@ import numpy as np
 import optax
 import pytest
 import torch
-from helpers import assert_trees_close, torch_losses
-from models import Block, tiny_llama
-from test_pipeline import BLOCK_TP, FSDP, LR, WD, adamw, batches, blocks, blocks_loss, hf_loss, values
-from test_pipeline_1f1b import Counted
+from helpers import assert_trees_close
+from models import Block
+from test_pipeline import FSDP, adamw, batches, blocks, blocks_loss, values
+from test_pipeline_1f1b import (
+    Counted,
+    hf_llama_trains_like_eager_torch,
+    tensor_parallel_mixed_precision_remat_and_grad_accum_compose,
+    trains_like_eager_torch_and_like_the_unpipelined_run,
+)
 
 import torchshard as ts
-from torchshard import ArgumentError, Pipeline, ShardingError, presets
+from torchshard import ArgumentError, Pipeline, ShardingError
 from torchshard._parallel.split_backward import split
 
 ZERO_BUBBLE = Pipeline(microbatches=4, schedule="zero_bubble")
@@ -62,48 +67,18 @@ def test_sgd_update_is_the_unpipelined_one():
 
 @pytest.mark.slow
 def test_trains_like_eager_torch_and_like_the_unpipelined_run():
-    eager_model = blocks()
-    expected = torch_losses(eager_model, blocks_loss, torch.optim.AdamW(eager_model.parameters(), lr=LR,
-                            weight_decay=WD), batches(4))  # fmt: skip
-    dense = pipelined(blocks(), {"data": 8}, pipeline=None)
-    dense_losses = [float(dense.step(b)["loss"]) for b in batches(4)]
-    run = pipelined(blocks(), {"stage": 4, "data": 2})
-    losses = [float(run.step(b)["loss"]) for b in batches(4)]
-    np.testing.assert_allclose(losses, expected, rtol=1e-4)
-    np.testing.assert_allclose(losses, dense_losses, rtol=1e-5)
-    assert_trees_close(values(run.model), values(dense.model), tol=1e-4)
-    assert_trees_close(values(run.model), values(eager_model), tol=1e-4)
+    trains_like_eager_torch_and_like_the_unpipelined_run(ZERO_BUBBLE)
 
 
 @pytest.mark.slow
 def test_hf_llama_trains_like_eager_torch():
-    g = torch.Generator().manual_seed(3)
-    mask = torch.ones(8, 12, dtype=torch.long)
-    mask[::3, -4:] = 0  # padding: the 4-D mask is split into micro-batches with the hidden state
-    data = [(torch.randint(0, 128, (8, 12), generator=g), mask) for _ in range(4)]
-    ref = tiny_llama(layers=4)
-    expected = torch_losses(ref, hf_loss, torch.optim.AdamW(ref.parameters(), lr=LR, weight_decay=WD), data)
-    model = tiny_llama(layers=4)
-    plan = ts.plan(model, ts.make_mesh({"stage": 2, "data": 2, "model": 2}),
-                   presets.hf_rules(model, axis="model", fsdp_axis="data", fsdp_min_size=1024))  # fmt: skip
-    run = ts.Trainer(model, hf_loss, adamw(), plan, pipeline=ZERO_BUBBLE)
-    np.testing.assert_allclose([float(run.step(b)["loss"]) for b in data], expected, rtol=1e-4)
-    assert_trees_close(values(run.model), values(ref), tol=1e-4)
+    hf_llama_trains_like_eager_torch(ZERO_BUBBLE)
 
 
 @pytest.mark.slow
 def test_tensor_parallel_mixed_precision_remat_and_grad_accum_compose():
     """A checkpointed layer's backward is one call that the cut keeps whole in the input-gradient half."""
-    from test_precision import RTOL, torch_mixed_precision
-    from test_precision import blocks_loss as float_loss  # the loss in fp32 (bf16 losses are 1/128 apart)
-
-    data = batches(3, rows=16)  # 2 accumulation steps × 4 micro-batches × data=2
-    expected = torch_mixed_precision(blocks(), float_loss, data)
-    model = blocks()
-    plan = ts.plan(model, ts.make_mesh({"stage": 2, "data": 2, "model": 2}), BLOCK_TP)
-    run = ts.Trainer(model, float_loss, adamw(), plan, pipeline=ZERO_BUBBLE, precision=ts.MixedPrecision(),
-                     remat=r"blocks\.\d+\.up", grad_accum_steps=2)  # fmt: skip
-    np.testing.assert_allclose([float(run.step(b)["loss"]) for b in data], expected, rtol=RTOL)
+    tensor_parallel_mixed_precision_remat_and_grad_accum_compose(ZERO_BUBBLE)
 
 
 @pytest.mark.slow

@@ -16,19 +16,16 @@ theirs when the three cost alike (as a matmul's three products do).
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import functools
 import itertools
-from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import jax
 import jax.numpy as jnp
 
 from torchshard._parallel import one_f_one_b
-from torchshard._parallel.one_f_one_b import Result, Tail, _Loop, _merge_shards, _read, _stacked, _write
-from torchshard._parallel.pipeline import LayerFn, Stages
+from torchshard._parallel.one_f_one_b import _Loop, _merge_shards, _read, _stacked, _write
 from torchshard._parallel.split_backward import Split, split
 
 
@@ -108,19 +105,5 @@ class ZeroBubble(_Loop):
         return _stacked(layers), [_merge_shards(d) for d in dsplit], dwhole
 
 
-def run(
-    spec: Stages,
-    layer_fn: LayerFn,
-    weights: Mapping[str, jax.Array],
-    trainable: frozenset[str],
-    h: jax.Array,
-    others: Sequence[jax.Array],
-    key: jax.Array,
-    tail: Tail,
-    *,
-    context: Callable[[], contextlib.AbstractContextManager[Any]] = contextlib.nullcontext,
-    policy: Any = None,
-) -> Result:
-    """`one_f_one_b.run` under the zero-bubble schedule (the same arguments, the same result)."""
-    return one_f_one_b.run(spec, layer_fn, weights, trainable, h, others, key, tail, context=context,
-                           policy=policy, loop=ZeroBubble)  # fmt: skip
+# `one_f_one_b.run` under the zero-bubble schedule: the same arguments, the same result
+run = functools.partial(one_f_one_b.run, loop=ZeroBubble)

@@ -31,7 +31,7 @@ from torchshard._train.step import Runtime, micro_batches
 # None: the stack runs as it is; a _Capture: it stops the loss at the stack; an array: the stack returns it
 _STACK: contextvars.ContextVar[Any] = contextvars.ContextVar("torchshard_1f1b_stack", default=None)
 # the schedules whose loop runs the backward (and the loss), by name: the step's gradient is this module's
-LOOPS = {"1f1b": one_f_one_b.run, "zero_bubble": zero_bubble.run}
+LOOPS: dict[str, Callable[..., one_f_one_b.Result]] = {"1f1b": one_f_one_b.run, "zero_bubble": zero_bubble.run}
 
 
 class _Stop(Exception):
