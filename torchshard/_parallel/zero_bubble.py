@@ -64,19 +64,13 @@ class ZeroBubble(_Loop):
                                weights=start >= 2 * s - 2)  # fmt: skip
         return carry
 
-    def tick(self, carry: dict[str, Any], t: jax.Array, *, forward: bool, backward: bool, weights: bool = False):
-        s, stage = self.spec.stages, jnp.arange(self.spec.stages)
-        carry, out = self.forwards(carry, t) if forward else (carry, None)
-        if backward:
-            carry, g = self.with_loss(carry, t, out)
-            carry = self.input_gradients(carry, g, t - (2 * s - 2 - stage))
+    def tick(self, carry: dict[str, Any], t: jax.Array, *, weights: bool = False, **flags: bool):
+        carry, _ = super().tick(carry, t, **flags)
         if weights:
-            carry = self.weight_gradients(carry, t - (2 * s - 2) + 0 * stage)
-        if out is not None:
-            carry["h"] = self.shift(out, 1)
+            carry = self.weight_gradients(carry, jnp.full(self.spec.stages, t - (2 * self.spec.stages - 2)))
         return carry, None
 
-    def input_gradients(self, carry: dict[str, Any], g: jax.Array, j: jax.Array) -> dict[str, Any]:
+    def backward(self, carry: dict[str, Any], g: jax.Array, j: jax.Array) -> dict[str, Any]:
         """Stage s's input gradient of micro-batch ``j[s]``, handed back at once; its stash kept for the W."""
         kept = [_read(r, j % self.slots) for r in carry["ring"]]
         d_h, stash = self.kernel.vmapped(self.stage_first, self.fixed, kept, g)
