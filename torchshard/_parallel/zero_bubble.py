@@ -9,7 +9,8 @@ stage runs every part of a tick, so a part costs every stage a slot wherever one
 The deferral lines the ``W`` up across stages: all stages have one to run in each of the ``M``
 ticks that have a ``W`` part, so no ``W`` is a placeholder, where 1F1B's whole backward runs
 ``M+S-1`` times per stage. The forwards and input gradients keep their ``S-1`` placeholders each,
-which no lockstep schedule avoids (the first micro-batch reaches stage ``s`` at tick ``s``): the
+which no lockstep schedule of one chunk per stage avoids (the first micro-batch reaches stage ``s``
+at tick ``s``; interleaved chunks would make each placeholder a chunk's work, not a stage's): the
 wasted FLOPs are ``(S-1)(F+B)`` per stage against 1F1B's and gpipe's ``(S-1)(F+B+W)``, 2/3 of
 theirs when the three cost alike (as a matmul's three products do).
 """
