@@ -8,6 +8,7 @@ output cotangents ``dy`` of the layers: the *stash*). Nothing is computed twice.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any
@@ -82,8 +83,8 @@ def split(pullback: Callable[[Sequence[Any], Any], Any], residuals: Sequence[Any
     rest = [v for i, v in enumerate(jaxpr.outvars) if i != at]
     second = _needed(eqns, rest) - first
     made = {v: i for i, eqn in enumerate(eqns) for v in eqn.outvars}
-    while moved := {made[v] for v in _stash(jaxpr, eqns, second, rest) if eqns[made.get(v, 0)].primitive.name
-                    in _VIEWS and v in made}:  # fmt: skip
+    while moved := {made[v] for v in _stash(jaxpr, eqns, second, rest)
+                    if v in made and eqns[made[v]].primitive.name in _VIEWS}:  # fmt: skip
         second |= moved
     return Split(tuple(jaxpr.invars), tuple(zip(jaxpr.constvars, flat.consts, strict=True)),
                  tuple(eqns[i] for i in sorted(first)), tuple(eqns[i] for i in sorted(second)), first_out,
@@ -116,7 +117,9 @@ def _evaluate(eqns: Iterable[Any], env: dict[Any, Any]) -> None:
     """Bind each equation's primitive on the values in ``env`` (traced as the caller traces), adding its outputs."""
     for eqn in eqns:
         args = [_read(env, v) for v in eqn.invars]
-        with eqn.ctx.manager:
+        # the layers' name scopes (their state_dict prefixes) kept, so that HLO and traces still name them
+        scope = str(eqn.source_info.name_stack)
+        with eqn.ctx.manager, jax.named_scope(scope) if scope else contextlib.nullcontext():
             out = eqn.primitive.bind(*args, **eqn.primitive.get_bind_params(eqn.params))
         env.update(zip(eqn.outvars, out if eqn.primitive.multiple_results else [out], strict=True))
 

@@ -216,7 +216,8 @@ class Trainer(Observed):
 
     @property
     def pipeline_bubble(self) -> float:
-        """The idle fraction of the pipeline schedule, ``(S-1)/(repeats*M + S-1)``; 0.0 without a pipeline."""
+        """The idle fraction of the pipeline schedule, ``(S-1)/(repeats*M + S-1)`` (``2(S-1)/(3M + 2(S-1))`` under
+        ``"zero_bubble"``); 0.0 without a pipeline."""
         return max((s.bubble for s in self._strategies.values()), default=0.0)
 
     @property
