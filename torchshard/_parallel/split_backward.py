@@ -38,6 +38,7 @@ class Split:
     stash: tuple[Any, ...]  # the vars `second` reads that neither the residuals nor its own equations give
     treedef: Any  # of the pullback's output
     at: int  # the input gradient's leaf index
+    manual: bool  # whether the pullback runs a shard_map of its own (see `split`)
 
     def stash_avals(self) -> list[jax.ShapeDtypeStruct]:
         """The shapes and dtypes of what `first` hands to `second` (what a deferred backward keeps)."""
@@ -67,6 +68,12 @@ class Split:
 def split(pullback: Callable[[Sequence[Any], Any], Any], residuals: Sequence[Any], g: Any, at: int) -> Split:
     """``pullback(residual leaves, g)`` cut at its output leaf ``at`` (the input gradient), from shapes alone.
 
+    The pullback is traced once, unbatched, and its equations are bound again where the caller runs
+    them (under the pipeline's vmaps). That is not the same program for a ``shard_map`` in it: traced
+    unbatched, its transpose finds its inputs unvarying over the vmapped axes and sums their
+    cotangents over them. `Split.manual` says whether there is one (the caller must then not use
+    the cut).
+
     Args:
         pullback: the function to cut; its output is a pytree of gradients.
         residuals: the residual leaves' shapes and dtypes.
@@ -88,7 +95,21 @@ def split(pullback: Callable[[Sequence[Any], Any], Any], residuals: Sequence[Any
         second |= moved
     return Split(tuple(jaxpr.invars), tuple(zip(jaxpr.constvars, flat.consts, strict=True)),
                  tuple(eqns[i] for i in sorted(first)), tuple(eqns[i] for i in sorted(second)), first_out,
-                 tuple(jaxpr.outvars), _stash(jaxpr, eqns, second, rest), treedef, at)  # fmt: skip
+                 tuple(jaxpr.outvars), _stash(jaxpr, eqns, second, rest), treedef, at,
+                 _runs_shard_map(traced.jaxpr.eqns))  # fmt: skip
+
+
+def _runs_shard_map(eqns: Iterable[Any]) -> bool:
+    """Whether any of ``eqns``, or of the bodies they call (jit, scan, cond, checkpoint), is a ``shard_map``."""
+    for eqn in eqns:
+        if eqn.primitive.name == "shard_map":
+            return True
+        for value in eqn.params.values():
+            for body in value if isinstance(value, tuple | list) else (value,):
+                inner = getattr(getattr(body, "jaxpr", body), "eqns", None)
+                if inner is not None and _runs_shard_map(inner):
+                    return True
+    return False
 
 
 def _stash(jaxpr: Any, eqns: Sequence[Any], second: set[int], rest: Sequence[Any]) -> tuple[Any, ...]:

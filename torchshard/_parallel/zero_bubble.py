@@ -25,6 +25,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
+from torchshard._base.errors import ShardingError
 from torchshard._parallel import one_f_one_b
 from torchshard._parallel.one_f_one_b import _Loop, _merge_shards, _read, _stacked, _write
 from torchshard._parallel.split_backward import Split, split
@@ -41,7 +42,14 @@ class ZeroBubble(_Loop):
         pullback = lambda leaves, g: self.res.pullback(*self.res.split(leaves))(g)[0]  # noqa: E731
         with self.kernel.context():
             layers = jax.eval_shape(pullback, list(self.res.avals), g)[0]
-            return split(pullback, self.res.avals, g, at=len(jax.tree.leaves(layers)))
+            cut = split(pullback, self.res.avals, g, at=len(jax.tree.leaves(layers)))
+        if cut.manual:
+            raise ShardingError(
+                "Pipeline(schedule='zero_bubble'): the pipelined layers run a shard_map of their own (ContextParallel "
+                "attention, ExpertDispatch's all-to-all), whose backward the zero-bubble cut cannot defer in part; "
+                "use schedule='1f1b'"
+            )
+        return cut
 
     @property
     def depth(self) -> int:
