@@ -69,10 +69,10 @@ def split(pullback: Callable[[Sequence[Any], Any], Any], residuals: Sequence[Any
     """``pullback(residual leaves, g)`` cut at its output leaf ``at`` (the input gradient), from shapes alone.
 
     The pullback is traced once, unbatched, and its equations are bound again where the caller runs
-    them (under the pipeline's vmaps). That is not the same program for a ``shard_map`` in it: traced
-    unbatched, its transpose finds its inputs unvarying over the vmapped axes and sums their
-    cotangents over them. `Split.manual` says whether there is one (the caller must then not use
-    the cut).
+    them (under the pipeline's vmaps). That is not the same program for a ``shard_map`` in it (a
+    tiny Llama under ContextParallel got wrong gradients; most likely its transpose, traced
+    unbatched, finds its inputs unvarying over the vmapped axes and sums their cotangents over
+    them). `Split.manual` says whether there is one (the caller must then not use the cut).
 
     Args:
         pullback: the function to cut; its output is a pytree of gradients.
