@@ -231,6 +231,11 @@ STRATEGIES = {
         "llama", {"stage": 2, "data": 2, "context": 2}, ("data", "context"), 4,
         {"context": ContextParallel(), "pipeline": ts.Pipeline(microbatches=2, schedule="1f1b")},
     ),
+    # the ring attention's shard_maps in both halves of the cut backward
+    "context-pipeline-zero_bubble-llama": (
+        "llama", {"stage": 2, "data": 2, "context": 2}, ("data", "context"), 4,
+        {"context": ContextParallel(), "pipeline": ts.Pipeline(microbatches=2, schedule="zero_bubble")},
+    ),
     "data-torch": ("torch", {"data": 4}, ("data",), 4, {}),
     "data-llama": ("llama", {"data": 4}, ("data",), 4, {}),
     "accumulation-llama": ("llama", {"data": 2}, ("data",), 4, {"grad_accum_steps": 2}),

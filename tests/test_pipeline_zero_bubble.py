@@ -10,7 +10,7 @@ import optax
 import pytest
 import torch
 from helpers import assert_trees_close
-from models import Block, tiny_llama
+from models import Block
 from test_pipeline import FSDP, adamw, batches, blocks, blocks_loss, values
 from test_pipeline_1f1b import (
     Counted,
@@ -151,18 +151,6 @@ def test_bad_configurations_are_refused(error, make, match):
 def test_buffers_outside_the_stack_are_refused():
     with pytest.raises(ShardingError, match=r"Pipeline\(schedule='zero_bubble'\): the model updates buffer\(s\)"):
         pipelined(Counted(), {"stage": 4, "data": 2}).step(batches(1)[0])
-
-
-def test_layers_with_their_own_shard_map_are_refused():
-    """Traced unbatched, a shard_map's transpose would sum its cotangents over the stages: refused, not wrong."""
-    model = tiny_llama(layers=2)
-    plan = ts.plan(model, ts.make_mesh({"stage": 2, "data": 2, "context": 2}))
-    run = ts.Trainer(model, lambda m, ids: m(input_ids=ids, labels=ids, use_cache=False).loss, adamw(), plan,
-                     batch_spec=("data", "context"), context=ts.ContextParallel(),
-                     pipeline=Pipeline(microbatches=2, schedule="zero_bubble"))  # fmt: skip
-    with pytest.raises(ShardingError, match=r"zero_bubble'\): the pipelined layers run a shard_map of their own "
-                       r"\(ContextParallel attention, ExpertDispatch's all-to-all\).*use schedule='1f1b'"):  # fmt: skip
-        run.step(torch.randint(0, 128, (4, 16), generator=torch.Generator().manual_seed(0)))
 
 
 def test_bubble_counts_no_weight_gradient():

@@ -38,7 +38,6 @@ class Split:
     stash: tuple[Any, ...]  # the vars `second` reads that neither the residuals nor its own equations give
     treedef: Any  # of the pullback's output
     at: int  # the input gradient's leaf index
-    manual: bool  # whether the pullback runs a shard_map of its own (see `split`)
 
     def stash_avals(self) -> list[jax.ShapeDtypeStruct]:
         """The shapes and dtypes of what `first` hands to `second` (what a deferred backward keeps)."""
@@ -68,11 +67,10 @@ class Split:
 def split(pullback: Callable[[Sequence[Any], Any], Any], residuals: Sequence[Any], g: Any, at: int) -> Split:
     """``pullback(residual leaves, g)`` cut at its output leaf ``at`` (the input gradient), from shapes alone.
 
-    The pullback is traced once, unbatched, and its equations are bound again where the caller runs
-    them (under the pipeline's vmaps). That is not the same program for a ``shard_map`` in it (a
-    tiny Llama under ContextParallel got wrong gradients; most likely its transpose, traced
-    unbatched, finds its inputs unvarying over the vmapped axes and sums their cotangents over
-    them). `Split.manual` says whether there is one (the caller must then not use the cut).
+    Trace it as it runs: the equations are bound again as they are, so a pullback traced unbatched
+    and then run under ``vmap`` is not the same program where it has a ``shard_map`` (a tiny Llama
+    under ContextParallel got wrong gradients that way; a transpose traced unbatched finds its
+    inputs unvarying over the vmapped axes).
 
     Args:
         pullback: the function to cut; its output is a pytree of gradients.
@@ -95,21 +93,7 @@ def split(pullback: Callable[[Sequence[Any], Any], Any], residuals: Sequence[Any
         second |= moved
     return Split(tuple(jaxpr.invars), tuple(zip(jaxpr.constvars, flat.consts, strict=True)),
                  tuple(eqns[i] for i in sorted(first)), tuple(eqns[i] for i in sorted(second)), first_out,
-                 tuple(jaxpr.outvars), _stash(jaxpr, eqns, second, rest), treedef, at,
-                 _runs_shard_map(traced.jaxpr.eqns))  # fmt: skip
-
-
-def _runs_shard_map(eqns: Iterable[Any]) -> bool:
-    """Whether any of ``eqns``, or of the bodies they call (jit, scan, cond, checkpoint), is a ``shard_map``."""
-    for eqn in eqns:
-        if eqn.primitive.name == "shard_map":
-            return True
-        for value in eqn.params.values():
-            for body in value if isinstance(value, tuple | list) else (value,):
-                inner = getattr(getattr(body, "jaxpr", body), "eqns", None)
-                if inner is not None and _runs_shard_map(inner):
-                    return True
-    return False
+                 tuple(jaxpr.outvars), _stash(jaxpr, eqns, second, rest), treedef, at)  # fmt: skip
 
 
 def _stash(jaxpr: Any, eqns: Sequence[Any], second: set[int], rest: Sequence[Any]) -> tuple[Any, ...]:

@@ -2,7 +2,7 @@
 
 A stage's backward is its input gradient ``B`` (the previous stage waits for it) and its weight
 gradient ``W`` (nobody waits for it); `split_backward` cuts one from the other without computing
-anything twice. Tick ``t``: stage ``s`` runs the forward of micro-batch ``t - s`` and the ``B`` of
+anything twice, from every stage's backward traced as the loop runs it. Tick ``t``: stage ``s`` runs the forward of micro-batch ``t - s`` and the ``B`` of
 ``t - (2S-2-s)``, as under 1F1B, and the ``W`` of ``t - (2S-2)``: stage ``s`` defers its ``W`` by
 ``s`` ticks, keeping the ``B``'s output cotangents (the *stash*) until then. In lockstep every
 stage runs every part of a tick, so a part costs every stage a slot wherever one stage needs it.
@@ -25,9 +25,8 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from torchshard._base.errors import ShardingError
 from torchshard._parallel import one_f_one_b
-from torchshard._parallel.one_f_one_b import _Loop, _merge_shards, _read, _stacked, _write
+from torchshard._parallel.one_f_one_b import _Loop, _read, _write
 from torchshard._parallel.split_backward import Split, split
 
 
@@ -36,20 +35,29 @@ class ZeroBubble(_Loop):
     """1F1B's loop with the weight gradients deferred: four phases of ticks, the stash in a second ring."""
 
     @functools.cached_property
-    def cut(self) -> Split:
-        """One stage's pullback (one shard's rows) cut at the input gradient, traced once from shapes."""
-        g = jax.ShapeDtypeStruct((self.micro.shape[1] // self.kernel.shards, *self.micro.shape[2:]), self.micro.dtype)
-        pullback = lambda leaves, g: self.res.pullback(*self.res.split(leaves))(g)[0]  # noqa: E731
+    def cut(self) -> tuple[Split, tuple[int | None, ...]]:
+        """Every stage's backward (as the loop runs it, vmapped) cut at the input gradient, traced once from
+        shapes; and each stashed array's stage dim (found by tracing again with twice the stages)."""
         with self.kernel.context():
-            layers = jax.eval_shape(pullback, list(self.res.avals), g)[0]
-            cut = split(pullback, self.res.avals, g, at=len(jax.tree.leaves(layers)))
-        if cut.manual:
-            raise ShardingError(
-                "Pipeline(schedule='zero_bubble'): the pipelined layers run a shard_map of their own (ContextParallel "
-                "attention, ExpertDispatch's all-to-all), whose backward the zero-bubble cut cannot defer in part; "
-                "use schedule='1f1b'"
-            )
-        return cut
+            cut = split(self.backwards, *self.avals(self.spec.stages), at=self.at)
+            twice = split(self.backwards, *self.avals(2 * self.spec.stages), at=self.at)
+        dims = tuple(_grown(a.shape, b.shape) for a, b in zip(cut.stash_avals(), twice.stash_avals(), strict=True))
+        return cut, dims
+
+    def backwards(self, leaves: Any, g: jax.Array) -> Any:
+        """Every stage's whole backward of one micro-batch each, from the residuals in the pullback's order."""
+        bwd = lambda fixed, kept, g: self.kernel.stage_backward(self.res, fixed, kept, g)  # noqa: E731
+        return self.kernel.vmapped(bwd, *self.res.split(leaves), g)
+
+    def avals(self, stages: int) -> tuple[list[jax.ShapeDtypeStruct], jax.ShapeDtypeStruct]:
+        lead = (stages, self.kernel.shards)
+        leaves = [jax.ShapeDtypeStruct((*lead, *a.shape), a.dtype) for a in self.res.avals]
+        return leaves, jax.ShapeDtypeStruct((stages, *self.micro.shape[1:]), self.micro.dtype)
+
+    @property
+    def at(self) -> int:
+        """The input gradient's leaf in `backwards`' output: after the weights' gradients."""
+        return sum(1 for k in self.weights if k in self.kernel.trainable)
 
     @property
     def depth(self) -> int:
@@ -58,9 +66,9 @@ class ZeroBubble(_Loop):
 
     def initial(self) -> dict[str, Any]:
         carry = super().initial()
-        s, d = self.spec.stages, self.kernel.shards
-        carry["stash"] = [self.on_stages(jnp.zeros((s, self.depth, d, *a.shape), a.dtype), None, self.shard_dim)
-                          for a in self.cut.stash_avals()]  # fmt: skip
+        cut, dims = self.cut
+        carry["stash"] = [self.on_stages(jnp.zeros((self.spec.stages, self.depth, *_staged(a.shape, d)), a.dtype))
+                          for a, d in zip(cut.stash_avals(), dims, strict=True)]  # fmt: skip
         return carry
 
     def ticks(self, carry: dict[str, Any]) -> dict[str, Any]:
@@ -81,31 +89,42 @@ class ZeroBubble(_Loop):
 
     def backward(self, carry: dict[str, Any], g: jax.Array, j: jax.Array) -> dict[str, Any]:
         """Stage s's input gradient of micro-batch ``j[s]``, handed back at once; its stash kept for the W."""
-        kept = [_read(r, j % self.slots) for r in carry["ring"]]
-        d_h, stash = self.kernel.vmapped(self.stage_first, self.fixed, kept, g)
+        (cut, dims), kept = self.cut, [_read(r, j % self.slots) for r in carry["ring"]]
+        d_h, stash = cut.first(self.res.leaves(self.fixed, kept), g)
         valid = (j >= 0) & (j < self.spec.microbatches)
-        carry["stash"] = [self.on_stages(_write(r, x, j % self.depth, valid), None, self.shard_dim)
-                          for r, x in zip(carry["stash"], stash, strict=True)]  # fmt: skip
+        carry["stash"] = [self.on_stages(_write(r, _to_front(x, d, self.spec.stages), j % self.depth, valid))
+                          for r, x, d in zip(carry["stash"], stash, dims, strict=True)]  # fmt: skip
         return self.handed_back(carry, j, d_h)
 
     def weight_gradients(self, carry: dict[str, Any], j: jax.Array) -> dict[str, Any]:
         """Every stage's weight (and call-argument) gradients of micro-batch ``j[s]``, added up."""
-        kept = [_read(r, j % self.slots) for r in carry["ring"]]
-        stash = [_read(r, j % self.depth) for r in carry["stash"]]
-        d_w, dsplit, dwhole = self.kernel.vmapped(self.stage_second, self.fixed, kept, stash)
+        (cut, dims), kept = self.cut, [_read(r, j % self.slots) for r in carry["ring"]]
+        stash = [_from_front(_read(r, j % self.depth), d) for r, d in zip(carry["stash"], dims, strict=True)]
+        d_w, _, dsplit, dwhole = cut.second(self.res.leaves(self.fixed, kept), stash)
         return self.accumulated(carry, j, d_w, dsplit, dwhole)
 
-    def stage_first(self, fixed: Any, kept: Any, g: jax.Array) -> tuple[jax.Array, Any]:
-        """One stage's input gradient of one micro-batch (its rows merged) and its stash ``[D, ...]``."""
-        first = lambda f, k, g: self.cut.first(self.res.leaves(f, k), g)  # noqa: E731
-        d_h, stash = self.kernel.per_shard(first, fixed, kept, self.kernel.local(g))
-        return _merge_shards(d_h), stash
 
-    def stage_second(self, fixed: Any, kept: Any, stash: Any):
-        """One stage's deferred half: (d weights ``[D, chunk, ...]``, d split, d whole)."""
-        second = lambda f, k, st: self.cut.second(self.res.leaves(f, k), st)  # noqa: E731
-        layers, _, dsplit, dwhole = self.kernel.per_shard(second, fixed, kept, stash)
-        return _stacked(layers), [_merge_shards(d) for d in dsplit], dwhole
+def _grown(shape: tuple[int, ...], twice: tuple[int, ...]) -> int | None:
+    """The dim of ``shape`` that doubles with the stages (None: the array is the same for every stage)."""
+    grown = [i for i, (a, b) in enumerate(zip(shape, twice, strict=True)) if a != b]
+    if not grown:
+        return None
+    if len(grown) > 1 or twice[grown[0]] != 2 * shape[grown[0]]:
+        raise AssertionError(f"a stashed array {shape} has no one stage dim (with twice the stages: {twice})")
+    return grown[0]
+
+
+def _staged(shape: tuple[int, ...], dim: int | None) -> tuple[int, ...]:
+    """A stashed array's shape without its stage dim."""
+    return shape if dim is None else (*shape[:dim], *shape[dim + 1 :])
+
+
+def _to_front(x: jax.Array, dim: int | None, stages: int) -> jax.Array:
+    return jnp.broadcast_to(x, (stages, *x.shape)) if dim is None else jnp.moveaxis(x, dim, 0)
+
+
+def _from_front(x: jax.Array, dim: int | None) -> jax.Array:
+    return x[0] if dim is None else jnp.moveaxis(x, 0, dim)
 
 
 # `one_f_one_b.run` under the zero-bubble schedule: the same arguments, the same result
