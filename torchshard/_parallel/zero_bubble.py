@@ -4,8 +4,9 @@ A stage's backward is its input gradient ``B`` (the previous stage waits for it)
 gradient ``W`` (nobody waits for it); `split_backward` cuts one from the other without computing
 anything twice, from every stage's backward traced as the loop runs it. Tick ``t``: stage ``s``
 runs the forward of micro-batch ``t - s`` and the ``B`` of ``t - (2S-2-s)``, as under 1F1B, and
-the ``W`` of ``t - (2S-2)``: stage ``s`` defers its ``W`` by ``s`` ticks, keeping the ``B``'s output cotangents (the *stash*) until then. In lockstep every
-stage runs every part of a tick, so a part costs every stage a slot wherever one stage needs it.
+the ``W`` of ``t - (2S-2)``: stage ``s`` defers its ``W`` by ``s`` ticks, keeping the ``B``'s
+output cotangents (the *stash*) until then. In lockstep every stage runs every part of a tick,
+so a part costs every stage a slot wherever one stage needs it.
 The deferral lines the ``W`` up across stages: all stages have one to run in each of the ``M``
 ticks that have a ``W`` part, so no ``W`` is a placeholder, where 1F1B's whole backward runs
 ``M+S-1`` times per stage. The forwards and input gradients keep their ``S-1`` placeholders each,
