@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import re
 
@@ -19,7 +20,16 @@ from torchshard._hlo.hardware import hardware, load_profiles
 from torchshard._hlo.hlo import Collective
 from torchshard._search.compile_worker import Compiler
 from torchshard._search.estimate import crosses_hosts, estimate, moved_bytes
-from torchshard._search.search import FAST_COMPILE, Problem, _options, _plan, at_depth, compile_layout, measure
+from torchshard._search.search import (
+    FAST_COMPILE,
+    Problem,
+    _base,
+    _options,
+    _plan,
+    at_depth,
+    compile_layout,
+    measure,
+)
 from torchshard._search.space import ModelDims, SearchLayout, layouts
 
 F32 = np.float32
@@ -117,6 +127,16 @@ def test_the_space_has_only_degrees_that_divide_the_model():
     assert all(lay.microbatches == dict(lay.mesh)["stage"] for lay in found if dict(lay.mesh)["stage"] > 1)
 
 
+def test_pipelined_meshes_are_tried_with_each_schedule_and_the_rest_with_none():
+    found = layouts(8, DIMS, (8, 32), schedules=("1f1b", "gpipe"), **OPTIONS)
+    piped = [lay for lay in found if lay.degree("stage") > 1]
+    assert piped and {lay.schedule for lay in piped} == {"1f1b", "gpipe"}
+    assert all(lay.schedule is None for lay in found if lay.degree("stage") == 1)
+    assert " pipeline M=2 1f1b " in next(lay for lay in piped if lay.schedule == "1f1b").label() + " "
+    with pytest.raises(ArgumentError, match=r"schedules=\['zero'\]: choose one or more of \['1f1b', 'gpipe'"):
+        ts.inspect.search(tiny_llama(meta=True), devices=2, batch=(4, 16), schedules=("zero",), **OPTIONS)
+
+
 def test_a_batch_no_configuration_splits_names_batch_sizes_and_device_counts():
     want = r"batch 7 splits over no configuration.*nearest batch sizes that work: \[6, 9, 12\]"
     want += r".*nearest device counts that split batch 7: \[1, 2, 7, 14\]"
@@ -156,6 +176,22 @@ def test_gradient_accumulation_with_context_parallelism_counts_every_micro_batch
     one, four = (compile_layout(tiny_problem, SearchLayout(mesh, k, "nothing_saveable"), tiny_problem.model,
                                 jax.devices()[:4])[1] for k in (1, 4))  # fmt: skip
     assert one.flops <= four.flops < 1.05 * one.flops
+
+
+@pytest.mark.slow
+def test_a_searched_1f1b_pipeline_compiles_gpipes_flops_in_less_memory(tiny_problem):
+    """The search compiles what it names, ``Pipeline(schedule="1f1b")``; with M = 8 > 2S-1 = 3 micro-batches
+    1F1B holds fewer activations than gpipe, so its peak is the lower one (and it is compiled first)."""
+    problem = dataclasses.replace(tiny_problem, batch=(8, 64), devices=2)
+    mesh = (("stage", 2), ("data", 1), ("context", 1), ("expert", 1), ("model", 1))
+    model, devices = problem.model, jax.devices()[:2]
+    one_f, gpipe = (SearchLayout(mesh, 8, None, True, "fp32", s) for s in ("1f1b", "gpipe"))
+    assert _options(model, one_f)["pipeline"] == ts.Pipeline(microbatches=8, schedule="1f1b")
+    assert _base([gpipe, one_f], {"remat": (None,), "precision": ("fp32",), "schedules": ("gpipe", "1f1b")}) == one_f
+    (one_f_peak, one_f_costs), (gpipe_peak, gpipe_costs) = (compile_layout(problem, lay, model, devices)
+                                                            for lay in (one_f, gpipe))  # fmt: skip
+    assert one_f_costs.flops <= 1.05 * gpipe_costs.flops
+    assert one_f_peak < gpipe_peak
 
 
 @pytest.mark.slow

@@ -82,7 +82,7 @@ TOY = Strategy(
         figures=lambda option, trainer: {"tag": option.tag},
         summary=lambda figures: f", mark {figures['tag']}",
     ),
-    searched=lambda axes, microbatches: Mark("searched") if axes.get("data", 1) > 1 else None,
+    searched=lambda layout: Mark("searched") if layout.axes.get("data", 1) > 1 else None,
 )
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import struct
 import sys
+import time
 import types
 
 import jax
@@ -105,7 +106,12 @@ def test_wandb_offline_run_directory_holds_the_rows(tmp_path, monkeypatch):
     rows = ROWS
     replay(ts.track.WandB(project="torchshard-test", dir=str(tmp_path)), rows)
     [run_file] = tmp_path.glob("wandb/offline-run-*/run-*.wandb")
-    history = wandb_history(run_file)
+    # wandb's own service process writes the file and may still be flushing after finish() returns: on a loaded
+    # machine the suite once read it with no history yet; wait for the last row (eval/loss), up to a minute
+    deadline, history = time.monotonic() + 60, wandb_history(run_file)
+    while not any("eval/loss" in h for h in history) and time.monotonic() < deadline:
+        time.sleep(0.5)
+        history = wandb_history(run_file)
     assert [(h["_step"], h["loss"]) for h in history if "loss" in h] == [(s, m["loss"]) for s, m in rows[:2]]
     assert [h["eval/loss"] for h in history if "eval/loss" in h] == [rows[-1][1]["eval/loss"]]
 

@@ -181,6 +181,10 @@ OTHER = [
        encoder_config=_TINY_BLOCK | {"hidden_size_global": 64, "num_hidden_layers": 1},
        decoder_config=_TINY_BLOCK | {"hidden_size_global": 64},
        global_config=_TINY_BLOCK, patcher_config=_TINY_BLOCK),
+    # Kimi delta attention sizes itself by fields of its own (32 heads of 128 by default: a 12,288-channel
+    # conv beside hidden 64); its reference chunked kernel holds [batch, heads, chunks, 64, 64, head_dim]
+    # float32 decays, 256 MiB a device under data=2 × expert=4 and 15 GB for the 8 simulated devices
+    _f("kimi_linear", moe=True, linear_num_heads=4, linear_head_dim=16),
 ]  # fmt: skip
 # MoE families whose experts module is not called with the router's choice, so the Trainer leaves
 # token movement to the plan's sharding (ExpertDispatch's default falls back)

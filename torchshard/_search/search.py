@@ -10,7 +10,7 @@ from typing import Any
 
 import torch
 
-from torchshard._base.errors import ShardingError
+from torchshard._base.errors import ArgumentError, ShardingError
 from torchshard._base.format import fmt_bytes
 from torchshard._base.schedule import bubble_fraction
 from torchshard._hlo.costs import StepCosts
@@ -33,6 +33,8 @@ from torchshard._search.space import ModelDims, SearchLayout, analytic_seconds, 
 
 log = logging.getLogger(__name__)
 REMATS = (None, "nothing_saveable", "dots_saveable")
+# searchable pipeline schedules ("circular" needs a layer split the search does not choose)
+SCHEDULES = ("1f1b", "gpipe", "1f1b_remat")
 Progress = Callable[[int, int, str], None]
 
 
@@ -74,8 +76,10 @@ class Candidate:
             if lay.degree("stage") > 1
             else {"grad_accum_steps": lay.microbatches}
         )
+        schedule = {"pipeline_schedule": lay.schedule} if lay.schedule else {}
         return {
             **micro,
+            **schedule,
             "remat": lay.remat,
             "scan_layers": lay.scan,
             "precision": lay.precision,
@@ -148,13 +152,23 @@ def _state_note(problem: Problem, layout: SearchLayout, devices: list[Any]) -> s
 
 
 def _base(group: list[SearchLayout], options: dict[str, Any]) -> SearchLayout:
-    """A mesh's first layout to compile: full remat, scanned, bf16, the fewest micro-batches (what fits most)."""
+    """A mesh's first layout to compile: full remat, scanned, bf16, the fewest micro-batches, the schedule that
+    holds the fewest (what fits most)."""
     remat, precision = _first(options["remat"], "nothing_saveable"), _first(options["precision"], "bf16")
 
-    def prefer(lay: SearchLayout) -> tuple[bool, bool, bool, int]:
-        return lay.remat != remat, not lay.scan, lay.precision != precision, lay.microbatches
+    def prefer(lay: SearchLayout) -> tuple[bool, bool, bool, int, bool]:
+        return (lay.remat != remat, not lay.scan, lay.precision != precision, lay.microbatches,
+                lay.schedule != _leanest(lay, options.get("schedules", ())))  # fmt: skip
 
     return min(group, key=prefer)
+
+
+def _leanest(layout: SearchLayout, schedules: Sequence[str]) -> str | None:
+    """The schedule holding the fewest micro-batches' activations: 1F1B's 2S-1 when under M, else gpipe's M."""
+    if layout.schedule is None:
+        return None
+    lean = "1f1b" if layout.microbatches > 2 * layout.degree("stage") - 1 else "gpipe"
+    return lean if lean in schedules else layout.schedule
 
 
 def _first(values: Sequence[Any], wanted: Any) -> Any:
@@ -193,16 +207,13 @@ def _better(a: Candidate, b: Candidate | None) -> bool:
 
 
 def refine(run: _Runner, group: list[SearchLayout], start: Candidate) -> None:
-    """Coordinate search from ``start``: each option in turn (remat, micro-batches, precision, scan) tried at
-    every value with the others at the best so far."""
+    """Coordinate search from ``start``: each option in turn (remat, micro-batches, precision, scan, schedule)
+    tried at every value with the others at the best so far."""
     best = start
-    for field in ("remat", "microbatches", "precision", "scan"):
+    fields = ("remat", "microbatches", "precision", "scan", "schedule")
+    for field in fields:
         for layout in group:
-            others = all(
-                getattr(layout, f) == getattr(best.layout, f)
-                for f in ("remat", "microbatches", "precision", "scan")
-                if f != field
-            )
+            others = all(getattr(layout, f) == getattr(best.layout, f) for f in fields if f != field)
             if others and layout != best.layout and run.left > 0:
                 tried = run(layout)
                 best = tried if _better(tried, best) and tried.fits else best
@@ -261,6 +272,7 @@ def search(
     remat: Sequence[str | None] = REMATS,
     scan: Sequence[bool] = (True, False),
     precision: Sequence[str] = ("bf16", "fp32"),
+    schedules: Sequence[str] = SCHEDULES[:2],
     max_compiles: int = 20,
     refine_meshes: int = 3,
     progress: Progress | None = None,
@@ -287,6 +299,9 @@ def search(
         remat: the remat policies to enumerate.
         scan: the scan settings to enumerate.
         precision: the precisions to enumerate.
+        schedules: the pipeline schedules to enumerate for meshes with a ``stage`` axis. A mesh is
+            compiled first with the one that holds the fewest micro-batches' activations: ``"1f1b"``
+            (gpipe's FLOPs, at most 2S-1 in flight) when there are more micro-batches than that.
         max_compiles: layouts compiled at most: half of them the meshes' first layouts (in order of a
             rough analytic estimate), the rest refining the best ``refine_meshes`` meshes that fit.
         refine_meshes: how many of the best fitting meshes get their options searched one at a time.
@@ -331,7 +346,11 @@ def search(
         max(per_host, 1),
         loss_fn or lm_loss,
     )
-    options = {"microbatches": microbatches, "remat": remat, "scan": scan, "precision": precision}
+    bad = [s for s in schedules if s not in SCHEDULES]
+    if bad or not schedules:
+        raise ArgumentError(f"search: schedules={list(schedules)!r}: choose one or more of {list(SCHEDULES)}")
+    options = {"microbatches": microbatches, "remat": remat, "scan": scan, "precision": precision,
+               "schedules": tuple(schedules)}  # fmt: skip
     return run_search(problem, options, max_compiles=max_compiles, refine_meshes=refine_meshes, progress=progress)
 
 

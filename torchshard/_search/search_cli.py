@@ -13,7 +13,7 @@ from torchshard._base.format import columns, fmt_bytes
 from torchshard._hlo.hardware import PROFILES, hardware, load_profiles
 from torchshard._report.fit import parse_batch, parse_size, simulated_devices
 from torchshard._report.usage import UsageError
-from torchshard._search.search import REMATS, Candidate, search
+from torchshard._search.search import REMATS, SCHEDULES, Candidate, search
 
 SEARCH_HELP = """\
 --search enumerates the meshes (stage x data/FSDP x context x expert x model degrees dividing the
@@ -40,6 +40,7 @@ def add_search_arguments(parser: argparse.ArgumentParser) -> None:
     s.add_argument("--microbatches", default="1,2,4", help="grad accumulation / micro-batches per stage to try")
     s.add_argument("--precisions", default="bf16,fp32", help="precisions to try")
     s.add_argument("--scans", default="true,false", help="scan_layers values to try")
+    s.add_argument("--schedules", default="1f1b,gpipe", help="pipeline schedules to try on meshes with a stage axis")
 
 
 def positive_int(text: str) -> int:
@@ -71,6 +72,7 @@ def search_options(args: argparse.Namespace) -> dict[str, Any]:
         "microbatches": _values(args.microbatches, "--microbatches", int),
         "precision": _values(args.precisions, "--precisions", str, ("bf16", "fp16", "fp32")),
         "scan": _values(args.scans, "--scans", lambda v: {"true": True, "false": False}[v.lower()]),
+        "schedules": _values(args.schedules, "--schedules", str, SCHEDULES),
     }
 
 

@@ -87,7 +87,7 @@ def _options(model: torch.nn.Module, layout: SearchLayout) -> dict[str, Any]:
     return {
         "batch_spec": (rows, "context") if context > 1 else (rows,),
         "grad_accum_steps": 1 if stages > 1 else layout.microbatches,
-        **{s.keyword: s.searched(layout.axes, layout.microbatches) for s in STRATEGIES.values() if s.searched},
+        **{s.keyword: s.searched(layout) for s in STRATEGIES.values() if s.searched},
         "remat": Remat(rf"{re.escape(_stack_name(model))}\.\d+", policy=layout.remat) if layout.remat else None,
         "scan_layers": layout.scan,
         "precision": MixedPrecision(torch.bfloat16) if layout.precision != "fp32" else None,

@@ -46,6 +46,7 @@ class SearchLayout:
 
     ``microbatches`` is ``Pipeline(microbatches=...)`` when ``stage > 1``, else ``grad_accum_steps``.
     ``remat`` is a ``jax.checkpoint`` policy name applied to every layer, or None for no remat.
+    ``schedule`` is the pipeline's ``Pipeline(schedule=...)`` when ``stage > 1``, else None.
     """
 
     mesh: tuple[tuple[str, int], ...]
@@ -53,6 +54,7 @@ class SearchLayout:
     remat: str | None = None
     scan: bool = True
     precision: str = "bf16"
+    schedule: str | None = None
 
     @property
     def axes(self) -> dict[str, int]:
@@ -65,6 +67,7 @@ class SearchLayout:
         """``data=8,model=2 M=4 remat=nothing_saveable scan bf16``: one line of the table."""
         mesh = ",".join(f"{a}={n}" for a, n in self.mesh if n > 1) or "data=1"
         micro = f" {'pipeline M' if self.degree('stage') > 1 else 'accum'}={self.microbatches}"
+        micro += f" {self.schedule}" if self.schedule else ""
         micro = micro if self.microbatches > 1 or self.degree("stage") > 1 else ""
         remat = f" remat={self.remat}" if self.remat else ""
         return f"{mesh}{micro}{remat}{' scan' if self.scan else ''} {self.precision}"
@@ -113,8 +116,12 @@ def layouts(
     remat: Sequence[str | None],
     scan: Sequence[bool],
     precision: Sequence[str],
+    schedules: Sequence[str] = ("gpipe",),
 ) -> list[SearchLayout]:
-    """Every valid layout, or a `ShardingError` naming the device counts or batch sizes that would have some."""
+    """Every valid layout, or a `ShardingError` naming the device counts or batch sizes that would have some.
+
+    ``schedules`` are the pipeline schedules a mesh with a ``stage`` axis is tried with.
+    """
     rows, seq = batch
     found = list(meshes(devices, dims, seq))
     if not found:
@@ -126,10 +133,11 @@ def layouts(
             m = k * stages if stages > 1 else k
             if batch_problem(axes, rows, m):
                 continue
-            for r, sc, p in ((r, sc, p) for r in remat for sc in scan for p in precision):
+            for r, sc, p, s in ((r, sc, p, s) for r in remat for sc in scan for p in precision
+                                for s in (schedules if stages > 1 else (None,))):  # fmt: skip
                 if stages > 1 and not sc:
                     continue  # a pipeline stacks its layers: its program is the scanned one
-                result.append(SearchLayout(tuple((a, axes[a]) for a in AXES), m, r, sc, p))
+                result.append(SearchLayout(tuple((a, axes[a]) for a in AXES), m, r, sc, p, s))
     if not result:
         raise ShardingError(_no_batch(rows, found, microbatches) + _other_devices(devices, dims, batch, microbatches))
     return result
@@ -178,6 +186,8 @@ def analytic_seconds(
     pipeline bubble, FSDP's weight traffic, tensor parallelism's activations, the context ring's keys."""
     tokens = batch[0] * batch[1]
     recompute = {None: 1.0, "nothing_saveable": 4 / 3}.get(layout.remat, 1.1)
+    if layout.schedule == "1f1b_remat" and layout.remat is None:
+        recompute = 4 / 3  # its backward replays each layer's forward
     flops = 6 * params * tokens * recompute / math.prod(layout.axes.values())
     stages, m = layout.degree("stage"), layout.microbatches
     bubble = bubble_fraction(stages, m)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 from jax.sharding import Mesh
@@ -12,7 +12,7 @@ from jax.sharding import Mesh
 from torchshard._base.errors import raise_if_any
 from torchshard._base.specs import entry_axes
 from torchshard._parallel.context import ContextParallel, check_context, model_problems, sequence_problems, tracing
-from torchshard._train.strategy import Bound, Setting, Strategy
+from torchshard._train.strategy import Bound, SearchedLayout, Setting, Strategy
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -48,8 +48,8 @@ def bind(context: Any, setting: Setting) -> Bound:
     return Contextual(option=context, mesh=setting.plan.mesh, row_axes=tuple(rows), model=setting.model)
 
 
-def _searched(axes: Mapping[str, int], microbatches: int) -> ContextParallel | None:
-    return ContextParallel() if axes.get("context", 1) > 1 else None
+def _searched(layout: SearchedLayout) -> ContextParallel | None:
+    return ContextParallel() if layout.axes.get("context", 1) > 1 else None
 
 
 STRATEGY = Strategy(keyword="context", option=ContextParallel, bind=bind, searched=_searched)

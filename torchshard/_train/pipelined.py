@@ -21,7 +21,7 @@ from torchshard._parallel.pipeline import Pipeline, Stages, resolve
 from torchshard._sharding.plan import ShardingPlan
 from torchshard._train import one_f_one_b_grads
 from torchshard._train.scan import ScanGroup, ScanRun, block_problems, check_output, find_groups, is_stack, module_lists
-from torchshard._train.strategy import Bound, Flag, Setting, Strategy
+from torchshard._train.strategy import Bound, Flag, SearchedLayout, Setting, Strategy
 
 _PIPELINE_KEYS = {"microbatches": int, "schedule": str, "repeats": int, "layers": str}
 
@@ -245,8 +245,10 @@ def _summary(pipe: dict[str, Any]) -> str:
     )
 
 
-def _searched(axes: Mapping[str, int], microbatches: int) -> Pipeline | None:
-    return Pipeline(microbatches=microbatches) if axes.get("stage", 1) > 1 else None
+def _searched(layout: SearchedLayout) -> Pipeline | None:
+    if layout.axes.get("stage", 1) == 1:
+        return None
+    return Pipeline(microbatches=layout.microbatches, schedule=layout.schedule or "gpipe")
 
 
 FLAG = Flag(

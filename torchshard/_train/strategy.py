@@ -14,8 +14,8 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-from collections.abc import Callable, Mapping, Sequence
-from typing import Any
+from collections.abc import Callable, Sequence
+from typing import Any, Protocol
 
 import numpy as np
 import torch
@@ -84,13 +84,27 @@ class Flag:
     summary: Callable[[dict[str, Any]], str]  # the figures → the report's options line's words, e.g. ", pipeline ..."
 
 
+class SearchedLayout(Protocol):
+    """What a ``plan --search`` candidate tells each strategy: its mesh degrees, micro-batches and
+    pipeline schedule (None off a pipeline)."""
+
+    @property
+    def axes(self) -> dict[str, int]: ...
+
+    @property
+    def microbatches(self) -> int: ...
+
+    @property
+    def schedule(self) -> str | None: ...
+
+
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class Strategy:
     """Everything about one parallel strategy: ``Trainer(keyword=option)``, bound by ``bind``.
 
     ``lays_out``: its rewrite stores layers differently, so ``init_sharded(keyword=option)`` builds
     them that way. ``flag``: its ``plan --compile`` flag. ``searched``: the option a ``plan
-    --search`` candidate gives it, from the candidate's mesh axes and micro-batches (None: off).
+    --search`` candidate gives it, from the candidate's `SearchedLayout` (None: off).
     """
 
     keyword: str
@@ -98,7 +112,7 @@ class Strategy:
     bind: Binder
     lays_out: bool = False
     flag: Flag | None = None
-    searched: Callable[[Mapping[str, int], int], Any] | None = None
+    searched: Callable[[SearchedLayout], Any] | None = None
 
 
 def row_factor(grad_accum_steps: int, bound: Sequence[Bound]) -> tuple[str, int]:
