@@ -29,6 +29,7 @@ from torchshard._search.search import (
     at_depth,
     compile_layout,
     measure,
+    rate,
 )
 from torchshard._search.space import ModelDims, SearchLayout, layouts
 
@@ -133,7 +134,7 @@ def test_pipelined_meshes_are_tried_with_each_schedule_and_the_rest_with_none():
     assert piped and {lay.schedule for lay in piped} == {"1f1b", "gpipe"}
     assert all(lay.schedule is None for lay in found if lay.degree("stage") == 1)
     assert " pipeline M=2 1f1b " in next(lay for lay in piped if lay.schedule == "1f1b").label() + " "
-    with pytest.raises(ArgumentError, match=r"schedules=\['zero'\]: choose one or more of \['1f1b', 'gpipe'"):
+    with pytest.raises(ArgumentError, match=r"schedules=\['zero'\]: choose one or more of \['1f1b', 'gpipe', 'zero_b"):
         ts.inspect.search(tiny_llama(meta=True), devices=2, batch=(4, 16), schedules=("zero",), **OPTIONS)
 
 
@@ -192,6 +193,13 @@ def test_a_searched_1f1b_pipeline_compiles_gpipes_flops_in_less_memory(tiny_prob
                                                             for lay in (one_f, gpipe))  # fmt: skip
     assert one_f_costs.flops <= 1.05 * gpipe_costs.flops
     assert one_f_peak < gpipe_peak
+    zero = SearchLayout(mesh, 8, None, True, "fp32", "zero_bubble")
+    zero_costs = compile_layout(problem, zero, model, devices)[1]
+    assert zero_costs.flops < gpipe_costs.flops  # no placeholder weight gradients
+    # the estimate's bubble share is the schedule's own (FLOPs scaled up: a tiny step's parts round to 0 s)
+    shares = [(c.parts["bubble"] / c.parts["compute"]) for c in (rate(problem, lay, 0, dataclasses.replace(
+        costs, flops=costs.flops * 1e9)) for lay, costs in ((zero, zero_costs), (gpipe, gpipe_costs)))]  # fmt: skip
+    assert shares == pytest.approx([2 / 26, 1 / 9], rel=1e-3)  # 2(S-1)/(3M+2(S-1)), (S-1)/(M+S-1)
 
 
 @pytest.mark.slow

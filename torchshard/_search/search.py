@@ -34,7 +34,7 @@ from torchshard._search.space import ModelDims, SearchLayout, analytic_seconds, 
 log = logging.getLogger(__name__)
 REMATS = (None, "nothing_saveable", "dots_saveable")
 # searchable pipeline schedules ("circular" needs a layer split the search does not choose)
-SCHEDULES = ("1f1b", "gpipe", "1f1b_remat")
+SCHEDULES = ("1f1b", "gpipe", "zero_bubble", "1f1b_remat")
 Progress = Callable[[int, int, str], None]
 
 
@@ -115,7 +115,7 @@ def model_flops(model: torch.nn.Module, tokens: int, seq: int) -> float:
 def rate(problem: Problem, layout: SearchLayout, peak: int, costs: StepCosts) -> Candidate:
     """The candidate's verdict and speed on the problem's hardware."""
     stages = layout.degree("stage")
-    bubble = bubble_fraction(stages, layout.microbatches)
+    bubble = bubble_fraction(stages, layout.microbatches, deferred=layout.schedule == "zero_bubble")
     est = estimate(
         costs, problem.hw, precision=layout.precision, devices_per_host=problem.devices_per_host, bubble=bubble
     )
@@ -272,7 +272,7 @@ def search(
     remat: Sequence[str | None] = REMATS,
     scan: Sequence[bool] = (True, False),
     precision: Sequence[str] = ("bf16", "fp32"),
-    schedules: Sequence[str] = SCHEDULES[:2],
+    schedules: Sequence[str] = SCHEDULES[:3],
     max_compiles: int = 20,
     refine_meshes: int = 3,
     progress: Progress | None = None,

@@ -40,7 +40,7 @@ def add_search_arguments(parser: argparse.ArgumentParser) -> None:
     s.add_argument("--microbatches", default="1,2,4", help="grad accumulation / micro-batches per stage to try")
     s.add_argument("--precisions", default="bf16,fp32", help="precisions to try")
     s.add_argument("--scans", default="true,false", help="scan_layers values to try")
-    s.add_argument("--schedules", default="1f1b,gpipe", help="pipeline schedules to try on meshes with a stage axis")
+    s.add_argument("--schedules", default="1f1b,gpipe,zero_bubble", help="pipeline schedules to try on stage meshes")
 
 
 def positive_int(text: str) -> int:
