@@ -18,11 +18,11 @@ from torchshard._search.search import REMATS, SCHEDULES, Candidate, search
 SEARCH_HELP = """\
 --search enumerates the meshes (stage x data/FSDP x context x expert x model degrees dividing the
 model's head counts, layers, experts, sequence and --devices) and options (micro-batches, remat
-policy, scan, precision), drops those whose params + grads + AdamW alone exceed --device-memory,
-compiles each mesh's first layout (in order of a rough estimate) and refines the best ones option
-by option, and ranks those that fit by a step time estimated from the compiled FLOPs, bytes
-accessed and collectives per mesh axis over --hardware's links (hosts: --hosts, else the profile's
-devices per host). Exit code 3 when no compiled configuration fits."""
+policy, scan, precision, pipeline schedule), drops those whose params + grads + AdamW alone
+exceed --device-memory, compiles each mesh's first layout (in order of a rough estimate) and
+refines the best ones option by option, and ranks those that fit by a step time estimated from the
+compiled FLOPs, bytes accessed and collectives per mesh axis over --hardware's links (hosts:
+--hosts, else the profile's devices per host). Exit code 3 when no compiled configuration fits."""
 
 
 def add_search_arguments(parser: argparse.ArgumentParser) -> None:
