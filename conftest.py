@@ -46,20 +46,6 @@ if CHOSEN not in os.environ:
     os.environ[CHOSEN] = _known(PATIENT_COLLECTIVES + (() if defaults else FAST_COMPILE))
 os.environ["XLA_FLAGS"] = _with(os.environ[CHOSEN])
 
-# The suite compiles the same few hundred tiny programs on every run. JAX's persistent compilation cache keeps them
-# on disk between runs, keyed by the program, the XLA flags, jax's version and the backend, so a rerun loads what
-# it compiled before (any change to a program is a new key). A size bound turns on the cache's file lock, which the
-# parallel workers and the processes the tests launch need: without it one could read an entry another is still
-# writing. TORCHSHARD_TEST_COMPILE_CACHE=off compiles everything afresh; =DIR puts the cache elsewhere.
-COMPILE_CACHE = os.environ.get("TORCHSHARD_TEST_COMPILE_CACHE") or os.path.join(
-    os.path.expanduser("~"), ".cache", "torchshard", "test-compile-cache"
-)
-if COMPILE_CACHE != "off":
-    os.environ.setdefault("JAX_COMPILATION_CACHE_DIR", COMPILE_CACHE)
-    os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
-    os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES", "0")
-    os.environ.setdefault("JAX_COMPILATION_CACHE_MAX_SIZE", str(8 << 30))
-
 # Eager torch, the truth of every test, runs tiny ops: its OpenMP threads only spin waiting for each other while
 # XLA's threads and the other pytest worker hold the 2 cores (a tiny MLP's AdamW step took 20-80 ms with 2 threads
 # on a loaded machine, 1-2 ms with 1). One thread each, for the tests and the processes they launch; ops this small
