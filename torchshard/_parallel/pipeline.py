@@ -54,9 +54,8 @@ class Pipeline:
             stage per iteration, each micro-batch's loss at the last stage (the step's loss is their
             mean, as with ``grad_accum_steps``): activations of ≤ ``2S-1`` micro-batches, no recompute;
             ``"1f1b_remat"``: gpipe's order, each layer recomputed in the backward: the least memory;
-            ``"zero_bubble"``: 1F1B with each backward's weight-gradient half deferred, so that no
-            weight gradient is a placeholder (bubble ``2(S-1)/(3M + 2(S-1))``; S more micro-batches
-            of output cotangents kept).
+            ``"zero_bubble"``: 1F1B with each backward's weight-gradient half deferred, none a placeholder
+            (bubble ``2(S-1)/(3M + 2(S-1))``; S more micro-batches of output cotangents kept).
         repeats: rounds of a circular schedule (1 for gpipe, 1f1b and zero_bubble).
         layers: regex (``re.fullmatch``) naming the ModuleList to pipeline, if the model has several.
 
@@ -90,8 +89,7 @@ class Pipeline:
         raise_for_arguments(problems, header="invalid Pipeline arguments")
 
     def bubble(self, *, stages: int) -> float:
-        """The idle fraction of the schedule on ``stages`` stages: ``(S-1)/(repeats*M + S-1)`` (see `bubble_fraction`
-        for ``"zero_bubble"``)."""
+        """The idle fraction of the schedule on ``stages`` stages (`bubble_fraction`)."""
         m, deferred = self.microbatches or stages, self.schedule == "zero_bubble"
         return bubble_fraction(stages, m, self.repeats, deferred=deferred)
 
