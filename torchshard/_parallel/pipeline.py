@@ -90,8 +90,7 @@ class Pipeline:
 
     def bubble(self, *, stages: int) -> float:
         """The idle fraction of the schedule on ``stages`` stages (`bubble_fraction`)."""
-        m, deferred = self.microbatches or stages, self.schedule == "zero_bubble"
-        return bubble_fraction(stages, m, self.repeats, deferred=deferred)
+        return bubble_fraction(stages, self.microbatches or stages, self.repeats, schedule=self.schedule)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -118,7 +117,7 @@ class Stages:
 
     @property
     def bubble(self) -> float:
-        return bubble_fraction(self.stages, self.microbatches, self.repeats, deferred=self.schedule == "zero_bubble")
+        return bubble_fraction(self.stages, self.microbatches, self.repeats, schedule=self.schedule)
 
     def order(self) -> tuple[int, ...]:
         """Storage position → layer index: stage ``s``'s ``repeats`` chunks are contiguous, chunk ``j`` on ``j mod S``.

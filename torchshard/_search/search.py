@@ -115,7 +115,7 @@ def model_flops(model: torch.nn.Module, tokens: int, seq: int) -> float:
 def rate(problem: Problem, layout: SearchLayout, peak: int, costs: StepCosts) -> Candidate:
     """The candidate's verdict and speed on the problem's hardware."""
     stages = layout.degree("stage")
-    bubble = bubble_fraction(stages, layout.microbatches, deferred=layout.schedule == "zero_bubble")
+    bubble = bubble_fraction(stages, layout.microbatches, schedule=layout.schedule)
     est = estimate(
         costs, problem.hw, precision=layout.precision, devices_per_host=problem.devices_per_host, bubble=bubble
     )

@@ -190,7 +190,7 @@ def analytic_seconds(
         recompute = 4 / 3  # its backward replays each layer's forward
     flops = 6 * params * tokens * recompute / math.prod(layout.axes.values())
     stages, m = layout.degree("stage"), layout.microbatches
-    bubble = bubble_fraction(stages, m, deferred=layout.schedule == "zero_bubble")
+    bubble = bubble_fraction(stages, m, schedule=layout.schedule)
     width = 2 if layout.precision != "fp32" else 4
     local = width * tokens / (layout.degree("data") * layout.degree("expert") * layout.degree("context"))
     layers = (dims.layers or 1) / stages
