@@ -7,7 +7,7 @@ import logging
 import os
 import pathlib
 from collections.abc import Mapping
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import jax
 import numpy as np
@@ -20,7 +20,6 @@ from torchshard._ckpt.restore import Destination, load_trainer
 from torchshard._ckpt.state import Target, model_of, torch_dtypes
 from torchshard._ckpt.stepdir import path_problems
 from torchshard._interop import dcp_names
-from torchshard._interop.dcp_io import BoxReader, read_metadata, stored_tensors
 from torchshard._interop.pretrained import (
     Rename,
     _arrays,
@@ -34,6 +33,9 @@ from torchshard._interop.pretrained import (
 )
 from torchshard._sharding.plan import ShardingPlan
 from torchshard._train.trainer import Trainer
+
+if TYPE_CHECKING:  # dcp_io imports torch.distributed.checkpoint: see _read
+    from torchshard._interop.dcp_io import BoxReader
 
 _log = logging.getLogger("torchshard")
 PathLike = str | os.PathLike[str]
@@ -172,13 +174,17 @@ def _log_skipped(entries: dcp_names.Entries, others: list[str], target: Target, 
         )
 
 
-_Read = tuple[dict[str, jax.Array], "_Optimizer | None", BoxReader, dict[str, torch.dtype]]
+_Read = tuple[dict[str, jax.Array], "_Optimizer | None", "BoxReader", dict[str, torch.dtype]]
 
 
 def _read(root: pathlib.Path, target: Target, dest: Destination, *, rename: Rename | None, strict: bool) -> _Read:
     """Every check first (nothing read yet), then every destination array read (this process's slices)."""
     model, dtypes = model_of(target), torch_dtypes(target)
     expected = state_dict_names(model)
+    # here, not at the top: torch.distributed.checkpoint (sympy, DTensor) takes 0.6 s to import, which every
+    # `import torchshard` and every process a launcher starts would pay for a format most runs never read
+    from torchshard._interop.dcp_io import BoxReader, read_metadata, stored_tensors
+
     metadata = read_metadata(root)
     reader = BoxReader(root, metadata, stored_tensors(root, metadata))
     entries = dcp_names.split(reader.tensors)

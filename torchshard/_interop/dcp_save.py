@@ -5,7 +5,7 @@ from __future__ import annotations
 import os
 import pathlib
 from collections.abc import Iterator
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import jax
 import numpy as np
@@ -19,10 +19,12 @@ from torchshard._ckpt.checkpoint import primary, together
 from torchshard._ckpt.state import Target, export_arrays, model_of, torch_dtypes
 from torchshard._ckpt.stepdir import TMP, commit, discard, path_problems, settle, write_failure
 from torchshard._interop import dcp_names
-from torchshard._interop.dcp_io import Chunk, write_chunks
 from torchshard._interop.safetensors_files import normalized
 from torchshard._multihost.agree import gathered
 from torchshard._train.trainer import Trainer
+
+if TYPE_CHECKING:  # dcp_io imports torch.distributed.checkpoint: see _write
+    from torchshard._interop.dcp_io import Chunk
 
 PathLike = str | os.PathLike[str]
 
@@ -40,6 +42,8 @@ def _check_args(path: Any, target: Any) -> None:
 
 def _owned(array: jax.Array, dtype: torch.dtype, name: str) -> Iterator[Chunk]:
     """The distinct shards of ``array`` this process writes: each by the first process holding it."""
+    from torchshard._interop.dcp_io import Chunk  # see _write
+
     shape = tuple(array.shape)
     owner: dict[Any, int] = {}
     for device, index in array.sharding.devices_indices_map(shape).items():
@@ -101,6 +105,10 @@ def _begin(out: pathlib.Path, staging: pathlib.Path) -> str:
 
 
 def _write(out: pathlib.Path, target: Target) -> None:
+    # here, not at the top: torch.distributed.checkpoint (sympy, DTensor) takes 0.6 s to import, which every
+    # `import torchshard` and every process a launcher starts would pay for a format most runs never write
+    from torchshard._interop.dcp_io import write_chunks
+
     staging = out.with_name(TMP + out.name)
     # every process meets here, failed or not: the staging folder exists before any process writes
     if problem := next(filter(None, gathered("dcp-save-begin", _begin(out, staging))), ""):
