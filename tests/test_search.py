@@ -183,7 +183,8 @@ def test_gradient_accumulation_with_context_parallelism_counts_every_micro_batch
 def test_a_searched_1f1b_pipeline_compiles_gpipes_flops_in_less_memory(tiny_problem):
     """The search compiles what it names, ``Pipeline(schedule="1f1b")``; with M = 8 > 2S-1 = 3 micro-batches
     1F1B holds fewer activations than gpipe, so its peak is the lower one (and it is compiled first)."""
-    problem = dataclasses.replace(tiny_problem, batch=(8, 64), devices=2)
+    # a layer per stage: what sets the schedules apart is the micro-batches each stage holds, not its depth
+    problem = dataclasses.replace(tiny_problem, model=tiny_llama(layers=2, meta=True), batch=(8, 64), devices=2)
     mesh = (("stage", 2), ("data", 1), ("context", 1), ("expert", 1), ("model", 1))
     model, devices = problem.model, jax.devices()[:2]
     one_f, gpipe = (SearchLayout(mesh, 8, None, True, "fp32", s) for s in ("1f1b", "gpipe"))
