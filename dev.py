@@ -146,7 +146,7 @@ def compat(argv: list[str]) -> int:
     os.chdir(ROOT)
     extra = [a for a in argv if a != "--if-cached"]
     for label, path in (("releases", [str(ROOT)]), ("torchax pre-release", [str(COMPAT_PRE), str(ROOT)])):
-        env = {**os.environ, "PYTHONPATH": os.pathsep.join(path)}
+        env = _cached_bytecode({**os.environ, "PYTHONPATH": os.pathsep.join(path)})
         print(f"dev.py compat: quick suite on the newest {label}: {_versions(python, env)}", flush=True)
         if code := subprocess.call([str(python), *COMPAT_TESTS, *extra], env=env):
             return code
@@ -177,11 +177,17 @@ def main(argv: list[str]) -> int:
     return 0
 
 
+def _cached_bytecode(env: dict[str, str]) -> dict[str, str]:
+    """``env`` without PYTHONDONTWRITEBYTECODE: a machine that sets it (ours does) makes every pytest worker
+    re-rewrite the asserts of ~190 test modules (5 s each time) and every launched process recompile torchshard."""
+    return {k: v for k, v in env.items() if k != "PYTHONDONTWRITEBYTECODE"}
+
+
 def _env() -> dict[str, str]:
     # this clone's torchshard first, whichever clone's .venv this is; mkdocs-material's banner about its
     # successor is news, not a build problem
     path = os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH", "")) if p)
-    return {**os.environ, "PYTHONPATH": path, "NO_MKDOCS_2_WARNING": "1"}
+    return _cached_bytecode({**os.environ, "PYTHONPATH": path, "NO_MKDOCS_2_WARNING": "1"})
 
 
 if __name__ == "__main__":

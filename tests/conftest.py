@@ -8,6 +8,14 @@ import torchshard
 assert len(jax.devices()) == 8, jax.devices()
 
 
+def pytest_ignore_collect(collection_path, config):
+    """Skips the helper modules and launched scripts here: they hold no doctests, and --doctest-modules
+    imported each in every worker (search_faults.py alone imports transformers' Llama: 3.5 s)."""
+    if collection_path.suffix == ".py" and not collection_path.name.startswith(("test_", "conftest")):
+        return True
+    return None
+
+
 @pytest.fixture
 def mesh_dm():
     """data=4 × model=2, the mesh most tests use."""

@@ -225,6 +225,7 @@ def test_lm_eval_benchmark_runs(tmp_path):
     assert result["torchshard"]["acc"] == result["hflm"]["acc"] and result["speedup"] > 0
 
 
+@pytest.mark.slow
 def test_metrics_benchmark_runs():
     # one row per device: the FLOPs ratios do not depend on the rows, and the 46 steps take half the time
     args = ["--rounds", "2", "--steps", "10", "--layers", "1", "--seq", "64", "--batch", "8"]

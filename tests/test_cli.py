@@ -264,6 +264,7 @@ def test_7b_llama_planned_on_meta_over_64_devices(tmp_path):
     assert seconds < 120
 
 
+@pytest.mark.slow
 def test_invalid_plan_exit_code_in_a_real_process(tmp_path):
     _file(tmp_path, "tiny.py", "from torch import nn\n\ndef build():\n    return nn.Linear(8, 8)\n")
     rules = _file(tmp_path, "rules.py", 'RULES = [(r".*", ("model",))]\n')

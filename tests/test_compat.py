@@ -94,6 +94,7 @@ def test_placeholders_raise_when_called():
         removed_aten.MissingOp("aten::qr")(torch.ones(2, 2))
 
 
+@pytest.mark.slow
 def test_the_import_shim_gate_agrees_with_this_stack():
     """When this fails, the gate is wrong for the installed pair: torchax imports without the shim
     (google/torchax#101 fixed: delete REMOVED_ATEN and its shim), or fails although the gate says it is not needed."""
@@ -102,6 +103,7 @@ def test_the_import_shim_gate_agrees_with_this_stack():
     assert fails == removed_aten.needs_import_shim(), (removed_aten.REMOVED_ATEN.bug, done.stderr[-2000:])
 
 
+@pytest.mark.slow
 def test_eager_torch_optimizers_step_after_import():
     """torch 2.15 asks torchax's "jax" device for a stream in Optimizer.step (pytorch/xla#9730 twin)."""
     fresh = fresh_process()  # a fresh process: Adam, SGD and AdamW step a CPU parameter after import torchshard

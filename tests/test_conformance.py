@@ -19,6 +19,7 @@ pytest.importorskip("transformers")
 pytest.importorskip("peft")
 
 
+@pytest.mark.slow
 def test_one_row_llama_is_within_tolerance_or_refused_in_every_column():
     cells = dict(run_family("llama"))
     assert cells.pop("kind").text == "dense"

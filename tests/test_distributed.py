@@ -284,6 +284,7 @@ HANGS = {
 }
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("child", HANGS)
 def test_a_hang_prints_every_stack_and_ends_the_run_naming_the_stalled_ranks(child, capsys):
     command, envs = _python("import threading\n" + HANGS[child])

@@ -4,6 +4,8 @@ A block that continues an earlier example (it uses a ``model`` or ``trainer`` it
 says so in an HTML comment right above it, ``<!-- readme-test: setup=NAME (what it provides) -->``,
 invisible on the rendered page; ``SETUPS[NAME]`` builds those names (tiny sizes) and, where the
 block only builds something, ``THEN[NAME]`` uses it once. Every other block runs on its own.
+A block that takes over ~2 s (it compiles a pipeline, launches a process) says ``slow`` there too,
+``<!-- readme-test: setup=NAME slow (...) -->`` or ``<!-- readme-test: slow -->``: `dev.py quick` skips it.
 A ```py block shows code that needs what this machine lacks (a Hub snapshot of Llama-3-8B,
 accelerators): it is compiled, not run.
 Shell commands (``python3 dev.py test``, ``python -m torchshard plan ...``, benchmarks) take minutes, so
@@ -33,14 +35,22 @@ from torchshard._multihost import preemption as _preemption
 
 ROOT = Path(__file__).resolve().parents[1]
 PAGES = {str(p.relative_to(ROOT)): p.read_text() for p in [ROOT / "README.md", *sorted(ROOT.glob("docs/**/*.md"))]}
-BLOCK = re.compile(r"(?:<!-- readme-test: setup=(?P<setup>\w+)[^>]*-->\n)?```(?P<lang>\w*)\n(?P<body>.*?)```", re.S)
+BLOCK = re.compile(
+    r"(?:<!-- readme-test:(?: setup=(?P<setup>\w+))?(?P<slow> slow\b)?[^>]*-->\n)?"
+    r"```(?P<lang>\w*)\n(?P<body>.*?)```",
+    re.S,
+)
+MATCHES = [(page, text, m) for page, text in PAGES.items() for m in BLOCK.finditer(text)]
+
+
+def _where(page: str, text: str, match: re.Match[str]) -> str:
+    return f"{page}:{text[: match.start()].count(chr(10)) + 1}"
+
+
 # (language, setup, body, "page:line") of every fenced block of every page
-BLOCKS = [
-    (m["lang"], m["setup"], m["body"], f"{page}:{text[: m.start()].count(chr(10)) + 1}")
-    for page, text in PAGES.items()
-    for m in BLOCK.finditer(text)
-]
+BLOCKS = [(m["lang"], m["setup"], m["body"], _where(page, text, m)) for page, text, m in MATCHES]
 PYTHON = [(setup, body, where) for lang, setup, body, where in BLOCKS if lang == "python"]
+SLOW = {_where(page, text, m) for page, text, m in MATCHES if m["slow"]}
 SHOWN = [(body, where) for lang, _, body, where in BLOCKS if lang == "py"]
 
 
@@ -184,7 +194,10 @@ def test_the_pages_have_python_blocks_and_each_setup_they_name_exists():
     assert {setup for setup, _, _ in PYTHON if setup} <= set(SETUPS)
 
 
-@pytest.mark.parametrize(("setup", "body", "where"), PYTHON, ids=[where for _, _, where in PYTHON])
+@pytest.mark.parametrize(
+    ("setup", "body", "where"),
+    [pytest.param(*block, marks=pytest.mark.slow if block[2] in SLOW else (), id=block[2]) for block in PYTHON],
+)
 def test_python_block_runs_as_written(setup, body, where, tmp_path, monkeypatch, capsys):
     monkeypatch.chdir(tmp_path)  # blocks write checkpoints and exports to relative paths
     ns = SETUPS[setup]() if setup else {}

@@ -72,6 +72,7 @@ def eager_copy(trainer, factory):
     return reference.eval()
 
 
+@pytest.mark.slow
 def test_the_loss_and_any_function_equal_eager_torch(llama):
     reference = eager_copy(llama, lambda: tiny_llama())
     batch = ids(seed=5)

@@ -139,6 +139,7 @@ def test_the_step_moves_tokens_by_all_to_all_over_the_expert_axis(dispatched):
     assert stats.count("all-to-all", axes="expert") >= 2 * 4, str(stats)
 
 
+@pytest.mark.slow
 def test_gspmd_keeps_the_plan_alone_and_trains_the_same(eager):
     trainer = _trainer(_model(), expert_dispatch=ts.ExpertDispatch("gspmd"))
     losses, _ = _losses(trainer, _batches())
@@ -156,6 +157,7 @@ def _overloaded() -> Model:
     return model
 
 
+@pytest.mark.slow
 def test_a_capacity_drops_pairs_over_it_and_reports_them():
     batches = _batches(2)
     capped = _trainer(_overloaded(), expert_dispatch=ts.ExpertDispatch(capacity_factor=1.0))

@@ -51,6 +51,7 @@ assert not leaked, leaked
 """
 
 
+@pytest.mark.slow
 def test_exported_state_dict_loads_in_a_process_without_jax(tmp_path, mesh_dm):
     torch.manual_seed(0)
     reference = TiedLM()

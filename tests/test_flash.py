@@ -151,6 +151,7 @@ def test_tile_size(length, tile):
     assert flash.tile_size(length) == tile
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     "attend",
     [lambda q, k, v: attention_jax(q, k, v, None, True, None), _ring],

@@ -65,6 +65,7 @@ def _assert_equals_eager(name: str, seq: int, *, padded_only: bool = False) -> N
         assert torch.equal(got, expected), f"{name}, {seq}-token prompts, mask={rows_mask is not None}"
 
 
+@pytest.mark.slow
 def test_gemma2_decodes_past_its_window_as_transformers_does():
     """The quick suite's row: sliding and full layers, a left-padded prompt longer than the window."""
     _assert_equals_eager("gemma2", 20, padded_only=True)

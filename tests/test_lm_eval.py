@@ -107,6 +107,7 @@ def test_loglikelihood_rolling_equals_hflm(hflm, ours):
     assert got == pytest.approx(expected, abs=ATOL)
 
 
+@pytest.mark.slow
 def test_greedy_generate_until_equals_hflm(hflm, ours):
     contexts = ["the cat", "what color is the sky ?", "one two three four", "a", "the dog ran to the park ."]
     settings = [{"until": ["."], "max_gen_toks": 8}, {"until": ["sky", "w5"], "max_gen_toks": 5, "do_sample": False}]
@@ -209,6 +210,7 @@ def test_a_bare_lm_eval_command_evaluates_a_saved_model_as_hflm(llama, tasks, tm
     assert json.loads(results.read_text())["results"]["ts_mc"]["acc,none"] == expected["results"]["ts_mc"]["acc,none"]
 
 
+@pytest.mark.slow
 def test_the_start_up_hook_registers_torchshard_lazily_beside_lm_evals_own_models():
     script = (
         "import sys; sys.path.insert(0, sys.argv[1]); import _torchshard_lm_eval\n"
@@ -223,6 +225,7 @@ def test_the_start_up_hook_registers_torchshard_lazily_beside_lm_evals_own_model
     assert done.stdout.split() == ["HFLM", "False", "False", "TorchshardLM"]
 
 
+@pytest.mark.slow
 def test_the_wheel_ships_the_start_up_hook_at_its_root(tmp_path):
     source = tmp_path / "source"  # a copy: an in-tree build would write build/ and egg-info into the clone
     shutil.copytree(ROOT / "torchshard", source / "torchshard", ignore=shutil.ignore_patterns("__pycache__"))

@@ -525,6 +525,7 @@ def test_set_onto_another_tensor_is_refused_naming_the_fix():
         a.set_(b)
 
 
+@pytest.mark.slow
 def test_a_triangular_solve_on_cpu_calls_no_lapack_kernel():
     """LAPACK's trsm splits its batch over the pool the simulated devices run on: eight devices
     entering it at once wait on each other for ever (qwen3_next's first step hung). The compiled

@@ -56,6 +56,7 @@ def test_the_cut_backward_is_the_pullback():
                    for e in cut.first_eqns)  # fmt: skip
 
 
+@pytest.mark.slow
 def test_sgd_update_is_the_unpipelined_one():
     batch = batches(1)[0]
     dense = ts.Trainer(blocks(4), blocks_loss, optax.sgd(0.1), ts.plan(blocks(4), ts.make_mesh({"data": 8}), FSDP))

@@ -138,6 +138,7 @@ def assert_valid(plan: torchshard.ShardingPlan, model: nn.Module, mesh: Abstract
             assert plan.spec(entry.tied_to) == entry.spec, name
 
 
+@pytest.mark.slow
 @settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(data=st.data(), model=models, mesh=meshes, default=st.sampled_from(["replicate"] * 4 + ["error", "raise"]))
 def test_plan_returns_a_valid_plan_or_raises_a_sharding_error_and_never_changes_the_model(data, model, mesh, default):

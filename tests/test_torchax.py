@@ -11,6 +11,7 @@ from torchshard._bridge.env import env
 from torchshard._bridge.tensors import host_array, is_jax_tensor, jax_dtype, to_torch, unwrap, wrap
 
 
+@pytest.mark.slow
 def test_import_prints_nothing_and_leaves_the_backend_alone():
     fresh = fresh_process()
     assert fresh["returncode"] == 0, fresh["stderr"]

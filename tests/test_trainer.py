@@ -255,6 +255,7 @@ def test_many_steps_without_reading_the_loss_complete():
     assert np.isfinite(float(trainer.step(batch)["loss"]))
 
 
+@pytest.mark.slow
 def test_trained_model_runs_inference_and_exports_state():
     ref, model = pair(Block)
     x = torch.randn(8, 4, 32)
