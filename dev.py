@@ -52,8 +52,8 @@ COMPAT_PYTHON = "3.12"
 COMPAT_PRE = COMPAT_VENV / "torchax-pre"  # the newest torchax pre-release, put first on the path for the second run
 COMPAT_EXTRAS = ("test", "examples", "hf")
 EXTRAS = (*COMPAT_EXTRAS, "docs")  # what .venv holds: the compat job needs no docs toolchain
-# the quick suite; the README's blocks are in it (tests/test_readme.py)
-COMPAT_TESTS = ["-m", "pytest", "-n", "2", "-m", "not slow", "-q"]
+# the quick suite (the README's blocks are in it) and the stack's own checks, slow or not
+COMPAT_TESTS = ["-m", "pytest", "-n", "2", "-m", "not slow or compat", "-q"]
 ALL_COMMANDS = (*COMMANDS, "compat")
 
 

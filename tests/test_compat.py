@@ -95,6 +95,7 @@ def test_placeholders_raise_when_called():
 
 
 @pytest.mark.slow
+@pytest.mark.compat
 def test_the_import_shim_gate_agrees_with_this_stack():
     """When this fails, the gate is wrong for the installed pair: torchax imports without the shim
     (google/torchax#101 fixed: delete REMOVED_ATEN and its shim), or fails although the gate says it is not needed."""
@@ -104,6 +105,7 @@ def test_the_import_shim_gate_agrees_with_this_stack():
 
 
 @pytest.mark.slow
+@pytest.mark.compat
 def test_eager_torch_optimizers_step_after_import():
     """torch 2.15 asks torchax's "jax" device for a stream in Optimizer.step (pytorch/xla#9730 twin)."""
     fresh = fresh_process()  # a fresh process: Adam, SGD and AdamW step a CPU parameter after import torchshard

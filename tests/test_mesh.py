@@ -26,6 +26,7 @@ def test_use_cpu_devices_rejects_non_positive_ints(n):
 
 
 @pytest.mark.slow
+@pytest.mark.compat
 def test_use_cpu_devices_before_the_backend_starts():
     fresh = fresh_process()  # a fresh process: use_cpu_devices(3) right after import torchshard
     assert fresh["returncode"] == 0, fresh["stderr"]

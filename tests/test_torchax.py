@@ -12,6 +12,7 @@ from torchshard._bridge.tensors import host_array, is_jax_tensor, jax_dtype, to_
 
 
 @pytest.mark.slow
+@pytest.mark.compat
 def test_import_prints_nothing_and_leaves_the_backend_alone():
     fresh = fresh_process()
     assert fresh["returncode"] == 0, fresh["stderr"]
