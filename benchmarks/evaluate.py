@@ -30,10 +30,12 @@ def parse_args() -> argparse.Namespace:
 
 def build():
     import optax
+    import torch
     import transformers
 
     sizes = {"hidden_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2}
     config = transformers.LlamaConfig(**sizes, intermediate_size=128, vocab_size=256, use_cache=False)
+    torch.manual_seed(0)  # the same model every run
     model = transformers.LlamaForCausalLM(config)
     mesh = ts.make_mesh({"data": 4, "model": 2})
     plan = ts.plan(model, mesh, ts.presets.hf_rules(model))
@@ -66,15 +68,18 @@ def main() -> None:
     jax.block_until_ready(compiled(data[0]))  # compile once
     jax.block_until_ready(eager(data[0]))  # warm torchax's op caches
     times: dict[str, list[float]] = {"eager loop": [], "evaluate": []}
+    losses = []  # per batch: the eager loop's and evaluate's, the same f32 computation fused differently
     for b in data:  # interleaved, so load drifts hit both alike
+        values = {}
         for name, fn in (("eager loop", eager), ("evaluate", compiled)):
             start = time.perf_counter()
-            value = float(fn(b))
+            values[name] = float(fn(b))
             times[name].append(time.perf_counter() - start)
-        print(f"batch: eager loss {float(eager(b)):.6f}  evaluate loss {value:.6f}", flush=True)
+        losses.append([values["eager loop"], values["evaluate"]])
+        print(f"batch: eager loss {values['eager loop']:.6f}  evaluate loss {values['evaluate']:.6f}", flush=True)
     median = {name: statistics.median(t) for name, t in times.items()}
     speedup = median["eager loop"] / median["evaluate"]
-    result = {"batch": [rows, seq], "median_s": median, "speedup": speedup}
+    result = {"batch": [rows, seq], "median_s": median, "speedup": speedup, "losses": losses}
     print(f"median per batch: eager loop {median['eager loop']:.4f} s, evaluate {median['evaluate']:.5f} s, "
           f"evaluate is {speedup:.1f}x faster")  # fmt: skip
     if args.json:
