@@ -1,15 +1,14 @@
 """Pipeline parallelism: a stack of identical layers split into stages over a mesh axis, micro-batches streamed through.
 
-The layers' weights are stacked ``[L, ...]`` with the stage axis on the layer dim, stored so that
-a contiguous split gives each stage its chunks. One loop of ``repeats·M + S - 1`` iterations runs
-every stage on its current micro-batch at once (``vmap`` over the stage dim: under GSPMD each
-device computes only its own stage), then passes every stage's output to the next stage with a
-``ppermute`` (a collective-permute). The loop steps one layer at a time (an iteration is ``chunk``
-steps), so autodiff of the loop, the backward pass, keeps one gradient accumulator for the stack
-and slices each layer out of the stack again rather than keeping its slice; under ``"1f1b_remat"`` and
-``"circular"`` each step is checkpointed, so the backward recomputes and differentiates one layer
-of one micro-batch per stage at a time. Under FSDP or data parallelism inside the stages, weights
-are gathered once before the loop and gradients reduced once after it (`_gathered`).
+The layers' weights are stacked ``[L, ...]`` with the stage axis on the layer dim, stored so that a contiguous split
+gives each stage its chunks. One loop of ``repeats·M + S - 1`` iterations runs every stage on its current
+micro-batch at once (``vmap`` over the stage dim: under GSPMD each device computes only its own stage), then passes
+every stage's output to the next stage with a ``ppermute`` (a collective-permute). The loop steps one layer at a
+time (an iteration is ``chunk`` steps), so autodiff of the loop, the backward pass, keeps one gradient accumulator
+for the stack and slices each layer out of the stack again rather than keeping its slice; under ``"1f1b_remat"`` and
+``"circular"`` each step is checkpointed, so the backward recomputes and differentiates one layer of one micro-batch
+per stage at a time. Under FSDP or data parallelism inside the stages, weights are gathered once before the loop and
+gradients reduced once after it (`_gathered`).
 """
 
 from __future__ import annotations
@@ -38,12 +37,11 @@ LayerFn = Callable[[Mapping[str, jax.Array], jax.Array, Sequence[jax.Array], jax
 class Pipeline:
     """Pipeline parallelism over a model's stack of identical layers, for ``Trainer(..., pipeline=...)``.
 
-    The stack (the ModuleList ``scan_layers=True`` finds, or the one ``layers`` names) is split into
-    ``S * repeats`` contiguous chunks of layers, ``S = mesh.shape[axis]``; a chunk's weights live only
-    on the devices at its index of ``axis`` (sharded over the other axes as the plan says). Each batch
-    is split into ``microbatches`` along dim 0 and streamed through the stages; activations move
-    between stages with ``ppermute``. Embeddings run before the loop; final norm, head and loss after
-    it, or under ``"1f1b"`` in it, per micro-batch.
+    The stack (the ModuleList ``scan_layers=True`` finds, or the one ``layers`` names) is split into ``S * repeats``
+    contiguous chunks of layers, ``S = mesh.shape[axis]``; a chunk's weights live only on the devices at its index
+    of ``axis`` (sharded over the other axes as the plan says). Each batch is split into ``microbatches`` along dim
+    0 and streamed through the stages; activations move between stages with ``ppermute``. Embeddings run before the
+    loop; final norm, head and loss after it, or under ``"1f1b"`` in it, per micro-batch.
 
     Args:
         axis: the mesh axis the stages are laid along.
