@@ -107,6 +107,18 @@ def _host_sums(x: jax.Array) -> tuple[int, int]:
     return sum(p[0] for p in parts) % 2**32, sum(p[1] for p in parts) % 2**32
 
 
+def _list_shards(x: Any) -> None:
+    """Has jax work out ``x``'s shards, and each one's index and replica, here, where the snapshot is taken.
+
+    It does so on first use and not thread-safely: on two threads at once (the write and the sums) it could list
+    a device twice, and a worker crashed (a segmentation fault in the writer thread's first ``shard.index``) while
+    the next step ran. An array it cannot list raises again where it is read.
+    """
+    with contextlib.suppress(ValueError):
+        for shard in getattr(x, "addressable_shards", ()):
+            _ = shard.index, shard.replica_id
+
+
 @dataclasses.dataclass(frozen=True)
 class Started:
     """Checksums under way: the device's for the few arrays the host cannot sum, already dispatched."""
@@ -118,9 +130,8 @@ class Started:
 def start_checksums(tree: Any) -> Started:
     """Dispatches the device checksums of arrays the host cannot sum (a collective: call it where steps run)."""
     leaves = jax.tree.leaves(tree)
-    for x in leaves:  # jax builds an array's per-device list on first use, not thread-safely: two threads at once
-        with contextlib.suppress(ValueError):  # (the write and these sums) could list each device twice
-            getattr(x, "addressable_shards", None)  # (an array it cannot list raises again where it is read)
+    for x in leaves:
+        _list_shards(x)
     device = {i: _fingerprint_one(x) for i, x in enumerate(leaves) if not on_host(getattr(x, "dtype", None))}
     return Started(tree, device)
 
