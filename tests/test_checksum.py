@@ -45,3 +45,10 @@ def test_dtypes_the_host_cannot_sum_use_the_device(mesh_dm):
     tree = {"i4": jnp.arange(3, dtype=jnp.int4), "c": jnp.ones(3, jnp.complex64), "key": jax.random.key(0)}
     assert not any(checksum.on_host(x.dtype) for x in tree.values())
     assert checksum.checksums(tree) == {k: on_device(x) for k, x in tree.items()}
+
+
+def test_starting_the_checksums_works_out_every_shards_index_and_replica_on_the_calling_thread(mesh_dm):
+    # jax computes them on first use and not thread-safely: a background save's writer thread crashed doing so
+    x = jax.device_put(jnp.arange(64.0).reshape(8, 8), NamedSharding(mesh_dm, P("data", None)))
+    checksum.start_checksums({"x": x})
+    assert all({"index", "replica_id"} <= vars(shard).keys() for shard in x.addressable_shards)
