@@ -111,8 +111,8 @@ def _list_shards(x: Any) -> None:
     """Has jax work out ``x``'s shards, and each one's index and replica, here, where the snapshot is taken.
 
     It does so on first use and not thread-safely: on two threads at once (the write and the sums) it could list
-    a device twice, and a worker crashed (a segmentation fault in the writer thread's first ``shard.index``) while
-    the next step ran. An array it cannot list raises again where it is read.
+    a device twice, and a background save's writer thread crashed the process (a segmentation fault in its first
+    ``shard.index``). An array it cannot list raises again where it is read.
     """
     with contextlib.suppress(ValueError):
         for shard in getattr(x, "addressable_shards", ()):
