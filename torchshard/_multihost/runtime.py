@@ -12,7 +12,7 @@ import jax
 
 from torchshard._base.errors import ShardingError, raise_if_any
 from torchshard._bridge.env import backend_started
-from torchshard._multihost import torchrun
+from torchshard._multihost import failfast, torchrun
 from torchshard._sharding.mesh import use_cpu_devices
 
 logger = logging.getLogger(__name__)
@@ -205,6 +205,12 @@ def _configure_runtime(cpu_devices_per_process: int | None) -> None:
 
 
 def _connect(group: ProcessGroup) -> None:
+    _join(group)
+    if jax.distributed.is_initialized():  # joined a run: its exit barrier is now in play
+        failfast.install()
+
+
+def _join(group: ProcessGroup) -> None:
     if jax.distributed.is_initialized():
         logger.info("torchshard: jax.distributed is already initialised; joining nothing more")
     elif group.source == "cluster":
@@ -246,7 +252,10 @@ def initialize(
     through torchrun's store; a SLURM ``srun`` step, ``mpirun`` or GKE TPU pod with
     several processes, or ``TORCHSHARD_CLUSTER=auto`` (JAX's own ``jax.distributed.initialize()``
     auto-detection). Otherwise nothing happens. On CPU, cross-process collectives use gloo.
-    Calling it again with the same setup is a no-op.
+    Calling it again with the same setup is a no-op. Once joined, an exception that reaches the top
+    of the script ends this process without waiting for the others at JAX's exit barrier (so a
+    restart under torchrun is not held up by it); ``atexit`` handlers registered after this call
+    still run.
 
     Args:
         coordinator_address: ``host:port`` of process 0, reachable from every process.
