@@ -366,6 +366,9 @@ def stop(job: subprocess.Popen) -> None:
     except subprocess.TimeoutExpired:
         job.kill()  # its forked ranks then fail on the lost peer and exit
         job.wait()
+    for pipe in (job.stdin, job.stdout):  # the command and reply pipes
+        if pipe is not None:
+            pipe.close()
 
 
 def ts_rules(kind: str, layout: str, model: Any, sizes: Sizes) -> Any:

@@ -1,30 +1,27 @@
-"""Smoke test of benchmarks/collectives.py: tiny sizes in a subprocess, a full table and a PNG."""
+"""Smoke runs of the benchmarks at tiny sizes, each in the test process: what their tables and JSON say."""
 
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
+from helpers import run_script
 
 SCRIPT = Path(__file__).resolve().parent.parent / "benchmarks" / "collectives.py"
 OPS = ("all_gather", "psum", "psum_scatter", "all_to_all", "ppermute")
 
 
-def run_benchmark(name: str, *args: str, timeout: int = 600) -> str:
-    """What ``benchmarks/NAME ARGS`` printed, run in a fresh Python (each benchmark starts its own devices)."""
-    done = subprocess.run([sys.executable, str(SCRIPT.parent / name), *args], capture_output=True, text=True,
-                          timeout=timeout)  # fmt: skip
-    assert done.returncode == 0, done.stderr  # non-zero also when a benchmark's own checks fail
-    return done.stdout
+def run_benchmark(name: str, *args: str) -> str:
+    """What ``benchmarks/NAME ARGS`` printed, run in this process (`helpers.run_script`); a non-zero exit fails,
+    also when a benchmark's own checks fail."""
+    return run_script(SCRIPT.parent / name, *args)
 
 
 @pytest.mark.slow
 def test_collectives_benchmark_runs(tmp_path):
     png = tmp_path / "bw.png"
-    stdout = run_benchmark("collectives.py", "--sizes", "1K,4K", "--iters", "2", "--plot", str(png), timeout=300)
+    stdout = run_benchmark("collectives.py", "--sizes", "1K,4K", "--iters", "2", "--plot", str(png))
     rows = [line.split("|")[1:-1] for line in stdout.splitlines() if line.startswith("| ") and "---" not in line]
     header, body = [c.strip() for c in rows[0]], [[c.strip() for c in row] for row in rows[1:]]
     assert header == ["op", "devices", "size/device", "time (µs)", "algbw (GB/s)", "busbw (GB/s)"]
@@ -54,7 +51,7 @@ def _tables(stdout: str) -> list[list[list[str]]]:
 def test_step_time_benchmark_runs():
     args = ["--batch", "64", "--steps", "2", "--warmup", "1", "--configs", "tp,fsdp", "--tiny",
             "--llama-configs", "fsdp_tp"]  # fmt: skip
-    llama, mlp = _tables(run_benchmark("step_time.py", *args, timeout=300))
+    llama, mlp = _tables(run_benchmark("step_time.py", *args))
     assert [r[0] for r in mlp[1:]] == ["tp", "fsdp"]
     assert "Trainer / hand-written JAX" in mlp[0][3]
     per_device = {r[0]: float(r[-1]) for r in mlp[1:]}
@@ -205,7 +202,7 @@ def test_checkpoint_benchmark_runs(tmp_path):
 
 @pytest.mark.slow
 def test_attention_benchmark_runs():
-    stdout = run_benchmark("attention.py", "--tiny", timeout=300)
+    stdout = run_benchmark("attention.py", "--tiny")
     expected_flops = float(stdout.split("the tiling's FLOPs: ")[1].split(" G")[0])
     rows = [[c.strip() for c in line.split("|")[1:-1]] for line in stdout.splitlines() if line.startswith("| ")]
     memory = {(r[0], r[1]): r for r in rows if r[1] in ("none", "dots_saveable")}

@@ -8,8 +8,6 @@ from __future__ import annotations
 import copy
 import functools
 import re
-import subprocess
-import sys
 from pathlib import Path
 
 import jax.numpy as jnp
@@ -17,7 +15,7 @@ import numpy as np
 import optax
 import pytest
 import torch
-from helpers import torch_losses
+from helpers import run_script, torch_losses
 from models import tiny_llama
 from torch import nn
 
@@ -404,9 +402,8 @@ def test_benchmark_memory_table():
     """benchmarks/context.py: at seq 512, context=4 needs at most 0.4× the temp memory of the whole sequence."""
     script = Path(__file__).resolve().parent.parent / "benchmarks" / "context.py"
     args = ["--seqs", "128,512", "--contexts", "1,4", "--steps", "1", "--time-up-to", "128"]
-    done = subprocess.run([sys.executable, str(script), *args], capture_output=True, text=True, timeout=600)
-    assert done.returncode == 0, done.stderr
-    rows = [[c.strip() for c in line.split("|")[1:-1]] for line in done.stdout.splitlines() if line.startswith("| ")]
+    stdout = run_script(script, *args)
+    rows = [[c.strip() for c in line.split("|")[1:-1]] for line in stdout.splitlines() if line.startswith("| ")]
     memory, times = rows[:3], rows[3:]
     assert memory[0] == times[0] == ["seq", "context=1", "context=1 + ContextParallel", "context=4"]
     ratio = float(memory[2][3].split("(")[1].rstrip("×)"))

@@ -11,7 +11,7 @@ import numpy as np
 import optax
 import pytest
 import torch
-from helpers import assert_attention_matches, torch_losses
+from helpers import assert_attention_matches, run_script, torch_losses
 from models import tiny_llama
 from torch import nn
 
@@ -286,17 +286,14 @@ def test_an_integer_mask_that_is_not_document_ids(mesh):
 @SLOW
 def test_benchmark_reports_the_skipped_tiles():
     """benchmarks/context.py --documents: packed rows skip more ring tiles than causal rows alone."""
-    import subprocess
-    import sys
     from pathlib import Path
 
     script = Path(__file__).resolve().parent.parent / "benchmarks" / "context.py"
     skipped = []
     for documents in ("0", "64"):
         args = ["--seqs", "256", "--contexts", "4", "--batch", "4", "--documents", documents, "--steps", "0"]
-        done = subprocess.run([sys.executable, str(script), *args], capture_output=True, text=True, timeout=600)
-        assert done.returncode == 0, done.stderr
-        line = next(x for x in done.stdout.splitlines() if x.startswith("context=4: ring tiles skipped"))
+        stdout = run_script(script, *args)
+        line = next(x for x in stdout.splitlines() if x.startswith("context=4: ring tiles skipped"))
         skipped.append(int(line.rsplit(" ", 1)[1].rstrip("%")))
     assert skipped == [44, 81], skipped
 

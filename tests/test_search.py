@@ -326,13 +326,11 @@ def test_at_depth_rebuilds_a_transformers_model_on_meta():
 
 @pytest.mark.slow
 def test_the_search_benchmark_runs_tiny():
-    import subprocess
-    import sys
     from pathlib import Path
+
+    from helpers import run_script
 
     script = Path(__file__).resolve().parent.parent / "benchmarks" / "search.py"
     # two compiles (its compile worker started, then reused) are a smoke run; the tests above search further
-    command = [sys.executable, str(script), "--tiny", "--max-compiles", "2"]
-    done = subprocess.run(command, capture_output=True, text=True, timeout=600)
-    assert done.returncode == 0, done.stderr
-    assert "search: " in done.stdout and " compiled, " in done.stdout
+    stdout = run_script(script, "--tiny", "--max-compiles", "2")
+    assert "search: " in stdout and " compiled, " in stdout
