@@ -6,6 +6,7 @@ import functools
 import json
 import subprocess
 import sys
+from pathlib import Path
 
 import numpy as np
 import torch
@@ -150,8 +151,12 @@ def fresh_process() -> dict:
             "stderr": later_err or err}  # fmt: skip
 
 
-def run_script(path, *args: str) -> str:
-    """What ``python PATH ARGS`` prints, run in this process; fails on a non-zero exit.
+BENCHMARKS = Path(__file__).resolve().parent.parent / "benchmarks"
+
+
+def run_benchmark(name: str, *args: str) -> str:
+    """What ``python benchmarks/NAME ARGS`` prints, run in this process; fails on a non-zero exit (a benchmark's
+    own checks failing included).
 
     A benchmark smoke run in a fresh process spent ~6 CPU seconds importing torch, JAX and transformers before its
     first line; here they are loaded already. The script runs as ``__main__`` with its own folder first on
@@ -163,10 +168,9 @@ def run_script(path, *args: str) -> str:
     import io
     import runpy
     import warnings
-    from pathlib import Path
     from unittest import mock
 
-    path = Path(path)
+    path = BENCHMARKS / name
     out = io.StringIO()
     argv, sys_path = [str(path), *args], [str(path.parent), *sys.path]
     with mock.patch.object(sys, "argv", argv), mock.patch.object(sys, "path", sys_path), warnings.catch_warnings():

@@ -3,19 +3,11 @@
 from __future__ import annotations
 
 import json
-from pathlib import Path
 
 import pytest
-from helpers import run_script
+from helpers import run_benchmark
 
-SCRIPT = Path(__file__).resolve().parent.parent / "benchmarks" / "collectives.py"
 OPS = ("all_gather", "psum", "psum_scatter", "all_to_all", "ppermute")
-
-
-def run_benchmark(name: str, *args: str) -> str:
-    """What ``benchmarks/NAME ARGS`` printed, run in this process (`helpers.run_script`); a non-zero exit fails,
-    also when a benchmark's own checks fail."""
-    return run_script(SCRIPT.parent / name, *args)
 
 
 @pytest.mark.slow

@@ -8,14 +8,13 @@ from __future__ import annotations
 import copy
 import functools
 import re
-from pathlib import Path
 
 import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
 import torch
-from helpers import run_script, torch_losses
+from helpers import run_benchmark, torch_losses
 from models import tiny_llama
 from torch import nn
 
@@ -400,9 +399,8 @@ def test_trainer_refuses_a_context_that_is_not_a_context_parallel(mesh):
 @SLOW
 def test_benchmark_memory_table():
     """benchmarks/context.py: at seq 512, context=4 needs at most 0.4× the temp memory of the whole sequence."""
-    script = Path(__file__).resolve().parent.parent / "benchmarks" / "context.py"
     args = ["--seqs", "128,512", "--contexts", "1,4", "--steps", "1", "--time-up-to", "128"]
-    stdout = run_script(script, *args)
+    stdout = run_benchmark("context.py", *args)
     rows = [[c.strip() for c in line.split("|")[1:-1]] for line in stdout.splitlines() if line.startswith("| ")]
     memory, times = rows[:3], rows[3:]
     assert memory[0] == times[0] == ["seq", "context=1", "context=1 + ContextParallel", "context=4"]

@@ -11,7 +11,7 @@ import numpy as np
 import optax
 import pytest
 import torch
-from helpers import assert_attention_matches, run_script, torch_losses
+from helpers import assert_attention_matches, run_benchmark, torch_losses
 from models import tiny_llama
 from torch import nn
 
@@ -286,13 +286,10 @@ def test_an_integer_mask_that_is_not_document_ids(mesh):
 @SLOW
 def test_benchmark_reports_the_skipped_tiles():
     """benchmarks/context.py --documents: packed rows skip more ring tiles than causal rows alone."""
-    from pathlib import Path
-
-    script = Path(__file__).resolve().parent.parent / "benchmarks" / "context.py"
     skipped = []
     for documents in ("0", "64"):
         args = ["--seqs", "256", "--contexts", "4", "--batch", "4", "--documents", documents, "--steps", "0"]
-        stdout = run_script(script, *args)
+        stdout = run_benchmark("context.py", *args)
         line = next(x for x in stdout.splitlines() if x.startswith("context=4: ring tiles skipped"))
         skipped.append(int(line.rsplit(" ", 1)[1].rstrip("%")))
     assert skipped == [44, 81], skipped

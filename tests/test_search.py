@@ -326,11 +326,8 @@ def test_at_depth_rebuilds_a_transformers_model_on_meta():
 
 @pytest.mark.slow
 def test_the_search_benchmark_runs_tiny():
-    from pathlib import Path
+    from helpers import run_benchmark
 
-    from helpers import run_script
-
-    script = Path(__file__).resolve().parent.parent / "benchmarks" / "search.py"
     # two compiles (its compile worker started, then reused) are a smoke run; the tests above search further
-    stdout = run_script(script, "--tiny", "--max-compiles", "2")
+    stdout = run_benchmark("search.py", "--tiny", "--max-compiles", "2")
     assert "search: " in stdout and " compiled, " in stdout

@@ -2,20 +2,17 @@
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import pytest
 import torch.distributed as dist
-from helpers import run_script
+from helpers import run_benchmark
 
-SCRIPT = Path(__file__).resolve().parent.parent / "benchmarks" / "vs_fsdp2.py"
 WORKLOADS = ["MLP FSDP 8", "MLP FSDP×TP 4×2", "Llama FSDP 8", "Llama FSDP×TP 4×2"]
 
 
 @pytest.mark.slow
 @pytest.mark.skipif(not dist.is_available() or not dist.is_gloo_available(), reason="torch.distributed gloo missing")
 def test_vs_fsdp2_benchmark_runs():
-    stdout = run_script(SCRIPT, "--tiny")  # here; its 8 torch ranks in a process group of their own
+    stdout = run_benchmark("vs_fsdp2.py", "--tiny")  # here; its 8 torch ranks in a process group of their own
     rows = [line.split("|")[1:-1] for line in stdout.splitlines() if line.startswith("| ") and "---" not in line]
     header, body = [c.strip() for c in rows[0]], [[c.strip() for c in row] for row in rows[1:]]
     assert header[:4] == ["workload", "torchshard s/step", "FSDP2/DTensor s/step", "FSDP2 ÷ torchshard"]
