@@ -76,11 +76,46 @@ def run_cell(capability: Callable[[Any, Work], Cell], row: Any) -> Cell:
     return Cell(cell.status, cell.text + _noted(caught), round(time.perf_counter() - begun, 1))
 
 
+def _relative(got: list[float], expected: list[float]) -> float:
+    return float(np.max(np.abs(np.subtract(got, expected)) / np.abs(expected)))
+
+
 def losses_cell(got: list[float], expected: list[float], rtol: float) -> Cell:
     """✓ with the largest relative loss difference when every loss is within ``rtol`` of eager's."""
-    rel = float(np.max(np.abs(np.subtract(got, expected)) / np.abs(expected)))
+    rel = _relative(got, expected)
     ok = bool(np.isfinite(got).all()) and rel <= rtol
     return Cell("ok", f"{rel:.1e}") if ok else Cell("fail", f"losses differ by {rel:.1e} (rtol {rtol})")
+
+
+# How many times eager torch's own spread a difference over the tolerance may be and still be no verdict: on 12 MoE
+# families, torchshard's bf16 losses were 0.4-3.1 times that spread from eager's (docs/conformance.md, "bf16").
+NOISE_RATIO = 4.0
+
+
+def noisy_losses_cell(
+    got: list[float], expected: list[float], rtol: float, others: Callable[[], list[list[float]]]
+) -> Cell:
+    """`losses_cell`, where a difference over ``rtol`` is judged against eager torch's own spread.
+
+    ``others()`` runs eager torch's same policy again, summing in other orders (other kernels); it runs only
+    when the losses are over ``rtol``. In bf16 a router's near-tie flips with the order of a sum, and AdamW makes
+    a full step of any small gradient whose sign flipped, so two correct runs may differ by more than the
+    tolerance: when torchshard's difference is within `NOISE_RATIO` times eager's own largest, no verdict can
+    be had at that tolerance (—); beyond it, the cell stays a failure.
+
+        >>> noisy_losses_cell([1.0, 2.004], [1.0, 2.0], 1e-3, lambda: [[1.0, 2.0016], [1.0, 2.0]]).render()
+        '— no truth at rtol 0.001: losses differ by 2.0e-03, eager from itself by 8.0e-04 (other kernels)'
+        >>> noisy_losses_cell([1.0, 2.004], [1.0, 2.0], 1e-3, lambda: [[1.0, 2.0002]]).render()
+        '✗ losses differ by 2.0e-03 (rtol 0.001); eager from itself by 1.0e-04 (other kernels)'
+    """
+    cell = losses_cell(got, expected, rtol)
+    if cell.status == "ok":
+        return cell
+    rel, spread = _relative(got, expected), max((_relative(other, expected) for other in others()), default=0.0)
+    spread_text = f"eager from itself by {spread:.1e} (other kernels)"
+    if bool(np.isfinite(got).all()) and rel <= NOISE_RATIO * spread:
+        return Cell("n/a", f"no truth at rtol {rtol}: losses differ by {rel:.1e}, {spread_text}")
+    return Cell("fail", f"{cell.text}; {spread_text}")
 
 
 def within(error: float, tol: float, what: str) -> Cell:
