@@ -156,3 +156,28 @@ def test_the_table_goes_between_the_markers_and_check_counts_the_failures(tmp_pa
     assert "| bert |  | 0 | skipped: not causal |" in text
     assert "python3 dev.py conformance" in text and "rtol" in text  # the command and the tolerances
     assert conformance.failures(json.loads(json.dumps(report))["families"]) == ["mixtral/bf16"]
+
+
+@pytest.mark.parametrize(
+    ("argv", "written"),
+    [
+        ([], (conformance.DOC, conformance.DATA)),
+        (["--check"], (conformance.DOC, conformance.DATA)),
+        (["--check", "--baseline", "docs/conformance.json", "--skip-slower", "240"], (None, None)),
+        (["--baseline", "b.json", "--out", "o.md"], (conformance.Path("o.md"), None)),
+        (["--families", "llama"], (None, None)),
+    ],
+)
+def test_a_check_against_the_baseline_leaves_the_committed_table_alone(argv, written):
+    assert conformance.destinations(conformance._parser().parse_args(argv)) == written
+
+
+def test_a_check_prints_why_each_new_failure_failed(tmp_path, monkeypatch, capsys):
+    baseline = tmp_path / "baseline.json"
+    baseline.write_text(json.dumps(_report({"train": {"status": "ok", "text": "1.0e-07"}})))
+    why = "losses differ by 1.0e-02 (rtol 0.0001)"
+    ran = conformance.Result(kind="MoE", seconds=1.0, cells={"train": {"status": "fail", "text": why}})
+    monkeypatch.setattr(conformance, "run_pool", lambda names, keys, **kwargs: {"mixtral": ran})
+    argv = ["--families", "mixtral", "--only", "train", "--check", "--baseline", str(baseline)]
+    assert conformance.main(argv) == 1
+    assert f"  mixtral/train: {why}" in capsys.readouterr().err.splitlines()

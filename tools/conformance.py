@@ -352,8 +352,9 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--budget", type=float, default=float("inf"), help="start no family after this many seconds")
     parser.add_argument("--skip-slower", type=float, default=float("inf"), metavar="SECONDS",
                         help="with --baseline: leave out rows that took more CPU seconds there")  # fmt: skip
-    parser.add_argument("--out", type=Path, help=f"markdown to write (default: {DOC.relative_to(ROOT)} for a full run)")
-    parser.add_argument("--json", type=Path, help=f"results JSON (default: {DATA.relative_to(ROOT)} for a full run)")
+    full = "for a full run without --baseline"
+    parser.add_argument("--out", type=Path, help=f"markdown to write (default: {DOC.relative_to(ROOT)} {full})")
+    parser.add_argument("--json", type=Path, help=f"results JSON (default: {DATA.relative_to(ROOT)} {full})")
     parser.add_argument(
         "--merge",
         type=Path,
@@ -444,6 +445,21 @@ def _write(report: dict[str, Any], out: Path | None, data: Path | None) -> None:
         data.write_text(json.dumps(report, indent=1, ensure_ascii=False) + "\n")
 
 
+def destinations(args: argparse.Namespace) -> tuple[Path | None, Path | None]:
+    """Where a run writes its table and JSON: ``--out``/``--json``, else the committed ones for a full run.
+
+    A run against ``--baseline`` checks the committed table and writes nothing of its own accord: written over
+    it, the rows it leaves out (``--skip-slower``, ``--budget``, rows wholly ✗) would be lost.
+
+    Examples:
+        >>> [destinations(_parser().parse_args(a)) for a in ([], ["--check", "--baseline", "b.json"])] == [
+        ...     (DOC, DATA), (None, None)]
+        True
+    """
+    full = not args.families and not args.only and not args.baseline
+    return args.out or (DOC if full else None), args.json or (DATA if full else None)
+
+
 def main(argv: list[str]) -> int:
     args = _parser().parse_args(argv)
     keys = args.only.split(",") if args.only else None
@@ -462,9 +478,8 @@ def main(argv: list[str]) -> int:
     if unknown or args.jobs < 1:
         print(f"conformance: unknown families or columns {unknown} (or --jobs < 1)", file=sys.stderr)
         return 2
-    full = not args.families and not args.only
-    out, data = args.out or (DOC if full else None), args.json or (DATA if full else None)
-    baseline = json.loads(args.baseline.read_text())["families"] if args.baseline else None  # before it is rewritten
+    out, data = destinations(args)
+    baseline = json.loads(args.baseline.read_text())["families"] if args.baseline else None  # before any rewrite
     if baseline is not None and not args.families:
         names, dead = wholly_failed(names, baseline)
         if dead:  # a crash or hang in their first cell: nothing of theirs can regress, and a hang costs --timeout
@@ -482,7 +497,7 @@ def main(argv: list[str]) -> int:
     results = run_pool(names, columns, jobs=args.jobs, timeout=args.timeout, done=save, budget=args.budget)
     report = _report(argv, args, results, time.perf_counter() - begun, len(names))
     _write(report, out, data)
-    if not out:
+    if not out and not baseline:
         print(render(report))
     cpu = sum(r.cpu_seconds for r in results.values())
     print(f"conformance: {len(names)} families in {report['seconds'] / 60:.1f} min (CPU {cpu / 60:.1f} min)")
@@ -495,6 +510,9 @@ def main(argv: list[str]) -> int:
             print(f"conformance --check: ✗ cells the baseline has no row for (not failing): {', '.join(unseen)}")
     if args.check and failed:
         print(f"conformance --check: {len(failed)} ✗ cell(s): {', '.join(failed)}", file=sys.stderr)
+        for name in failed:
+            family, key = name.split("/", 1)
+            print(f"  {name}: {report['families'][family]['cells'][key]['text']}", file=sys.stderr)
         return 1
     return 0
 
