@@ -92,6 +92,22 @@ def _hf(model_type: str) -> Callable[[], nn.Module]:
     return lambda: build(next(f for f in MOE if f.model_type == model_type))
 
 
+def _hf_llama() -> nn.Module:
+    import transformers
+
+    # grouped KV heads (4 over 2), head_dim = hidden / heads, an untied head, as Llama-3-8B
+    config = transformers.LlamaConfig(
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        vocab_size=128,
+        max_position_embeddings=64,
+    )
+    return transformers.LlamaForCausalLM(config)
+
+
 def hf_loss(model, ids):
     return model(input_ids=ids, labels=ids, use_cache=False).loss
 
@@ -131,6 +147,9 @@ FAMILIES = {
                              [rf"{LLAMA_LAYER}\.self_attn\.o_proj", rf"{LLAMA_LAYER}\.mlp\.down_proj"])),
     "moe": Family(MoEStack, moe_loss, lambda: float_batches(16), r"layers\.\d+",
                   lambda axes: presets.expert_parallel([r".*experts\.(up|down)"], "expert"), twin=False),
+    # transformers' own Llama: its loss flattens the logits rows-major, as users' HF models do (see COMBOS)
+    "hf_llama": Family(_hf_llama, hf_loss, lambda: hf_batches(8), LLAMA_LAYER,
+                       lambda axes: presets.fsdp("data", min_size=256) if "data" in axes else None),
     # transformers MoE families: their experts build index tensors inside the dispatch (see COMBOS)
     **{t: Family(_hf(t), hf_loss, lambda: hf_batches(8), LLAMA_LAYER, _hf_experts(t))
        for t in ("mixtral", "qwen2_moe")},
@@ -293,6 +312,14 @@ COMBOS = {
     "context ring + gpipe (Llama)": dict(
         strategy="context ring", features=(), family="llama", axes={"stage": 2, "data": 2, "context": 2},
         pipeline=Pipeline(microbatches=2)),
+    # transformers' loss flattens the logits under the context layout inside stages that also split rows over
+    # "data": its sharding constraints may not name the vmapped data axis (issue 55's regression)
+    "context ring + gpipe (HF Llama)": dict(
+        strategy="context ring", features=(), family="hf_llama", axes={"stage": 2, "data": 2, "context": 2},
+        pipeline=Pipeline(microbatches=2)),
+    "context all_gather + 1f1b (HF Llama)": dict(
+        strategy="context all_gather", features=(), family="hf_llama", axes={"stage": 2, "data": 2, "context": 2},
+        pipeline=Pipeline(microbatches=2, schedule="1f1b")),
     "expert all_to_all + gpipe": dict(
         strategy="expert all_to_all", features=(), axes={"stage": 2, "expert": 4}, batch_spec=P("expert"),
         pipeline=Pipeline(microbatches=2)),

@@ -34,7 +34,7 @@ from torchshard._base.validate import raise_for_arguments
 from torchshard._bridge.forwards import replaced_forwards
 from torchshard._bridge.loaded import View
 from torchshard._bridge.tensors import bound, unwrap, wrap
-from torchshard._parallel.vmapped import vmapped_axes
+from torchshard._bridge.vmapped import vmapped_axes
 
 KINDS = ("all_to_all", "gspmd")
 

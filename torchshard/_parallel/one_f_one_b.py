@@ -22,6 +22,7 @@ import jax.numpy as jnp
 from jax.sharding import NamedSharding, PartitionSpec
 
 from torchshard._base.errors import ShardingError
+from torchshard._bridge.vmapped import vmapped_over
 from torchshard._parallel.pipeline import (
     LayerFn,
     Stages,
@@ -36,7 +37,6 @@ from torchshard._parallel.pipeline import (
     _split,
 )
 from torchshard._parallel.residuals import Residuals, residuals
-from torchshard._parallel.vmapped import vmapped_over
 
 # tail(micro-batch index, the stack's output for it) -> (what the step sums over micro-batches, d output)
 Tail = Callable[[jax.Array, jax.Array], tuple[Any, jax.Array]]

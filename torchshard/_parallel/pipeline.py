@@ -26,7 +26,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 from torchshard._base.errors import ShardingError
 from torchshard._base.schedule import bubble_fraction
 from torchshard._base.validate import describe_mesh, int_problems, raise_for_arguments, regex_problem
-from torchshard._parallel.vmapped import vmapped_over
+from torchshard._bridge.vmapped import vmapped_over
 
 SCHEDULES = ("gpipe", "circular", "1f1b", "1f1b_remat", "zero_bubble")
 # layer_fn(one layer's arrays, hidden state, other call arrays, key) -> (hidden state, key after)

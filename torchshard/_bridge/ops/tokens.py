@@ -19,6 +19,8 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
+from torchshard._bridge.vmapped import vmapped_axes
+
 
 @dataclasses.dataclass(frozen=True)
 class TokenLayout:
@@ -46,6 +48,17 @@ def laid_out(layout: TokenLayout) -> Iterator[None]:
         yield
     finally:
         _LAYOUT.reset(token)
+
+
+def _row_axes(layout: TokenLayout) -> tuple[str, ...]:
+    """The layout's row axes a constraint may name here: not those a pipeline's ``vmap`` traces over.
+
+    Inside a pipeline whose stages also split rows over data shards, the rows are vmapped over those
+    axes (``spmd_axis_name``), which a sharding constraint in the body may not mention: the rows here
+    are one shard's already.
+    """
+    vmapped = vmapped_axes()
+    return tuple(axis for axis in layout.row_axes if axis not in vmapped)
 
 
 def _chunked(shape: tuple[int, ...]) -> int:
@@ -89,11 +102,12 @@ def _pinned(x: jax.Array, *, rows: int, chunks: int) -> jax.Array:
         return x
     spec: list[object] = [PartitionSpec.UNCONSTRAINED] * x.ndim
     spec[chunks] = layout.seq_axis
+    row_axes = _row_axes(layout)
     size = 1
-    for axis in layout.row_axes:
+    for axis in row_axes:
         size *= layout.mesh.shape[axis]
-    if layout.row_axes and x.shape[rows] % size == 0:
-        spec[rows] = layout.row_axes
+    if row_axes and x.shape[rows] % size == 0:
+        spec[rows] = row_axes
     return jax.lax.with_sharding_constraint(x, NamedSharding(layout.mesh, PartitionSpec(*spec)))
 
 
@@ -106,7 +120,7 @@ def constrain_flat(x: jax.Array) -> jax.Array:
     layout = _layout()
     if layout.mesh is None or layout.seq_axis is None or x.ndim == 0:
         return x
-    axes = (*layout.row_axes, layout.seq_axis)
+    axes = (*_row_axes(layout), layout.seq_axis)
     size = 1
     for axis in axes:
         size *= layout.mesh.shape[axis]
