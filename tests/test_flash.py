@@ -39,6 +39,21 @@ def test_tiled_attention_matches_torch_sdpa(heads, kv_heads, seq, keys, causal, 
     assert_attention_matches(attend, torch_fn, mesh, q, k, v, w)
 
 
+@pytest.mark.parametrize(("causal", "tiles"), [(True, (32, 64)), (False, (64, 64))])
+def test_a_value_head_dim_other_than_the_querys_matches_torch_sdpa(causal, tiles):
+    # multi-head latent attention (DeepSeek-V3: queries and keys 192 wide, values 128), here 12 against 8
+    mesh = ts.make_mesh({"data": 2, "context": 4})
+    g = torch.Generator().manual_seed(5)
+    shapes = [(2, 4, 128, 12), (2, 2, 128, 12), (2, 2, 128, 8), (2, 4, 128, 8)]
+    q, k, v, w = (torch.randn(s, generator=g) for s in shapes)
+
+    def torch_fn(q, k, v):
+        return (F.scaled_dot_product_attention(q, k, v, is_causal=causal, enable_gqa=True) * w).sum()
+
+    attend = lambda q, k, v: attention_jax(q, k, v, None, causal, None, tiles=tiles)  # noqa: E731
+    assert_attention_matches(attend, torch_fn, mesh, q, k, v, w)
+
+
 def _masks(kind: str, g: torch.Generator) -> torch.Tensor:
     """Masks over [2, 4 heads, 96 queries, 128 keys] (or broadcast to it); rows 5 and 70 see no key."""
     blocked = torch.ones(96, 128, dtype=torch.bool)

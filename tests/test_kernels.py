@@ -127,6 +127,22 @@ def test_attention_matches_torch_sdpa(gathered, balanced, causal, heads, kv_head
     assert_attention_matches(attend, torch_fn, mesh, q, k, v, w)
 
 
+@pytest.mark.parametrize(("gathered", "balanced", "key_tile"), [(False, True, 64), (True, False, 512)])
+def test_attention_with_a_value_head_dim_other_than_the_querys_matches_torch_sdpa(gathered, balanced, key_tile):
+    # multi-head latent attention (DeepSeek-V3: queries and keys 192 wide, values 128), here 12 against 8
+    mesh = ts.make_mesh({"data": 2, "context": 4})
+    g = torch.Generator().manual_seed(4)
+    shapes = [(4, 4, 512, 12), (4, 2, 512, 12), (4, 2, 512, 8), (4, 4, 512, 8)]
+    q, k, v, w = (torch.randn(s, generator=g) for s in shapes)
+
+    def torch_fn(q, k, v):
+        return (nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True) * w).sum()
+
+    attend = functools.partial(context_attention, mesh=mesh, axis="context", causal=True, key_tile=key_tile,
+                               gathered=gathered, balanced=balanced)  # fmt: skip
+    assert_attention_matches(attend, torch_fn, mesh, q, k, v, w)
+
+
 @pytest.mark.parametrize(("gathered", "balanced", "window", "key_tile"), WINDOW_CASES)
 def test_a_sliding_window_matches_torch_sdpa_with_the_banded_mask(gathered, balanced, window, key_tile):
     mesh = ts.make_mesh({"data": 2, "context": 4})

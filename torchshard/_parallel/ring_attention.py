@@ -159,10 +159,13 @@ def _fold(stats: Stats, q: jax.Array, q_start: jax.Array, q_seg: Seg, block: Key
     return jax.lax.scan(tile, stats, xs)[0]
 
 
-def _no_keys_yet(q: jax.Array, ring: Ring) -> Stats:
-    """The running (max, sum, weighted values) of query rows that have met no key: (-inf, 0, 0)."""
+def _no_keys_yet(q: jax.Array, values: int, ring: Ring) -> Stats:
+    """The running (max, sum, weighted values) of query rows that have met no key: (-inf, 0, 0).
+
+    ``values`` is the values' head dim, which may differ from the queries' (MLA: 128 against 192).
+    """
     rows, f32 = q.shape[:-1], jnp.float32
-    fresh = (jnp.full(rows, -jnp.inf, f32), jnp.zeros(rows, f32), jnp.zeros(q.shape, f32))
+    fresh = (jnp.full(rows, -jnp.inf, f32), jnp.zeros(rows, f32), jnp.zeros((*rows, values), f32))
     return _varying(fresh[0], ring), _varying(fresh[1], ring), _varying(fresh[2], ring)
 
 
@@ -194,7 +197,7 @@ def _forward_step(ring: Ring, me: jax.Array, queries: tuple[list[jax.Array], lis
 def _forward(ring: Ring, me: jax.Array, q: jax.Array, block: Keys, q_seg: Seg) -> tuple[jax.Array, jax.Array]:
     """(output, log-sum-exp) of the local queries against every key block of the axis."""
     queries = (_runs(q, ring.layout.parts, 3), _seg_runs(q_seg, ring.layout.parts))
-    stats = [_no_keys_yet(run, ring) for run in queries[0]]
+    stats = [_no_keys_yet(run, block[1].shape[-1], ring) for run in queries[0]]
 
     def step(carry, t):
         stats, block = carry
@@ -244,7 +247,7 @@ def _unfold(dq: jax.Array, saved: tuple, q_start: jax.Array, block: Keys, k_star
     k, v, k_seg = block
     tiles = _key_tiles(k.shape[2], ring.key_tile)
     size = k.shape[2] // tiles
-    nothing = _varying(jnp.zeros((*k.shape[:2], size, k.shape[3]), jnp.float32), ring)
+    nothing_k, nothing_v = (_varying(jnp.zeros((*x.shape[:2], size, x.shape[3]), jnp.float32), ring) for x in (k, v))
 
     def tile(dq: jax.Array, xs: tuple[Any, ...]) -> tuple[jax.Array, tuple[jax.Array, jax.Array]]:
         i, k_tile, v_tile, seg_tile = xs
@@ -255,7 +258,7 @@ def _unfold(dq: jax.Array, saved: tuple, q_start: jax.Array, block: Keys, k_star
             return dq + g[0], g[1], g[2]
 
         seen = _sees(q_start, q_seg, q.shape[3], start, seg_tile, ring, size)
-        dq, dk, dv = jax.lax.cond(seen, grads, lambda dq: (dq, nothing, nothing), dq)
+        dq, dk, dv = jax.lax.cond(seen, grads, lambda dq: (dq, nothing_k, nothing_v), dq)
         return dq, (dk, dv)
 
     if tiles == 1:
@@ -356,7 +359,7 @@ def context_attention(
         query: [b, heads, s, d] (global shape; traced under jit).
         key: [b, kv_heads, s, d]; ``heads`` a multiple of ``kv_heads`` (head ``n`` reads kv head
             ``n // (heads // kv_heads)``, as torch's ``enable_gqa``).
-        value: like ``key``.
+        value: [b, kv_heads, s, e]; ``e`` may differ from ``d`` (MLA's value head dim).
         mesh: the mesh; only ``axis`` is manual, other axes stay with GSPMD.
         axis: the context axis; ``s`` must divide by its size (twice that when ``balanced``).
         causal: torch's top-left causal mask.
@@ -400,7 +403,7 @@ def context_attention(
     sharded = jax.shard_map(local, mesh=mesh, in_specs=(PartitionSpec(axis), *in_specs), out_specs=q_spec,
                             axis_names=manual, check_vma=not ring.vmapped)  # fmt: skip
     devices = jnp.arange(mesh.shape[axis], dtype=jnp.int32)
-    return sharded(devices, *args).reshape(b, heads, s, d)
+    return sharded(devices, *args).reshape(b, heads, s, value.shape[-1])
 
 
 def _manual_rows(mesh: Mesh, rows: tuple[str, ...], b: int) -> tuple[str, ...]:

@@ -33,7 +33,7 @@ def _as_grouped_mask(mask: jax.Array, heads: int, kv_heads: int) -> jax.Array:
 
 def attention_jax(query, key, value, attn_mask, is_causal, scale, *, tiles: tuple[int, int] | None = None):
     """[batch, heads, seq, dim] attention in torch's layout (grouped KV heads too): see `flash.attend`."""
-    b, n, s, h = query.shape
+    b, n, s = query.shape[:3]
     kv_heads, t = key.shape[1], key.shape[2]
     q = _grouped(query, kv_heads, scale)
     mask = bias = None
@@ -42,7 +42,7 @@ def attention_jax(query, key, value, attn_mask, is_causal, scale, *, tiles: tupl
         mask, bias = (grouped, None) if grouped.dtype == jnp.bool_ else (None, grouped)
     rows, keys = tiles or (flash.tile_size(s), flash.tile_size(t))
     tiling = flash.Tiling(rows, keys, is_causal)
-    return flash.attend(tiling, q, key, value, mask, bias).reshape(b, n, s, h)
+    return flash.attend(tiling, q, key, value, mask, bias).reshape(b, n, s, value.shape[-1])
 
 
 ATTENTION_OPS = (torch.nn.functional.scaled_dot_product_attention, torch.ops.aten.scaled_dot_product_attention)

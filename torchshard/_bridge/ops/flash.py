@@ -135,7 +135,8 @@ def _fold(tiling: Tiling, masked: bool, tensors: tuple, stats: Stats, i: Index, 
 def _forward(tiling: Tiling, q, k, v, mask, bias) -> tuple[jax.Array, jax.Array]:
     """(output, log-sum-exp) of every query row."""
     f32 = jnp.float32
-    stats = (jnp.full(q.shape[:-1], -jnp.inf, f32), jnp.zeros(q.shape[:-1], f32), jnp.zeros(q.shape, f32))
+    rows = q.shape[:-1]  # the values' head dim may differ from the queries' (MLA: 128 against 192)
+    stats = (jnp.full(rows, -jnp.inf, f32), jnp.zeros(rows, f32), jnp.zeros((*rows, v.shape[-1]), f32))
     whole, cut = tiling.pairs(q.shape[3], k.shape[2])
     for pairs, masked in ((whole, False), (cut, True)):
         stats = _each_pair(pairs, functools.partial(_fold, tiling, masked, (q, k, v, mask, bias)), stats)
@@ -150,7 +151,7 @@ def _forward(tiling: Tiling, q, k, v, mask, bias) -> tuple[jax.Array, jax.Array]
 def attend(
     tiling: Tiling, q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array | None, bias: jax.Array | None
 ) -> jax.Array:
-    """softmax(q·kᵀ + bias, masked)·v of [b, kv, g, s, d] queries (scaled) and [b, kv, t, d] keys and values.
+    """softmax(q·kᵀ + bias, masked)·v of [b, kv, g, s, d] queries (scaled), [b, kv, t, d] keys and [b, kv, t, e] values.
 
     ``mask`` (bool) and ``bias`` (float) broadcast to [b, kv, g, s, t]; ``s`` and ``t`` divide by
     ``tiling.rows`` and ``tiling.keys``. Rows that see no key give zeros, as torch's SDPA does.
