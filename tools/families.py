@@ -1,8 +1,9 @@
 """Tiny configs of transformers causal-LM families, shared by the tests and the conformance matrix.
 
-A family is built from its own config class with small sizes: the fields below are set where the
-config has them; per-layer lists are cut to two entries (two kinds kept when there are two);
-dropout-like fields are 0 so that two train-mode forwards agree. `causal_lm_types` lists every
+A family is built from its own config class, shrunk from its default config by `tools.tiny`: depth,
+width, vocabulary and expert count shrink; the relations between fields that make a family what it is
+stay (value vs query head dims, head_dim vs hidden/heads, GQA ratios, partial rotary, windows
+shorter than the sequence, shared experts and top-k, tied embeddings). `causal_lm_types` lists every
 causal-LM family the installed transformers offers; `family` gives any of them, with the overrides
 of DENSE/MOE where a family needs one.
 """
@@ -10,63 +11,11 @@ of DENSE/MOE where a family needs one.
 from __future__ import annotations
 
 import dataclasses
-import re
 from typing import Any
 
 import torch
 
-SMALL: dict[str, Any] = {
-    "hidden_size": 64,
-    "num_hidden_layers": 2,
-    "num_attention_heads": 4,
-    "num_key_value_heads": 2,
-    "head_dim": 16,
-    "intermediate_size": 128,
-    "vocab_size": 128,
-    "max_position_embeddings": 64,
-    "pad_token_id": 0,
-    "bos_token_id": 1,
-    "eos_token_id": 2,
-    "sliding_window": 8,
-    "attention_chunk_size": 8,
-    # mixture of experts: 4 experts, 2 per token, one shared expert, no router noise
-    "num_experts": 4,
-    "num_local_experts": 4,
-    "n_routed_experts": 4,
-    "moe_num_experts": 4,
-    "num_experts_per_tok": 2,
-    "num_experts_per_token": 2,
-    "moe_k": 2,
-    "moe_topk": 2,
-    "top_k": 2,
-    "moe_intermediate_size": 32,
-    "expert_intermediate_size": 32,
-    "shared_expert_intermediate_size": 32,
-    "n_shared_experts": 1,
-    "num_shared_experts": 1,
-    "moe_num_shared_experts": 1,
-    "n_group": 1,
-    "topk_group": 1,
-    "first_k_dense_replace": 1,
-    "decoder_sparse_step": 1,
-    "router_jitter_noise": 0.0,
-    "router_aux_loss_coef": 0.0,
-    # multi-head latent attention (DeepSeek-style)
-    "q_lora_rank": 32,
-    "kv_lora_rank": 16,
-    "qk_rope_head_dim": 8,
-    "qk_nope_head_dim": 8,
-    "v_head_dim": 16,
-    "index_head_dim": 16,
-    "index_n_heads": 4,
-    # the sparse-attention indexer keeps every key: its top-k is a discontinuous choice, and float noise
-    # of a different (sharded) summation order flips near-ties (deepseek_v32 at top-8 of 16: losses 1.2e-4
-    # apart by step 4, though equal to 1e-7 when nothing is dropped), which says nothing about torchshard
-    "index_topk": 128,
-}
-# fields set even where the default is None (the config then reads them)
-_EVEN_IF_NONE = ("head_dim", "pad_token_id", "num_experts_per_tok")
-_DROPOUT = re.compile(r"dropout|layerdrop|drop_prob|_pdrop")
+from tools.tiny import tiny_kwargs
 
 
 @dataclasses.dataclass(frozen=True)
@@ -75,47 +24,29 @@ class Family:
 
     model_type: str
     moe: bool = False
-    extra: tuple[tuple[str, Any], ...] = ()  # config overrides beyond SMALL
+    extra: tuple[tuple[str, Any], ...] = ()  # config overrides beyond `tools.tiny`'s
     mismatch: str = ""  # why its losses differ from eager torch (an expected failure), if they do
     samples: str = ""  # why its train mode draws random numbers (a sampling router): it then trains in eval mode
 
 
-def _small(model_type: str) -> dict[str, Any]:
+def config(family: Family) -> Any:
+    """The family's tiny config: `tools.tiny.tiny_kwargs` of its default config, then the family's overrides."""
     import transformers
     from transformers.models.auto.configuration_auto import CONFIG_MAPPING_NAMES
 
-    default = getattr(transformers, CONFIG_MAPPING_NAMES[model_type])()
-    settable = [k for k in SMALL if hasattr(default, k) and (getattr(default, k) is not None or k in _EVEN_IF_NONE)]
-    kw = {k: SMALL[k] for k in settable}
-    if getattr(default, "qk_rope_head_dim", None):  # MLA: the rotary dim is the head dim, kv heads = heads
-        kw["head_dim"] = kw["qk_rope_head_dim"]
-        if "num_key_value_heads" in kw:
-            kw["num_key_value_heads"] = kw["num_attention_heads"]
-    layers = getattr(default, "num_hidden_layers", None)
-    for key, value in vars(default).items():
-        if not key.startswith("_") and isinstance(value, list | tuple) and layers and len(value) == layers:
-            kw.setdefault(key, _two_layers(list(value)))
-        if isinstance(value, float) and value and _DROPOUT.search(key):
-            kw[key] = 0.0
-    return kw
-
-
-def _two_layers(values: list[Any]) -> list[Any]:
-    other = next((v for v in values[1:] if v != values[0]), None)
-    return [values[0], other] if other is not None else values[:2]
+    config_class = getattr(transformers, CONFIG_MAPPING_NAMES[family.model_type])
+    return config_class(**(tiny_kwargs(config_class()) | dict(family.extra)))
 
 
 def build(family: Family, *, seed: int = 0) -> torch.nn.Module:
     """The family's causal LM (its base model where it has none) on CPU, seeded."""
     import transformers
     from transformers.models.auto import modeling_auto
-    from transformers.models.auto.configuration_auto import CONFIG_MAPPING_NAMES
 
-    config_class = getattr(transformers, CONFIG_MAPPING_NAMES[family.model_type])
-    config = config_class(**(_small(family.model_type) | dict(family.extra)))
+    built = config(family)
     name = modeling_auto.MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.get(family.model_type)
     torch.manual_seed(seed)
-    model = getattr(transformers, name)(config)
+    model = getattr(transformers, name)(built)
     _randomize_zero_routers(model)
     return model
 
@@ -158,7 +89,7 @@ MOE = [
                                 "inkling_text", "kolibri1", "laguna", "llama4_text", "mellum", "mimo_v2_flash",
                                 "minimax", "minimax_m2", "minimax_m3_vl_text", "mixtral", "olmoe", "qwen2_moe",
                                 "qwen3_moe", "solar_open")),
-    _f("deepseek_v32", moe=True),  # its indexer keeps every key (SMALL's index_topk)
+    _f("deepseek_v32", moe=True),  # its indexer keeps every key (tools.tiny.FIXED's index_topk)
     _f("flint"),  # an MoE family whose 2-layer config builds dense MLPs only (no stacked experts)
     _f("bailing_hybrid", moe=True),
     _f("granitemoehybrid", moe=True, layer_types=["full_attention", "linear_attention"]),
@@ -173,9 +104,9 @@ _TINY_BLOCK = {
     "max_position_embeddings": 64,
     "num_hidden_layers": 2,
 }
-# families outside the two lists whose config needs more than SMALL to be tiny
+# families outside the two lists whose config needs more than `tools.tiny` to be tiny
 OTHER = [
-    # byte latent transformer: four nested configs (SMALL reaches only the outer one: 25 global layers of
+    # byte latent transformer: four nested configs (tools.tiny reaches only the outer one: 25 global layers of
     # 2048 and a 500,002-row hash embedding would be built) and a hash-embedding vocabulary of its own
     _f("blt", encoder_hash_byte_group_vocab=256,
        encoder_config=_TINY_BLOCK | {"hidden_size_global": 64, "num_hidden_layers": 1},

@@ -1,0 +1,76 @@
+"""Every family's tiny config keeps the relations of its real (default) config (`tools.tiny.RELATIONS`)."""
+
+from __future__ import annotations
+
+import warnings
+
+import pytest
+
+from tools.families import config, family
+from tools.tiny import broken_relations, kv_heads, tiny_kwargs
+
+transformers = pytest.importorskip("transformers")
+
+# families whose tiny config cannot keep a relation, and why (each is a row the matrix skips or marks)
+CANNOT = {
+    "dots3_note_text": "its attention fields vary per layer, so no global query head dim can be read",
+    "gemma4_assistant": "its default config does not validate",
+    "prophetnet": "it has no num_hidden_layers to shrink (encoder and decoder layers instead)",
+    "xlnet": "its config refuses a max_position_embeddings",
+}
+
+# relations a family's own overrides change on purpose
+CHANGED = {
+    ("granitemoehybrid", "layer kinds"): "its default config has Mamba layers only; the family adds an attention "
+    "layer, as Granite-4's checkpoints mix them",
+}
+
+
+def _types() -> list[str]:
+    from tools.families import causal_lm_types
+
+    return causal_lm_types()
+
+
+def _default(model_type: str):
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING_NAMES
+
+    return getattr(transformers, CONFIG_MAPPING_NAMES[model_type])()
+
+
+@pytest.mark.parametrize("model_type", _types())
+def test_the_tiny_config_keeps_the_real_configs_relations(model_type):
+    if model_type in CANNOT:
+        pytest.skip(CANNOT[model_type])
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # transformers' notes on rope scaling and token ids of the tiny sizes
+        default, tiny = _default(model_type), config(family(model_type))
+    changed = {relation for (t, relation) in CHANGED if t == model_type}
+    assert [b for b in broken_relations(default, tiny) if b.split(":")[0] not in changed] == []
+
+
+@pytest.mark.parametrize(
+    ("model_type", "expected"),
+    [
+        # DeepSeek-V3: queries and keys 128 + 64 wide, values 128; 128 heads, MLA (as many KV heads)
+        ("deepseek_v3", {"qk_nope_head_dim": 16, "qk_rope_head_dim": 8, "v_head_dim": 16, "num_key_value_heads": 4}),
+        # Gemma-7B: 16 heads of 256 for a hidden size of 3072 (3/4 of 16 × 256); tied embeddings
+        ("gemma", {"num_attention_heads": 4, "head_dim": 16, "hidden_size": 48, "tie_word_embeddings": True}),
+        # Mistral-7B: 32 query heads over 8 KV heads, a sliding window
+        ("mistral", {"num_attention_heads": 8, "num_key_value_heads": 2, "sliding_window": 8}),
+        # GPT-J: rotary on 64 of each head's 256 dims
+        ("gptj", {"rotary_dim": 4, "n_embd": 64}),
+        # Falcon-7B: multi-query attention (one KV head for 71 query heads)
+        ("falcon", {"num_attention_heads": 4, "multi_query": True}),
+    ],
+)
+def test_known_relations_come_out_as_expected(model_type, expected):
+    tiny = config(family(model_type))
+    assert {k: getattr(tiny, k) for k in expected} == expected
+
+
+def test_a_broken_relation_is_named_with_both_values():
+    default = transformers.DeepseekV3Config()
+    flattened = transformers.DeepseekV3Config(**(tiny_kwargs(default) | {"v_head_dim": 24}))
+    assert broken_relations(default, flattened) == ["value head dim vs query head dim: default <, tiny ="]
+    assert kv_heads(transformers.FalconConfig()) == 1
