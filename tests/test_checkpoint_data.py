@@ -184,6 +184,20 @@ def test_a_state_json_cannot_hold_fails_the_save_before_anything_is_written(tmp_
 
 
 @pytest.mark.parametrize("background", [False, True], ids=["sync", "background"])
+def test_a_loader_whose_state_dict_raises_fails_the_save_naming_the_call_before_anything_is_written(
+    tmp_path, mesh_dm, background
+):
+    model = ts.shard(torch.nn.Linear(4, 2), ts.plan(torch.nn.Linear(4, 2), mesh_dm))
+    cursor = Cursor()
+    cursor.state_dict = lambda: {}["position"]  # type: ignore[method-assign]
+    want = r"data=Cursor\.state_dict\(\) raised KeyError: 'position'; nothing was saved: fix the loader"
+    with pytest.raises(ts.CheckpointError, match=want) as info:
+        ts.save(tmp_path, model, data=cursor, background=background)
+    assert isinstance(info.value.__cause__, KeyError)
+    assert not tmp_path.exists() or not list(tmp_path.iterdir())
+
+
+@pytest.mark.parametrize("background", [False, True], ids=["sync", "background"])
 def test_a_meta_tensor_in_the_state_fails_the_save_naming_where_before_anything_is_written(
     tmp_path, mesh_dm, background
 ):

@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import random
 import shutil
 import subprocess
 import sys
@@ -21,6 +22,7 @@ import optax
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
+from full_disk import full_tmpfs, listing
 from helpers import assert_close
 
 import torchshard as ts
@@ -317,5 +319,101 @@ def test_an_existing_checkpoint_is_replaced_whole(placed, tmp_path):
 
 def test_unplaced_module_cannot_be_saved(tmp_path):
     with pytest.raises(ts.ShardingError, match=r"save_dcp\(\): Sequential is not sharded"):
-        ts.save_dcp(tmp_path, _mlp())
+        ts.save_dcp(tmp_path / "out", _mlp())
+    assert listing(tmp_path) == []  # no empty .torchshard-tmp-out/ left behind
     assert jax.process_count() == 1
+
+
+# --- damaged files, full disks, the user's rename= raising: the bad-input table ------------------------------
+
+
+DAMAGE = {
+    "random_bytes": (lambda f: f.write_bytes(random.Random(0).randbytes(f.stat().st_size)), r"is corrupted \(\w+: "),
+    "cut_in_half": (lambda f: f.write_bytes(f.read_bytes()[: f.stat().st_size // 2]), r"is cut short \(\d+ bytes; "
+                                                                                      r"the metadata places"),
+    "deleted": (lambda f: f.unlink(), r"is missing"),
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("damage", DAMAGE)
+def test_a_damaged_data_file_is_a_checkpoint_error_naming_it_and_nothing_changes(damage, placed, tmp_path):
+    source = _mlp()
+    ts.save_dcp(tmp_path / "c", ts.shard(source, ts.plan(source, ts.make_mesh({"data": 8}))))
+    before = _values(ts.to_torch_state_dict(placed))
+    change, match = DAMAGE[damage]
+    change(tmp_path / "c" / "__0_0.distcp")
+    file = str(tmp_path / "c" / "__0_0.distcp")
+    fix = r"nothing was loaded\. Load another checkpoint, or copy this one again whole"
+    with pytest.raises(CheckpointError, match=rf"DCP checkpoint .*/c is damaged: {file} {match}.*; {fix}"):
+        ts.load_dcp(tmp_path / "c", placed)
+    assert _values(ts.to_torch_state_dict(placed)) == before
+
+
+def test_a_data_file_given_for_its_folder_names_the_folder(placed, tmp_path):
+    ts.save_dcp(tmp_path / "c", placed)
+    with pytest.raises(CheckpointError, match=rf"__0_0.distcp is a file of a DCP checkpoint; pass the folder "
+                                              rf"dcp.save wrote \(checkpoint_id\): {tmp_path / 'c'}$"):  # fmt: skip
+        ts.load_dcp(tmp_path / "c" / "__0_0.distcp", placed)
+
+
+def test_adamw_state_into_a_trainer_on_sgd_is_refused_unless_not_strict(trained, tmp_path):
+    ts.save_dcp(tmp_path, trained)
+    sgd = _trainer(optax.sgd(0.1))
+    with pytest.raises(CheckpointError, match=r"holds AdamW state \(exp_avg, exp_avg_sq, step\) that the Trainer's "
+                                              r"optimizer keeps no state for: build the Trainer with the optimizer "
+                                              r"that saved it"):  # fmt: skip
+        ts.load_dcp(tmp_path, sgd)
+    assert sgd.step_count == 0
+    ts.load_dcp(tmp_path, sgd, strict=False)  # the weights and the step count, as documented
+    assert sgd.step_count == trained.step_count
+    assert _values(ts.to_torch_state_dict(sgd)) == _values(ts.to_torch_state_dict(trained))
+
+
+def _boom(name):
+    raise KeyError(f"no rule for {name}")
+
+
+@pytest.mark.parametrize("target", ["module", "trainer"])
+def test_a_rename_that_raises_is_an_argument_error_naming_the_call(target, trained, placed, tmp_path):
+    ts.save_dcp(tmp_path, trained)
+    calls = []  # the 4 model names are renamed first, then a Trainer's optimizer entries' parameter names
+
+    def rename(name):
+        calls.append(name)
+        return _boom(name) if target == "module" or len(calls) > 4 else name
+
+    loaded = placed if target == "module" else _trainer()
+    with pytest.raises(ArgumentError, match=r"rename=.* raised KeyError: 'no rule for .*' for the checkpoint name "
+                                            r"'.*'; nothing was loaded: fix it") as info:  # fmt: skip
+        ts.load_dcp(tmp_path, loaded, rename=rename)
+    assert isinstance(info.value.__cause__, KeyError)
+
+
+@pytest.mark.parametrize(
+    ("args", "kwargs", "match"),
+    [((3,), {}, r"path=3 must be a directory path"),
+     ((), {"rename": "model."}, r"rename is a str; rename must be a callable"),
+     ((), {"plan": "fsdp"}, r"plan must be a ShardingPlan"),
+     ((), {"strict": "yes"}, r"strict must be True or False")],
+)  # fmt: skip
+def test_load_dcp_argument_table(args, kwargs, match, placed, tmp_path):
+    with pytest.raises(ArgumentError, match=match):
+        ts.load_dcp(*(args or (tmp_path,)), placed, **kwargs)
+
+
+@pytest.mark.parametrize("disk", ["full", "fills_mid_file"])
+def test_save_dcp_on_a_full_disk_is_a_checkpoint_error_and_leaves_the_earlier_checkpoint_alone(disk, tmp_path):
+    # full: an earlier checkpoint there, then not a byte free (an OSError); fills_mid_file: 64 KiB for 128 KiB
+    # of weights (torch's zip writer reports the short write as a RuntimeError "enforce fail at inline_container")
+    model = torch.nn.Linear(256, 128)
+    ts.shard(model, ts.plan(model, ts.make_mesh({"data": 8})))
+    earlier = (lambda root: ts.save_dcp(root / "c", _trainer())) if disk == "full" else None
+    with full_tmpfs(tmp_path / "disk", size_kib=256 if earlier else 64, before=earlier, fill=disk == "full") as root:
+        before = listing(root)
+        full = r"the disk is full \(No space left on device.*\)"
+        fix = r"the previous checkpoint is intact\. Free space or write elsewhere, then save again"
+        with pytest.raises(CheckpointError, match=rf"{root / 'c'}: {full}; {fix}"):
+            ts.save_dcp(root / "c", model)
+        assert listing(root) == before  # no .torchshard-tmp-c/, no shard of it
+        if disk == "full":  # the earlier checkpoint, whole
+            ts.load_dcp(root / "c", _trainer())

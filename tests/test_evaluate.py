@@ -217,3 +217,21 @@ def test_bad_input_names_the_culprit(llama):
     with pytest.raises(ShardingError, match=r"batch leaf #0 \(6, 16\) .*dim 0 \(size 6\) is not divisible by data"):
         llama.evaluate(ids(rows=6))
     assert to_numpy(llama.evaluate(ids())["loss"]).shape == ()
+
+
+class _NoSuchMetric(Exception):
+    pass
+
+
+def _failing_fn(model, batch):
+    raise _NoSuchMetric("bleu needs references")
+
+
+def test_an_fn_that_raises_keeps_its_type_and_says_which_call_it_came_from():
+    torch.manual_seed(0)
+    model = nn.Linear(8, 4)
+    trainer = ts.Trainer(model, mse, optax.sgd(0.1), ts.plan(model, ts.make_mesh({"data": 8})))
+    with pytest.raises(_NoSuchMetric, match="bleu needs references") as info:  # callers may catch their own errors
+        trainer.evaluate(xy(), _failing_fn)
+    assert "(raised while Trainer.evaluate traced fn=_failing_fn)" in info.value.__notes__  # and JAX's own
+    assert trainer.step_count == 0 and float(trainer.evaluate(xy())["loss"]) > 0  # nothing changed, still usable

@@ -5,6 +5,7 @@ from __future__ import annotations
 import copy
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -327,3 +328,51 @@ def test_any_module_mapping_ids_to_logits_is_scored_as_eager_torch():
         logp = torch.log_softmax(eager(ids[:-1]), dim=-1)[torch.arange(2, 4), ids[3:]]
     assert abs(got[0] - float(logp.sum())) <= 1e-5 * max(1.0, abs(float(logp.sum())))
     assert got[1] == bool((eager(ids[:-1])[2:].argmax(-1) == ids[3:]).all())
+
+
+# --- bad input: the table ------------------------------------------------------------------------------------
+
+
+def _small_vocab(rows: int) -> torch.nn.Module:
+    model = torch.nn.Sequential(torch.nn.Embedding(rows, 16), torch.nn.Linear(16, rows))
+    return ts.shard(model, ts.plan(model, ts.make_mesh({"data": 8})))
+
+
+def test_a_tokenizer_whose_ids_pass_the_models_vocabulary_is_refused_not_scored_nan():
+    model = TorchshardLM(_small_vocab(16), _tokenizer(), batch_size=8)  # the tokenizer's ids reach 63
+    with pytest.raises(ts.ArgumentError, match=r"input_ids holds \d+ id\(s\) outside the vocabulary \[0, 16\): "
+                                               r"\[\d+.*; the tokenizer .* gives ids the model has no embedding "
+                                               r"for: pass the model's own tokenizer"):  # fmt: skip
+        model.loglikelihood(_requests("loglikelihood", [("the sky", " is blue")]))  # "sky" is id 35
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "match"),
+    [({"batch_size": 0}, r"batch_size=0: a positive int"),
+     ({"batch_size": 2.5}, r"batch_size=2.5: a positive int"),
+     ({"max_length": -1}, r"max_length=-1: a positive int"),
+     ({"max_gen_toks": "many"}, r"max_gen_toks='many': a positive int"),
+     ({"tokenizer": None}, r"tokenizer is a NoneType; pass a transformers tokenizer"),
+     ({"target": object()}, r"target"),
+     ({"target": None, "tokenizer": None, "pretrained": "/no/such/folder"},
+      r"pretrained='/no/such/folder' is not a folder: pass the folder save_pretrained wrote"),
+     ({"target": None, "tokenizer": None, "pretrained": "meta-llama/Llama-3.2-1B"},
+      r"is not a folder: .*a Hub model: download it first"),
+     ({"target": None, "tokenizer": None, "pretrained": "x", "mesh": "data=two"}, r"mesh='data=two': write axes")],
+    ids=["batch_size_0", "batch_size_float", "max_length", "max_gen_toks", "tokenizer_none", "target_object",
+         "pretrained_missing", "pretrained_hub_id", "mesh"],
+)  # fmt: skip
+def test_bad_model_arguments_are_argument_errors(kwargs, match):
+    args = {"target": _small_vocab(64), "tokenizer": _tokenizer()} | kwargs
+    with pytest.raises(ts.ArgumentError, match=match):
+        TorchshardLM(**args)
+
+
+@pytest.mark.parametrize("value", ["abc", "0", "-2", "1.5"])
+def test_the_command_line_names_a_bad_cpu_device_count_without_a_traceback(value, monkeypatch):
+    from torchshard.lm_eval import main
+
+    monkeypatch.setenv("TORCHSHARD_CPU_DEVICES", value)
+    with pytest.raises(SystemExit, match=rf"torchshard.lm_eval: error: \$TORCHSHARD_CPU_DEVICES='{re.escape(value)}' "
+                                         rf"must be an int ≥ 1, e.g. 8, or unset"):  # fmt: skip
+        main(["--model", "torchshard", "--tasks", "none"])

@@ -12,6 +12,7 @@ import numpy as np
 import optax
 import pytest
 import torch
+from full_disk import full_tmpfs, listing
 from helpers import torch_losses
 from models import MLP, BlockStack, tiny_llama
 
@@ -237,3 +238,39 @@ def test_an_unwritable_profile_logdir_is_refused_before_tracing(mesh_fsdp, tmp_p
         pass
     with pytest.raises(ArgumentError, match=r"memory profile path .* exists and is a directory"):
         trainer.save_memory_profile(tmp_path)
+
+
+def test_profiles_do_not_nest_and_the_refused_one_writes_nothing(mesh_fsdp, tmp_path):
+    trainer, _ = mlp_trainer(mesh_fsdp)
+    batch = batches(1)[0]
+    refused = pytest.raises(ArgumentError, match=r"trainer.profile\('.*inner'\): a jax.profiler trace is already "
+                                                 r"running in this process .*; profiles do not nest")  # fmt: skip
+    with trainer.profile(tmp_path / "outer"):
+        with refused, trainer.profile(tmp_path / "inner"):
+            pass
+        trainer.step(batch)  # the outer trace goes on
+    assert not (tmp_path / "inner").exists() and list((tmp_path / "outer").glob("plugins/profile/*/*.xplane.pb"))
+    with trainer.profile(tmp_path / "again"):  # and a later one starts: the refused one stopped nothing
+        trainer.step(batch)
+
+
+@pytest.mark.parametrize("where", ["mem.prof", "new/folders/mem.prof"])
+def test_a_memory_profile_on_a_full_disk_is_a_checkpoint_error_that_leaves_nothing(mesh_fsdp, tmp_path, where):
+    trainer, _ = mlp_trainer(mesh_fsdp)
+    with full_tmpfs(tmp_path / "disk") as disk:
+        full = r"could not be written \(No space left on device\); nothing was left behind: free space"
+        with pytest.raises(ts.CheckpointError, match=rf"memory profile '.*mem.prof' {full}"):
+            trainer.save_memory_profile(disk / where)
+        assert listing(disk) == []
+
+
+@pytest.mark.parametrize(
+    ("path", "message"),
+    [(3, r"memory profile path must be a path \(str or pathlib.Path\), got int"),
+     ("", r"memory profile path '\.' exists and is a directory"),
+     ("/proc/version/mem.prof", r"cannot be created: '/proc/version' is a file")],
+)  # fmt: skip
+def test_bad_memory_profile_paths_are_argument_errors(mesh_fsdp, path, message):
+    trainer, _ = mlp_trainer(mesh_fsdp)
+    with pytest.raises(ArgumentError, match=message):
+        trainer.save_memory_profile(path)

@@ -172,6 +172,16 @@ def test_bad_arguments(folder, target, kwargs, match):
     _raises(folder, target, ArgumentError, match, **kwargs)
 
 
+def test_a_rename_that_raises_is_an_argument_error_naming_the_call_and_the_name(folder, target):
+    table = {"model.norm.weight": "model.norm.weight"}  # a lookup that misses the other names
+    before = ts.to_torch_state_dict(target)
+    match = r"rename=.*__getitem__.* raised KeyError: '.*' for the checkpoint name '.*'; nothing was loaded: fix it"
+    with pytest.raises(ArgumentError, match=match) as info:
+        ts.load_safetensors(folder, target, rename=table.__getitem__)
+    assert isinstance(info.value.__cause__, KeyError)  # the original, kept
+    _unchanged(target, before)
+
+
 def test_a_meta_module_needs_a_plan(folder):
     model = tiny_llama(meta=True)
     with pytest.raises(ShardingError, match=r"not sharded; place it with torchshard.shard\(model, plan\) first"):

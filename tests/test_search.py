@@ -254,7 +254,8 @@ def test_search_cli_errors_name_the_fix(capsys):
 @pytest.mark.parametrize(
     ("flag", "value", "message"),
     [("--devices", "0", "0 is out of range"), ("--devices", "-4", "-4 is out of range"),
-     ("--devices", "four", "'four' is not an integer"), ("--hosts", "0", "0 is out of range")],
+     ("--devices", "four", "'four' is not an integer"), ("--hosts", "0", "0 is out of range"),
+     ("--max-compiles", "0", "0 is out of range")],
 )  # fmt: skip
 def test_search_counts_below_one_are_usage_errors_naming_the_flag(capsys, flag, value, message):
     flags = {"--devices": "4", "--hosts": "1"} | {flag: value}

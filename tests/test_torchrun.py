@@ -84,6 +84,44 @@ def test_inconsistent_torchrun_environment(change, match):
         distributed.resolve(environ=environ)
 
 
+@pytest.mark.parametrize(
+    ("environ", "error", "match"),
+    [
+        # torch's variables of a multi-process run, without what joins it: not a single process in disguise
+        ({"RANK": "1", "WORLD_SIZE": "2"}, ArgumentError, r"\$MASTER_ADDR is not set; start the script with torchrun"),
+        ({"RANK": "1", "WORLD_SIZE": "2", "MASTER_PORT": "29500"}, ArgumentError, r"\$MASTER_ADDR is not set"),
+        ({"RANK": "0", "WORLD_SIZE": "2"}, ArgumentError, r"\(2 problems\):\n  - \$MASTER_ADDR .*\n  - \$MASTER_PORT"),
+        ({"RANK": "3", "WORLD_SIZE": "2"}, ArgumentError, r"\$RANK=3 must be in \[0, \$WORLD_SIZE=2\)"),
+        ({"RANK": "1", "WORLD_SIZE": "1"}, ArgumentError, r"\$RANK=1 must be in \[0, \$WORLD_SIZE=1\)"),
+        ({"RANK": "0", "WORLD_SIZE": "two"}, ArgumentError, r"\$WORLD_SIZE='two' is not an integer"),
+        ({distributed.CPU_DEVICES_ENV: "abc"}, ShardingError, r"cpu_devices_per_process='abc' \(argument or "
+                                                              r"\$TORCHSHARD_CPU_DEVICES\) must be an int ≥ 1"),
+        ({distributed.NUM_PROCESSES_ENV: "2", "RANK": "0", "WORLD_SIZE": "2"}, ShardingError,
+         r"missing coordinator_address='host:port' \(or \$TORCHSHARD_COORDINATOR\)"),  # torchshard's win, half set
+    ],
+    ids=["rank1_of_2", "no_master_addr", "rank0_of_2", "rank_past_world", "rank1_of_1", "world_not_int",
+         "cpu_devices_not_int", "torchshard_half_set"],
+)  # fmt: skip
+def test_variables_that_contradict_each_other_are_refused_by_initialize(environ, error, match, monkeypatch):
+    with pytest.raises(error, match=match):
+        distributed.resolve(environ=environ)
+    for name in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", *_torchrun_variables()):
+        monkeypatch.delenv(name, raising=False)
+    for name, value in environ.items():
+        monkeypatch.setenv(name, value)
+    with pytest.raises(error, match=match):  # before anything touches JAX
+        distributed.initialize()
+
+
+def _torchrun_variables() -> list[str]:
+    return [k for k in os.environ if k.startswith(("TORCHSHARD_", "TORCHELASTIC_", "SLURM_", "OMPI_"))]
+
+
+@pytest.mark.parametrize("environ", [{"RANK": "0", "WORLD_SIZE": "1"}, {"RANK": "0"}, {"WORLD_SIZE": "1"}, {}])
+def test_one_process_as_torchs_variables_describe_it_runs_alone(environ):
+    assert distributed.resolve(environ=environ) == distributed.ProcessGroup("single")
+
+
 def test_is_torchrun():
     assert _torchrun.is_torchrun({"TORCHELASTIC_RUN_ID": "r"})
     assert not _torchrun.is_torchrun({"RANK": "0", "WORLD_SIZE": "2"})

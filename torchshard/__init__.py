@@ -2,7 +2,7 @@
 
 from torchshard import collectives, distributed, presets, track
 from torchshard import inspect as inspect
-from torchshard._base.errors import ArgumentError, CheckpointError, ShardingError, UnusedRuleWarning
+from torchshard._base.errors import ArgumentError, CheckpointError, ShardingError, TrackerError, UnusedRuleWarning
 from torchshard._ckpt.checkpoint import load, save
 from torchshard._ckpt.stepdir import checkpoint_steps
 from torchshard._generate.generate import generate
@@ -48,6 +48,7 @@ __all__ = [
     "ShardingError",
     "ShardingPlan",
     "TensorInfo",
+    "TrackerError",
     "TrainState",
     "Trainer",
     "UnusedRuleWarning",

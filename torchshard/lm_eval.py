@@ -27,9 +27,10 @@ except ImportError as err:  # an optional extra: the rest of torchshard does not
         f"torchshard.lm_eval needs lm-evaluation-harness ({err}); install it with pip install 'torchshard[lm_eval]'"
     ) from err
 
-from torchshard._base.errors import ArgumentError, raise_if_any
+from torchshard._base.errors import ArgumentError, ShardingError, raise_if_any
 from torchshard._generate import scoring
 from torchshard._generate.generate import generate
+from torchshard._generate.generate_checks import vocab_problems
 from torchshard._sharding.mesh import use_cpu_devices
 from torchshard._train.trainer import Trainer
 
@@ -183,6 +184,10 @@ class TorchshardLM(TemplateLM):
         ids = np.full((self.rows, width), self.tokenizer.pad_token_id, np.int32)
         for row, window in enumerate(windows):
             ids[row, : len(window)] = window
+        name = getattr(self.tokenizer, "name_or_path", "") or type(self.tokenizer).__name__
+        fix = f"the tokenizer {name!r} gives ids the model has no embedding for: pass the model's own tokenizer"
+        raise_if_any([f"{p}; {fix}" for p in vocab_problems(self.model, torch.from_numpy(ids))],
+                     header="loglikelihood", error=ArgumentError)  # fmt: skip
         return scoring.score(self.target, ids)  # type: ignore[arg-type]
 
     def loglikelihood_rolling(self, requests: list, disable_tqdm: bool = False) -> list[float]:
@@ -331,6 +336,11 @@ def _from_pretrained(path: str, target: Any, tokenizer: Any, mesh: Any, pad_toke
     if target is not None or tokenizer is not None:
         raise ArgumentError("pass pretrained= alone, or a target and a tokenizer, not both")
     axes = _mesh_axes(mesh)
+    if not os.path.isdir(path):
+        raise ArgumentError(
+            f"pretrained={path!r} is not a folder: pass the folder save_pretrained wrote (a Hub model: download it "
+            f"first, e.g. huggingface_hub.snapshot_download)"
+        )
     _cpu_devices_from_environment()
     config = transformers.AutoConfig.from_pretrained(path)
     build = lambda: transformers.AutoModelForCausalLM.from_config(config)  # noqa: E731
@@ -347,8 +357,11 @@ def _from_pretrained(path: str, target: Any, tokenizer: Any, mesh: Any, pad_toke
 
 def _cpu_devices_from_environment() -> None:
     """``TORCHSHARD_CPU_DEVICES=n`` simulates ``n`` CPU devices (JAX must not have started yet)."""
-    if os.environ.get("TORCHSHARD_CPU_DEVICES"):
-        use_cpu_devices(int(os.environ["TORCHSHARD_CPU_DEVICES"]))
+    text = os.environ.get("TORCHSHARD_CPU_DEVICES", "").strip()
+    if text and _positive("$TORCHSHARD_CPU_DEVICES", _number(text)):
+        raise ArgumentError(f"$TORCHSHARD_CPU_DEVICES={text!r} must be an int ≥ 1, e.g. 8, or unset")
+    if text:
+        use_cpu_devices(int(text))
 
 
 def main(argv: Sequence[str] | None = None) -> None:
@@ -360,10 +373,13 @@ def main(argv: Sequence[str] | None = None) -> None:
     """
     from lm_eval.__main__ import cli_evaluate
 
-    _cpu_devices_from_environment()
     if argv is not None:
         sys.argv = [sys.argv[0], *argv]
-    cli_evaluate()
+    try:
+        _cpu_devices_from_environment()
+        cli_evaluate()
+    except ShardingError as err:  # a bad setting: the message names it, a traceback would bury it
+        raise SystemExit(f"torchshard.lm_eval: error: {err}") from err
 
 
 if __name__ == "__main__":

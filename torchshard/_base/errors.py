@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 
 
 class ShardingError(ValueError):
@@ -47,3 +47,33 @@ def raise_if_any(problems: Sequence[str], *, header: str, error: type[ShardingEr
     if problems:
         count = f"{len(problems)} problem{'s' if len(problems) > 1 else ''}"
         raise error(problems, header=f"{header} ({count})")
+
+
+class TrackerError(RuntimeError):
+    """A tracker that failed after a training step was applied: names the tracker, the step and what it was given.
+
+    The step it reports was applied (parameters, optimizer state and step count moved on), so running
+    it again would apply it twice: continue from the next step. The other trackers were given the
+    metrics (or closed) all the same.
+
+    Attributes:
+        tracker: the tracker that raised (its exception is this error's ``__cause__``).
+        step: the Trainer's step count when it failed: that step was applied.
+        metrics: the values it was given (name → float); empty when ``close()`` failed.
+
+    Examples:
+        >>> err = TrackerError("JSONL failed", tracker="jsonl", step=3, metrics={"loss": 0.5})
+        >>> err.step, err.metrics
+        (3, {'loss': 0.5})
+    """
+
+    def __init__(self, message: str, *, tracker: object, step: int, metrics: Mapping[str, float]) -> None:
+        super().__init__(message)
+        self.tracker, self.step, self.metrics = tracker, step, dict(metrics)
+
+    def __reduce__(self) -> tuple[object, ...]:  # keyword-only fields: pickled (e.g. between processes) by hand
+        return _tracker_error, (str(self), self.tracker, self.step, self.metrics)
+
+
+def _tracker_error(message: str, tracker: object, step: int, metrics: Mapping[str, float]) -> TrackerError:
+    return TrackerError(message, tracker=tracker, step=step, metrics=metrics)

@@ -286,5 +286,16 @@ def restore_data(data: Any, state: Any, step_dir: pathlib.Path) -> None:
 
 
 def snapshot_data(data: Any) -> bytes | None:
-    """``data.state_dict()`` encoded now, so a background save holds the state of the moment it was called."""
-    return None if data is None else encode(data.state_dict(), what=f"data={type(data).__name__}.state_dict()")
+    """``data.state_dict()`` encoded now, so a background save holds the state of the moment it was called.
+
+    Raises:
+        CheckpointError: ``data.state_dict()`` raised (its exception is the cause); nothing was written.
+    """
+    if data is None:
+        return None
+    what = f"data={type(data).__name__}.state_dict()"
+    try:
+        state = data.state_dict()
+    except Exception as e:  # the user's loader: said which call failed, as restore_data says for load_state_dict
+        raise CheckpointError(f"{what} raised {type(e).__name__}: {e}; nothing was saved: fix the loader") from e
+    return encode(state, what=what)

@@ -12,15 +12,19 @@ from __future__ import annotations
 
 import base64
 import dataclasses
+import errno
 import itertools
+import os
 import pathlib
 import pickle
+import shutil
 import warnings
 from collections.abc import Mapping, Sequence
 from typing import Any
 
 import torch
 import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner, DefaultSavePlanner
 from torch.distributed.checkpoint.metadata import (
     ChunkStorageMetadata,
@@ -52,6 +56,11 @@ class Stored:
 
 def read_metadata(root: pathlib.Path) -> Metadata:
     """The checkpoint's ``.metadata``, or a `CheckpointError` saying why ``root`` is not a DCP checkpoint."""
+    if root.is_file():
+        inside = " of a DCP checkpoint" if (root.parent / ".metadata").is_file() else ""
+        raise CheckpointError(
+            f"{root} is a file{inside}; pass the folder dcp.save wrote (checkpoint_id): {root.parent}"
+        )
     if not root.is_dir():
         raise CheckpointError(f"{root}: no such directory; pass the folder dcp.save wrote (checkpoint_id)")
     try:
@@ -71,6 +80,31 @@ def stored_tensors(root: pathlib.Path, metadata: Metadata) -> dict[str, Stored]:
             found[name] = Stored(tuple(md.size), _CODES.get(dtype, str(dtype)), dtype, root / ".metadata")
         # BytesStorageMetadata: param_groups, schedulers, data loaders: reported by the caller
     return found
+
+
+def damage(root: pathlib.Path, metadata: Metadata, name: str, error: CheckpointException) -> str:
+    """Why DCP could not read tensor ``name``: each data file holding it named as missing, cut short or corrupted."""
+    ends: dict[str, int] = {}
+    for index, info in metadata.storage_data.items():
+        if index.fqn == name:
+            ends[info.relative_path] = max(ends.get(info.relative_path, 0), info.offset + info.length)
+    failure = next(iter(error.failures.values()), None)
+    cause = failure[0] if isinstance(failure, tuple) else failure
+    reason = (str(cause).strip().splitlines() or [""])[0][:160]
+    found = []
+    for relative, end in sorted(ends.items()):
+        path = root / relative
+        if not path.exists():
+            found.append(f"{path} is missing")
+        elif (size := path.stat().st_size) < end:
+            found.append(f"{path} is cut short ({size} bytes; the metadata places {name} up to byte {end})")
+        else:
+            found.append(f"{path} is corrupted ({type(cause).__name__}: {reason})")
+    where = "; ".join(found) or f"{type(cause).__name__}: {reason}"
+    return (
+        f"DCP checkpoint {root} is damaged: {where}, and it holds {name}; nothing was loaded. Load another "
+        f"checkpoint, or copy this one again whole"
+    )
 
 
 class _BoxPlanner(DefaultLoadPlanner):
@@ -175,6 +209,7 @@ class BoxReader:
     """
 
     def __init__(self, root: pathlib.Path, metadata: Metadata, tensors: Mapping[str, Stored]) -> None:
+        self.root = root
         self.reader = _CachedReader(root, metadata)
         self.tensors = dict(tensors)
         self.boxes: dict[str, list[Box]] = {}
@@ -197,7 +232,10 @@ class BoxReader:
         buffer = torch.empty(box[1], dtype=self.tensors[name].torch_dtype)
         with warnings.catch_warnings():  # DCP warns on every load without a process group, no_dist or not
             warnings.filterwarnings("ignore", "torch.distributed is disabled", UserWarning)
-            dcp.load({}, storage_reader=self.reader, planner=_BoxPlanner({name: (box, buffer)}), no_dist=True)
+            try:
+                dcp.load({}, storage_reader=self.reader, planner=_BoxPlanner({name: (box, buffer)}), no_dist=True)
+            except CheckpointException as e:  # "ranks:dict_keys([0])" and a traceback: said with the file instead
+                raise CheckpointError(damage(self.root, self.reader.read_metadata(), name, e)) from e
         self.requested += _overlapping_bytes(self.reader.read_metadata().state_dict_metadata[name], box)
         self._held.setdefault(name, []).append((box, buffer))
         return box, buffer
@@ -263,6 +301,20 @@ def _write_item(index: MetadataIndex, chunk: Chunk) -> WriteItem:
     )
 
 
+def _os_error(error: Exception, folder: pathlib.Path, needed: int) -> OSError:
+    """A failed write as an ``OSError``: torch's zip writer reports a short write (a full disk) as a RuntimeError
+    ("enforce fail at inline_container.cc ... unexpected pos"), which says nothing of the disk."""
+    if isinstance(error, OSError):
+        return error
+    first = (str(error).strip().splitlines() or [type(error).__name__])[0][:160]
+    try:
+        full = shutil.disk_usage(folder).free < needed
+    except OSError:
+        full = False
+    code = errno.ENOSPC if full else errno.EIO
+    return OSError(code, f"{os.strerror(code)} ({type(error).__name__}: {first})", str(folder))
+
+
 def _pack(value: Any) -> str:
     return base64.b64encode(pickle.dumps(value)).decode()
 
@@ -289,8 +341,8 @@ def write_chunks(folder: pathlib.Path, chunks: Sequence[Chunk], *, rank: int, co
         done = writer.write_data(planner.finish_plan(central), planner)
         done.wait()
         mine: Any = done.value()
-    except OSError as e:  # reported to every process, which would otherwise wait for this one's results
-        mine = e
+    except (OSError, RuntimeError) as e:  # reported to every process, which would otherwise wait for this one's
+        mine = _os_error(e, folder, sum(c.data.numel() * c.data.element_size() for c in chunks))
     results = [_unpack(r) for r in gathered("dcp-save-results", _pack(mine))]
     if failed := [r for r in results if isinstance(r, OSError)]:
         raise failed[0]

@@ -20,17 +20,8 @@ from torchshard._ckpt.restore import Destination, load_trainer
 from torchshard._ckpt.state import Target, model_of, torch_dtypes
 from torchshard._ckpt.stepdir import path_problems
 from torchshard._interop import dcp_names
-from torchshard._interop.pretrained import (
-    Rename,
-    _arrays,
-    _Build,
-    _destination,
-    _model_names,
-    _place,
-    _problems,
-    _rename_problems,
-    _renamer,
-)
+from torchshard._interop.pretrained import _arrays, _Build, _destination, _place, _problems
+from torchshard._interop.renames import Rename, model_names, rename_problems, renamer
 from torchshard._sharding.plan import ShardingPlan
 from torchshard._train.trainer import Trainer
 
@@ -42,7 +33,7 @@ PathLike = str | os.PathLike[str]
 
 
 def _check_args(path: Any, target: Any, plan: Any, rename: Any, strict: Any) -> None:
-    problems = path_problems("path", path) + _rename_problems(rename)
+    problems = path_problems("path", path) + rename_problems(rename)
     problems += instance_problems("target", target, (Trainer, torch.nn.Module), "a Trainer or a torch.nn.Module")
     if plan is not None:
         problems += instance_problems("plan", plan, ShardingPlan, "a ShardingPlan from torchshard.plan()")
@@ -56,7 +47,7 @@ def _sources(entries: list[str], expected: list[str], rename: Rename | None) -> 
     """Model name → stored name, after the layout's prefix (``model.``...) is taken off and ``rename`` applied."""
     prefix = dcp_names.model_prefix(entries, expected)
     stripped = {n[len(prefix) :] if n.startswith(prefix) else n: n for n in entries}
-    found, problems = _model_names(list(stripped), rename)
+    found, problems = model_names(list(stripped), rename)
     return {model: stripped[name] for model, name in found.items()}, problems
 
 
@@ -78,8 +69,8 @@ class _Optimizer:
     def __init__(
         self, trainer: Trainer, dest: Destination, stored: Mapping[str, tuple[str, str]], rename: Rename | None
     ) -> None:
-        renamer = _renamer(rename)
-        self.entries = {(renamer(p), f): n for n, (p, f) in stored.items()}
+        rename_one = renamer(rename)
+        self.entries = {(rename_one(p), f): n for n, (p, f) in stored.items()}
         self.trainer, self.dest = trainer, dest
         self.abstract = jax.eval_shape(trainer.optimizer.init, dict(trainer.state.params))
         self.slots = dcp_names.optax_slots(self.abstract, trainer.state.params)
@@ -101,6 +92,7 @@ class _Optimizer:
                         f"mis-shaped {name}: checkpoint {reader.tensors[name].shape}, model {shapes[layer]}"
                     )
         if strict:
+            problems += self._unkept()
             unmapped = dcp_names.unmapped_leaves(self.abstract, self.slots)
             problems += [
                 f"optimizer state leaf {p} has no torch AdamW counterpart (exp_avg, exp_avg_sq, step)" for p in unmapped
@@ -112,6 +104,18 @@ class _Optimizer:
                 if param not in known
             ]
         return problems
+
+    def _unkept(self) -> list[str]:
+        """The AdamW fields the checkpoint holds and the Trainer's optimizer keeps no state for (optax.sgd: all)."""
+        kept = {dcp_names.OPTAX_FIELDS[s.field] for s in self.slots.values()}
+        unkept = sorted({field for _, field in self.entries} - kept)
+        if not unkept:
+            return []
+        return [
+            f"the checkpoint holds AdamW state ({', '.join(unkept)}) that the Trainer's optimizer keeps no state "
+            f"for: build the Trainer with the optimizer that saved it (e.g. optax.adamw) to resume it, or load "
+            f"with strict=False for the weights and step count alone"
+        ]
 
     def step(self, reader: BoxReader, *, strict: bool) -> int | None:
         """torch's ``step`` (the same for every parameter AdamW stepped), or None if the checkpoint has none.
@@ -241,9 +245,12 @@ def load_dcp(
         ``target``, now holding the checkpoint's values.
 
     Raises:
-        ArgumentError: bad arguments.
-        CheckpointError: not a DCP folder; missing, unexpected, mis-shaped or uncastable tensors,
-            or optimizer state that does not map (each named with its shapes).
+        ArgumentError: bad arguments, or a ``rename`` callable that raised (the name it was called with
+            named, its exception the ``__cause__``).
+        CheckpointError: not a DCP folder (a file in it: its folder named); a data file missing, cut
+            short or corrupted (named); missing, unexpected, mis-shaped or uncastable tensors, AdamW
+            state the Trainer's optimizer does not keep (``optax.sgd``), or optimizer state that does
+            not map (each named with its shapes). Nothing changes on any error.
 
     Examples:
         >>> import tempfile

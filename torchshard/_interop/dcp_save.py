@@ -110,11 +110,12 @@ def _write(out: pathlib.Path, target: Target) -> None:
     from torchshard._interop.dcp_io import write_chunks
 
     staging = out.with_name(TMP + out.name)
+    chunks = list(_chunks(target))  # before the staging folder is made: a module that cannot be saved leaves none
     # every process meets here, failed or not: the staging folder exists before any process writes
     if problem := next(filter(None, gathered("dcp-save-begin", _begin(out, staging))), ""):
         raise CheckpointError(problem)
     try:
-        write_chunks(staging, list(_chunks(target)), rank=jax.process_index(), coordinator=primary())
+        write_chunks(staging, chunks, rank=jax.process_index(), coordinator=primary())
     except OSError as e:
         if primary():
             discard(staging)
@@ -148,7 +149,7 @@ def save_dcp(path: PathLike, target: Target) -> pathlib.Path:
         ArgumentError: bad arguments, or a module whose state_dict hooks change its tensors.
         ShardingError: a module whose tensors are not placed.
         CheckpointError: the disk is full, ``path`` is a file, or another OS error; the previous
-            checkpoint is intact.
+            checkpoint is intact and nothing of the new one is left behind.
 
     Examples:
         >>> import tempfile

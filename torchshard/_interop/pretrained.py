@@ -8,7 +8,6 @@ import functools
 import logging
 import os
 import pathlib
-import re
 from collections.abc import Callable, Mapping, Sequence
 from copy import deepcopy as copy_module
 from typing import Any
@@ -19,7 +18,7 @@ import numpy as np
 import torch
 
 from torchshard._base.errors import CheckpointError, raise_if_any
-from torchshard._base.validate import instance_problems, raise_for_arguments, regex_problem
+from torchshard._base.validate import instance_problems, raise_for_arguments
 from torchshard._bridge.module_tensors import named_tensors, state_dict_names
 from torchshard._bridge.tensors import host_array, is_jax_tensor, rebind, unwrap
 from torchshard._ckpt.restore import (
@@ -32,6 +31,7 @@ from torchshard._ckpt.restore import (
 from torchshard._ckpt.state import Target, model_of, torch_dtypes
 from torchshard._ckpt.stepdir import path_problems
 from torchshard._interop.hf_conversion import convert
+from torchshard._interop.renames import Rename, model_names, rename_problems
 from torchshard._interop.safetensors_files import DTYPES, Reader, checkpoint_files, index_of, normalized
 from torchshard._sharding.placement import assign, put, range_problems
 from torchshard._sharding.plan import ShardingPlan
@@ -39,26 +39,10 @@ from torchshard._train.trainer import Trainer
 
 _log = logging.getLogger("torchshard")
 PathLike = str | os.PathLike[str]
-Rename = Callable[[str], "str | None"] | Sequence[tuple[str, str]]
-
-
-def _rename_problems(rename: Any) -> list[str]:
-    if rename is None or callable(rename):
-        return []
-    fix = "rename must be a callable name → name (None drops it) or a list of (regex, replacement) pairs"
-    if isinstance(rename, str | bytes) or not isinstance(rename, Sequence):
-        return [f"rename is a {type(rename).__name__}; {fix}"]
-    problems = []
-    for i, pair in enumerate(rename):
-        if not (isinstance(pair, tuple | list) and len(pair) == 2 and all(isinstance(x, str) for x in pair)):
-            problems.append(f"rename[{i}] = {pair!r:.60} is not a (regex, replacement) pair of strings; {fix}")
-        elif (problem := regex_problem(pair[0])) is not None:
-            problems.append(f"rename[{i}] regex {pair[0]!r} {problem}")
-    return problems
 
 
 def _check_args(path: Any, target: Any, plan: Any, rename: Any, strict: Any) -> None:
-    problems = path_problems("path", path) + _rename_problems(rename)
+    problems = path_problems("path", path) + rename_problems(rename)
     problems += instance_problems("target", target, (Trainer, torch.nn.Module), "a Trainer or a torch.nn.Module")
     if plan is not None:
         problems += instance_problems("plan", plan, ShardingPlan, "a ShardingPlan from torchshard.plan()")
@@ -66,39 +50,6 @@ def _check_args(path: Any, target: Any, plan: Any, rename: Any, strict: Any) -> 
         problems.append("plan= is for modules; a Trainer loads onto its own plan")
     problems += instance_problems("strict", strict, bool, "True or False")
     raise_for_arguments(problems, header="invalid load_safetensors() arguments")
-
-
-def _renamer(rename: Rename | None) -> Callable[[str], str | None]:
-    if rename is None:
-        return lambda name: name
-    if callable(rename):
-        return rename
-    table = [(re.compile(pattern), replacement) for pattern, replacement in rename]
-
-    def apply(name: str) -> str:
-        for pattern, replacement in table:
-            name = pattern.sub(replacement, name)
-        return name
-
-    return apply
-
-
-def _model_names(stored: Sequence[str], rename: Rename | None) -> tuple[dict[str, str], list[str]]:
-    """Model name → checkpoint name, and the names two checkpoint tensors were renamed to."""
-    renamer = _renamer(rename)
-    found: dict[str, str] = {}
-    problems = []
-    for name in stored:
-        new = renamer(name)
-        if new is None:
-            continue
-        if not isinstance(new, str):
-            problems.append(f"rename({name!r}) returned a {type(new).__name__}, not a str or None")
-        elif new in found:
-            problems.append(f"{found[new]!r} and {name!r} are both renamed to {new!r}; rename one of them otherwise")
-        else:
-            found[new] = name
-    return found, problems
 
 
 def _near(name: str, names: Sequence[str], sources: Mapping[str, str] | None = None) -> str:
@@ -323,7 +274,7 @@ def _read(
     raise_if_any(unindexed, header=f"{root} does not match its index; save or download it", error=CheckpointError)
     conversion = convert(model, {n: s.shape for n, s in reader.tensors.items()}, set(expected))
     converted = conversion.problems + reader.convert(conversion.renamed, conversion.built)
-    sources, problems = _model_names(list(reader.tensors), rename)
+    sources, problems = model_names(list(reader.tensors), rename)
     problems = converted + problems
     chosen, found = _problems(expected, dest, sources, reader, dtypes, strict=strict)
     header = f"checkpoint {root} does not fit {type(model).__name__}"
@@ -380,7 +331,8 @@ def load_safetensors(
         ``target``, now holding the checkpoint's values.
 
     Raises:
-        ArgumentError: bad arguments.
+        ArgumentError: bad arguments, or a ``rename`` callable that raised (the name it was called with
+            named, its exception the ``__cause__``); nothing is loaded.
         ShardingError: missing, unexpected, mis-shaped or uncastable tensors (all of them listed).
         CheckpointError: no such path, a folder without a checkpoint, a truncated or corrupted
             file, or an index naming a missing shard (each named).

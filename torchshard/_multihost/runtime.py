@@ -154,7 +154,8 @@ def resolve(
 
     Raises:
         ShardingError: a partial or invalid setup (every problem at once, each with its fix).
-        ArgumentError: an inconsistent torchrun environment (the variables named).
+        ArgumentError: an inconsistent torchrun environment (the variables named), or ``RANK`` and
+            ``WORLD_SIZE`` of a multi-process run without ``MASTER_ADDR``/``MASTER_PORT``.
 
     Examples:
         >>> resolve("10.0.0.1:1234", 2, 1, environ={}).source
@@ -175,7 +176,7 @@ def resolve(
         source: Source = "arguments" if any(explicit[k] is not None for k in _CORE) else "environment"
         return ProcessGroup(source, **fields)
     raise_if_any(problems, header="cannot set up the process group")
-    if torchrun.is_torchrun(environ):
+    if torchrun.is_torchrun(environ) or torchrun.half_set(environ):  # half set: parse names what is missing
         return _torchrun_group(torchrun.parse(environ), fields["cpu_devices_per_process"])
     cluster = detect_cluster(environ)
     return ProcessGroup(
@@ -270,7 +271,8 @@ def initialize(
         ShardingError: a partial or invalid setup, JAX already started, or a second call with a
             different setup.
         ArgumentError: an inconsistent torchrun environment (``RANK`` ≥ ``WORLD_SIZE``, a
-            ``LOCAL_WORLD_SIZE`` that does not divide it...), each variable named.
+            ``LOCAL_WORLD_SIZE`` that does not divide it, ``RANK=1 WORLD_SIZE=2`` without
+            ``MASTER_ADDR``...), each variable named.
 
     Examples:
         >>> from torchshard import distributed

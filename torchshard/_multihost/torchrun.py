@@ -52,6 +52,18 @@ def is_torchrun(environ: Mapping[str, str]) -> bool:
     return RUN_ID_ENV in environ or all(k in environ for k in ("RANK", "WORLD_SIZE", "MASTER_ADDR"))
 
 
+def half_set(environ: Mapping[str, str]) -> bool:
+    """Whether ``RANK`` and ``WORLD_SIZE`` describe a process of several, without what joins them (no
+    ``MASTER_ADDR``, no torchrun agent): `parse` names what is missing rather than this running alone.
+
+    Examples:
+        >>> half_set({"RANK": "1", "WORLD_SIZE": "2"}), half_set({"RANK": "0", "WORLD_SIZE": "1"})
+        (True, False)
+    """
+    pair = (environ.get("RANK", "").strip(), environ.get("WORLD_SIZE", "").strip())
+    return "RANK" in environ and "WORLD_SIZE" in environ and not is_torchrun(environ) and pair != ("0", "1")
+
+
 def _ints(environ: Mapping[str, str]) -> tuple[dict[str, int], list[str]]:
     found, problems = {}, []
     for name in _INTS:

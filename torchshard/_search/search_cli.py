@@ -35,7 +35,9 @@ def add_search_arguments(parser: argparse.ArgumentParser) -> None:
     s.add_argument(
         "--hosts", type=positive_int, help="hosts the devices span (>= 1; default: the profile's devices per host)"
     )
-    s.add_argument("--max-compiles", type=int, default=20, help="compile at most this many layouts (default: 20)")
+    s.add_argument(
+        "--max-compiles", type=positive_int, default=20, help="compile at most this many layouts (>= 1; default: 20)"
+    )
     s.add_argument("--remat-policies", default="none,nothing_saveable,dots_saveable", help="remat values to try")
     s.add_argument("--microbatches", default="1,2,4", help="grad accumulation / micro-batches per stage to try")
     s.add_argument("--precisions", default="bf16,fp32", help="precisions to try")

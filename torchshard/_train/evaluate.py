@@ -78,7 +78,13 @@ class Compiled:
     def __call__(self, fn: LossFn | None, *args: Any) -> dict[str, jax.Array]:
         key = (fn, _signature(args))
         if key not in self._cache:
-            self._cache[key] = jax.jit(Evaluation(self.runtime, fn).__call__).lower(*args).compile()
+            try:
+                self._cache[key] = jax.jit(Evaluation(self.runtime, fn).__call__).lower(*args).compile()
+            except Exception as err:
+                # kept as it is (callers may catch their own errors), with a note of which call raised it
+                if fn is not None:
+                    err.add_note(f"(raised while Trainer.evaluate traced fn={getattr(fn, '__qualname__', fn)!s:.60})")
+                raise
             while len(self._cache) > CACHE_SIZE:
                 self._cache.popitem(last=False)
         self._cache.move_to_end(key)

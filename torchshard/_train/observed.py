@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import errno
 import logging
 import os
 import threading
@@ -15,9 +16,10 @@ from typing import TYPE_CHECKING, Any
 import jax
 import torch
 
-from torchshard._base.errors import ArgumentError
+from torchshard._base.errors import ArgumentError, CheckpointError
 from torchshard._base.validate import raise_for_arguments
 from torchshard._train.run_metrics import StepFigures, batch_counts, device_memory, host_rss, peak_flops, step_line
+from torchshard._train.tracked import close_all, log_all, metric_values
 from torchshard._train.trackers import Tracker, path_problem
 
 logger = logging.getLogger("torchshard")
@@ -114,18 +116,19 @@ class Observed:
         if window.step % every == 0:
             values = self._values(metrics)  # waits for this step: the one read per log_every steps
             now = time.perf_counter()
-            self._emit(window.step, {**values, **self._rates(now - window.time, window)})
-            self._window = _Window(window.step, now, window.step)
+            values |= self._rates(now - window.time, window)
+            self._window = _Window(window.step, now, window.step)  # before the trackers, which may raise
+            self._emit(window.step, values)
 
     def _first_step(self, metrics: Mapping[str, jax.Array], leaves: list[Any], started: float, every: int) -> None:
         """The first step logged from (or the first after `load_state`): reads where the count stands."""
         step = int(self._state.step)  # waits for the step
         elapsed = time.perf_counter() - started
         self._step_figures()  # the step is compiled: its HLO is read now, outside the next window's time
+        self._window = _Window(step, time.perf_counter(), step)  # before the trackers, which may raise
         if step % every == 0:  # its time includes compiling it
             window = _Window(step - 1, started, step, *batch_counts(leaves))
             self._emit(step, {**self._values(metrics), **self._rates(elapsed, window)})
-        self._window = _Window(step, time.perf_counter(), step)
 
     def _values(self, metrics: Mapping[str, Any]) -> dict[str, float]:
         return {name: float(value) for name, value in metrics.items()}
@@ -146,10 +149,10 @@ class Observed:
         rates["host_rss_bytes"] = host_rss()
         return rates
 
-    def _emit(self, step: int, values: Mapping[str, float], *, prefix: str = "") -> None:
-        logger.info(step_line(step, values, prefix=prefix))
-        for tracker in self.trackers:
-            tracker.log(step, values)
+    def _emit(self, step: int, values: Mapping[str, float]) -> None:
+        """One line on the logger, then every tracker; a failing tracker is a `TrackerError` (the step was applied)."""
+        logger.info(step_line(step, values))
+        log_all(self.trackers, step, values)
 
     def log(self, metrics: Mapping[str, Any], *, prefix: str = "") -> dict[str, float]:
         """Logs ``metrics`` (e.g. `evaluate`'s) at the current step: one line on logger ``torchshard`` and each tracker.
@@ -161,6 +164,12 @@ class Observed:
         Returns:
             The values logged, as floats (on every process; only the main one writes them).
 
+        Raises:
+            ArgumentError: ``metrics`` is not a dict of names to single numbers (a string, a tensor of
+                several values), or ``prefix`` is not a string; every culprit named, nothing logged.
+            TrackerError: a tracker failed (after every tracker was called); nothing of the
+                training state changed.
+
         Examples:
             >>> model = torch.nn.Linear(4, 1)
             >>> p = ts.plan(model, ts.make_mesh({"data": 8}))
@@ -168,18 +177,18 @@ class Observed:
             >>> sorted(trainer.log(trainer.evaluate(torch.ones(8, 4)), prefix="eval/"))
             ['eval/loss']
         """
-        values = {prefix + name: float(value) for name, value in metrics.items()}
+        values = metric_values(metrics, prefix)
         if self._main:
-            step = int(self._state.step)
-            logger.info(step_line(step, values))
-            for tracker in self.trackers:
-                tracker.log(step, values)
+            self._emit(int(self._state.step), values)
         return values
 
     def close(self) -> None:
-        """Closes every tracker (flushing what they hold); call it when training ends."""
-        for tracker in self.trackers:
-            tracker.close()
+        """Closes every tracker (flushing what they hold); call it when training ends.
+
+        Raises:
+            TrackerError: a tracker's ``close`` raised: the first such, after every tracker was closed.
+        """
+        close_all(self.trackers, int(self._state.step))
 
     def _drain(self) -> None:
         while self._in_flight:
@@ -198,7 +207,8 @@ class Observed:
             logdir: directory for the trace (``plugins/profile/<run>/*.xplane.pb``).
 
         Raises:
-            ArgumentError: ``logdir`` cannot be written (before anything is traced).
+            ArgumentError: ``logdir`` cannot be written, or a ``jax.profiler`` trace is already running
+                (profiles do not nest: one trace per process); raised before anything is traced.
 
         Examples:
             >>> import tempfile
@@ -211,11 +221,19 @@ class Observed:
         problem = path_problem(logdir, what="profile logdir", directory=True)
         raise_for_arguments([problem] if problem else [], header="invalid profile logdir")
         self._drain()
-        with jax.profiler.trace(str(logdir)):
-            try:
-                yield
-            finally:
-                self._drain()
+        try:
+            jax.profiler.start_trace(str(logdir))
+        except RuntimeError as err:  # JAX's "Profile has already been started"
+            raise ArgumentError(
+                f"trainer.profile({str(logdir)!r}): a jax.profiler trace is already running in this process ({err}); "
+                f"profiles do not nest: end the outer `with trainer.profile(...)` block (or jax.profiler.stop_trace()) "
+                f"first"
+            ) from err
+        try:
+            yield
+        finally:
+            self._drain()
+            jax.profiler.stop_trace()
 
     def save_memory_profile(self, path: str | os.PathLike[str]) -> None:
         """Writes the devices' live buffers now as a pprof profile (``jax.profiler.save_device_memory_profile``).
@@ -225,8 +243,33 @@ class Observed:
 
         Raises:
             ArgumentError: ``path`` cannot be written.
+            CheckpointError: the write failed (a full disk...), as a save's does; nothing is left
+                behind (no partial file, and no folder it made).
         """
         problem = path_problem(path, what="memory profile path", directory=False)
         raise_for_arguments([problem] if problem else [], header="invalid memory profile path")
-        Path(path).parent.mkdir(parents=True, exist_ok=True)
-        jax.profiler.save_device_memory_profile(str(path))
+        _write_new(Path(path), jax.profiler.device_memory_profile(), what="memory profile")
+
+
+def _write_new(path: Path, data: bytes, *, what: str) -> None:
+    """Writes ``path`` whole or not at all: through a hidden file renamed into place; a failure removes what it made.
+
+    Raises:
+        CheckpointError: the write failed, naming ``path`` and the fix.
+    """
+    made = [p for p in [path.parent, *path.parent.parents] if not p.exists()]  # the deepest first
+    part = path.with_name(f".{path.name}.{os.getpid()}.part")
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        part.write_bytes(data)
+        os.replace(part, path)
+    except OSError as err:
+        part.unlink(missing_ok=True)
+        for folder in made:
+            with contextlib.suppress(OSError):
+                folder.rmdir()
+        full = err.errno in (errno.ENOSPC, errno.EDQUOT, errno.EFBIG)
+        fix = "free space or pass a path on another disk" if full else "pass a path you may write to"
+        raise CheckpointError(
+            f"{what} {str(path)!r} could not be written ({err.strerror or err}); nothing was left behind: {fix}"
+        ) from err

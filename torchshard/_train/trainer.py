@@ -70,7 +70,7 @@ class Trainer(Observed):
         skip_nonfinite: a step whose loss or gradients are not finite changes no parameter,
             buffer or optimizer state; its metrics say ``"skipped": 1.0``.
         log_every: every N steps, loss, throughput, MFU and memory to logger ``torchshard`` and the trackers.
-        trackers: `torchshard.track` trackers, or objects with ``log(step, metrics)`` and ``close()``.
+        trackers: `torchshard.track` trackers, or objects with ``log``/``close``; a failing one: `TrackerError`.
         peak_flops: FLOP/s per device for MFU (default: the device's hardware profile; none on CPU).
         **strategies: one keyword per registered parallel strategy. ``pipeline=`` a `Pipeline`: split the
             model's stack of identical layers into stages over a mesh axis and stream micro-batches through
