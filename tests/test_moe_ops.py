@@ -155,6 +155,29 @@ def test_rows_beyond_the_last_offset_are_zero():
     assert float(jnp.abs(out.jax()[9:]).max()) == 0.0
 
 
+def test_grouped_mm_vmapped_as_a_pipeline_runs_its_stages_matches_each_stage_alone():
+    # JAX's CPU decomposition of a vmapped ragged_dot failed on numpy in_axes (_bridge/fixes/ragged_dot_dims.py)
+    from torchshard._bridge.ops.grouped_mm import grouped_mm
+
+    env()  # installs the lowerings (and the CPU fix)
+    # [stages, data shards, ...]: a pipeline vmaps each stage's layer over both (one ragged batch dim each)
+    a = jnp.stack([_rand(50 + i, 12, 8).numpy() for i in range(4)]).reshape(2, 2, 12, 8)
+    w = jnp.stack([_rand(60 + i, 3, 8, 4).numpy() for i in range(4)]).reshape(2, 2, 3, 8, 4)
+    offs = jnp.stack([_offs(4, 6, 12).numpy(), _offs(0, 9, 12).numpy()] * 2).reshape(2, 2, 3)
+
+    def loss(a, w):
+        return (jax.vmap(jax.vmap(grouped_mm))(a, w, offs) ** 2).sum()
+
+    def alone(a, w):
+        return sum((grouped_mm(a[i, j], w[i, j], offs[i, j]) ** 2).sum() for i in range(2) for j in range(2))
+
+    value, grads = jax.jit(jax.value_and_grad(loss, argnums=(0, 1)))(a, w)
+    want, want_grads = jax.value_and_grad(alone, argnums=(0, 1))(a, w)
+    assert_close(value, want, tol=TOL, what="value")
+    for got, expected in zip(grads, want_grads, strict=True):
+        assert_close(got, expected, tol=TOL, what="grad")
+
+
 @pytest.mark.parametrize(
     ("a", "b", "kwargs", "match"),
     [

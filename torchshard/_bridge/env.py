@@ -10,7 +10,7 @@ import jax
 import torch
 
 from torchshard._bridge import autocast, grad_mode, init_ops
-from torchshard._bridge.fixes import batch_norm_stats, captured_constants, narrow_dtypes
+from torchshard._bridge.fixes import batch_norm_stats, captured_constants, narrow_dtypes, ragged_dot_dims
 from torchshard._bridge.loaded import Environment, torchax
 from torchshard._bridge.ops import (
     asserts,
@@ -51,6 +51,7 @@ def _install_lowerings(tx: Environment) -> None:
     embedding.install(tx)
     linear.install(tx)
     grouped_mm.install(tx)
+    ragged_dot_dims.install()  # JAX's CPU decomposition of a vmapped ragged_dot
     attention.install(tx)
     conv.install(tx)
     triangular.install(tx)  # LAPACK's trsm deadlocks the simulated CPU devices
