@@ -15,7 +15,7 @@ import io
 import json
 import tempfile
 import warnings
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -32,7 +32,6 @@ from helpers import jit_forward, scaled_error, torch_losses
 import torchshard as ts
 from tools.cells import (
     NOISE_RATIO,
-    TYPED,
     Cell,
     Work,
     eager,
@@ -42,11 +41,13 @@ from tools.cells import (
     run_cell,
     within,
 )
-from tools.families import Family, build, family, has_experts, lm_loss
+from tools.combos import COMBOS
+from tools.families import build, lm_loss
+from tools.rows import NOT_MOE, Row, forward, state_error, step_losses
 
 # packed rows of 64 tokens (the families' positions): documents crossing the 16-token chunks of context=4
 PACKED_ROWS = [[20, 30, 14], [64], [10, 40, 14], [16, 16, 16, 16]]
-SHORT, LONG = 5, 12  # prompt lengths: shorter and longer than the families' windows (tools.families.SMALL: 8)
+SHORT, LONG = 5, 12  # prompt lengths: shorter and longer than the families' windows (tools.tiny.FIXED: 8)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -85,111 +86,31 @@ COLUMNS = (
            f"{test_families.RTOL:.0e}"),
     Column("plan_compile", "plan --compile", "python -m torchshard plan --preset hf --compile --batch 8x16 on "
            "data=4 × model=2: compiles; peak bytes per device"),
+    *(Column(key, title, truth) for key, (title, truth, _) in COMBOS.items()),
 )  # fmt: skip
-
-
-def _forward(model: torch.nn.Module, ids: torch.Tensor) -> dict[str, torch.Tensor]:
-    out = model(input_ids=ids, labels=ids, use_cache=False)
-    return {"loss": out.loss, "logits": out.logits}
-
-
-def _state_error(state: dict[str, torch.Tensor], expected: dict[str, torch.Tensor]) -> float:
-    """The largest absolute difference between two state dicts with the same names (inf where they do not)."""
-    if list(state) != list(expected):
-        return float("inf")
-    return max((float((state[n].double() - v.double()).abs().max()) for n, v in expected.items() if v.numel()),
-               default=0.0)  # fmt: skip
-
-
-class Row:
-    """One family's shared pieces, each built on first use: the eager model, its checkpoint, the hf_rules Trainer."""
-
-    def __init__(self, model_type: str, folder: Path) -> None:
-        self.family: Family = family(model_type)
-        self.original: Any = build(self.family).eval()  # the weights every reference starts from; never trained
-        self.moe = self.family.moe or has_experts(self.original)
-        self.folder = folder
-        self.batch = test_families._batches(seed=9)[0]  # for evaluate and the forward comparisons
-
-    def fresh(self) -> torch.nn.Module:
-        """A train-mode copy of the original model (eval mode where train mode samples: `Family.samples`)."""
-        return copy.deepcopy(self.original).train(not self.family.samples)
-
-    @functools.cached_property
-    def plan_kind(self) -> str:
-        """hf_rules (FSDP × TP); FSDP alone for a family without a tp_plan, which hf_rules refuses."""
-        return "hf_rules" if getattr(self.original.config, "base_model_tp_plan", None) else "fsdp"
-
-    @functools.cached_property
-    def trainer(self) -> ts.Trainer:
-        """The Trainer train steps, evaluate reads and load_safetensors fills."""
-        return test_families.trainer_for(self.fresh(), self.plan_kind)
-
-    def noted(self, cell: Cell) -> Cell:
-        """``cell``, saying so when it ran on FSDP alone or trained in eval mode."""
-        notes = ("" if self.plan_kind == "hf_rules" else " (FSDP: no tp_plan)") + (
-            f" (eval mode: {self.family.samples})" if self.family.samples else ""
-        )
-        return Cell(cell.status, cell.text + notes)
-
-    @functools.cached_property
-    def forward_refusal(self) -> str:
-        """The typed error evaluate raises before any work ('' where it runs): torchshard refuses the forward."""
-        try:
-            self.trainer.evaluate(self.batch, _forward)
-        except TYPED as err:
-            return f"{type(err).__name__}: {first_line(err)}"
-        return ""
-
-    @functools.cached_property
-    def checkpoint(self) -> Path:
-        """The original weights as transformers' save_pretrained writes them (from_pretrained's format)."""
-        eager(self.original.save_pretrained, self.folder / "pretrained")
-        return self.folder / "pretrained"
-
-    @functools.cached_property
-    def eager_outputs(self) -> dict[str, torch.Tensor]:
-        with torch.no_grad():
-            return _forward(self.original, self.batch)
-
-    @functools.cached_property
-    def placed(self) -> torch.nn.Module:
-        model = copy.deepcopy(self.original)
-        axes, rules, _ = test_families._rules(self.plan_kind, model)
-        return ts.shard(model, ts.plan(model, ts.make_mesh(axes), rules))
 
 
 # ---------------------------------------------------------------- the capabilities
 
 
-def _step_losses(trainer: ts.Trainer, batches: Iterable[Any], work: Work) -> list[float]:
-    """Each batch's training loss; the cell's work has begun once the first step ran (a later error is a ✗)."""
-    got = []
-    for batch in batches:
-        got.append(float(trainer.step(batch)["loss"]))
-        work.began = True
-    return got
-
-
 def train(row: Row, work: Work) -> Cell:
     data = test_families._batches()
-    ref = row.fresh()
-    expected = eager(torch_losses, ref, lm_loss, test_families._torch_adamw(ref), data)
+    expected = row.eager_losses
     # a family without a tp_plan (hf_rules refuses it: plan --compile's cell says so) trains on FSDP alone, noted:
     # training is checked on every family, as a user of such a model would run it
-    got = _step_losses(row.trainer, data, work)
+    got = step_losses(row.trainer, data, work)
     cell = losses_cell(got, expected, test_families.RTOL)
     known = row.family.mismatch
     return row.noted(Cell(cell.status, f"{cell.text} (known: {known})") if known and cell.status == "fail" else cell)
 
 
 def evaluate(row: Row, work: Work) -> Cell:
-    out = row.trainer.evaluate(row.batch, _forward)
+    out = row.trainer.evaluate(row.batch, forward)
     work.began = True
     reference = row.fresh().eval()
     reference.load_state_dict(ts.to_torch_state_dict(row.trainer))
     with torch.no_grad():
-        expected = eager(_forward, reference, row.batch)
+        expected = eager(forward, reference, row.batch)
     loss = abs(float(out["loss"]) - float(expected["loss"])) / abs(float(expected["loss"]))
     if loss > test_evaluate.RTOL:
         return Cell("fail", f"loss differs by {loss:.1e} (rtol {test_evaluate.RTOL})")
@@ -198,7 +119,7 @@ def evaluate(row: Row, work: Work) -> Cell:
 
 def _loaded_cell(state: dict[str, torch.Tensor], row: Row, logits: Callable[[], Any]) -> Cell:
     """Bit-equal state, then the forward's logits — unless torchshard refuses that forward (the evaluate column)."""
-    error = _state_error(state, row.original.state_dict())
+    error = state_error(state, row.original.state_dict())
     if error:
         return Cell("fail", f"loaded state differs from the checkpoint by {error:.1e}")
     if row.forward_refusal:  # the load is right; the forward is refused up front, as evaluate's cell says
@@ -214,14 +135,14 @@ def load_meta(row: Row, work: Work) -> Cell:
     mesh = ts.make_mesh(axes)
     ts.load_safetensors(checkpoint, model, ts.plan(model, mesh, rules))
     work.began = True
-    forward = jit_forward(model.eval(), output="logits", use_cache=False)  # the eager logits are eval mode's
-    return _loaded_cell(ts.to_torch_state_dict(model), row, lambda: forward(ts.shard_batch(row.batch, mesh)))
+    logits_of = jit_forward(model.eval(), output="logits", use_cache=False)  # the eager logits are eval mode's
+    return _loaded_cell(ts.to_torch_state_dict(model), row, lambda: logits_of(ts.shard_batch(row.batch, mesh)))
 
 
 def load_trainer(row: Row, work: Work) -> Cell:
     ts.load_safetensors(row.checkpoint, row.trainer)
     work.began = True
-    logits = lambda: row.trainer.evaluate(row.batch, _forward)["logits"]  # noqa: E731
+    logits = lambda: row.trainer.evaluate(row.batch, forward)["logits"]  # noqa: E731
     return _loaded_cell(ts.to_torch_state_dict(row.trainer), row, logits)
 
 
@@ -266,7 +187,7 @@ def _packed(row: Row, work: Work, axes: dict[str, int], rules: Any, batch_spec: 
     model = row.fresh()
     plan = ts.plan(model, ts.make_mesh(axes), rules(model) if rules else None)
     trainer = ts.Trainer(model, test_packed.packed_loss, test_packed.adamw(), plan, batch_spec=batch_spec, **kwargs)
-    got = _step_losses(trainer, data, work)
+    got = step_losses(trainer, data, work)
     return losses_cell(got, expected, test_families.RTOL)
 
 
@@ -280,9 +201,6 @@ def cp_all_gather(row: Row, work: Work) -> Cell:
     return _packed(row, work, {"data": 2, "context": 4}, None, ("data", "context"), context=context)
 
 
-NOT_MOE = Cell("n/a", "")
-
-
 def a2a(row: Row, work: Work) -> Cell:
     if not row.moe:
         return NOT_MOE
@@ -290,7 +208,7 @@ def a2a(row: Row, work: Work) -> Cell:
     ref = row.fresh()
     expected = eager(torch_losses, ref, lm_loss, test_families._torch_adamw(ref), data)
     trainer = test_families.trainer_for(row.fresh(), "expert_parallel")
-    got = _step_losses(trainer, data, work)
+    got = step_losses(trainer, data, work)
     cell = losses_cell(got, expected, test_families.RTOL)
     moved = trainer.expert_dispatch == ts.ExpertDispatch("all_to_all")
     return cell if moved else Cell(cell.status, f"{cell.text} (dispatch: {trainer.expert_dispatch})")
@@ -302,7 +220,7 @@ def bf16(row: Row, work: Work) -> Cell:
     data = test_families._batches()
     expected = eager(test_precision.torch_mixed_precision, row.fresh(), lm_loss, data)
     trainer = test_families.trainer_for(row.fresh(), "expert_model", precision=ts.MixedPrecision())
-    got = _step_losses(trainer, data, work)
+    got = step_losses(trainer, data, work)
     return noisy_losses_cell(got, list(expected), test_precision.RTOL, lambda: _reordered(row, data))
 
 
@@ -353,7 +271,7 @@ def lora(row: Row, work: Work) -> Cell:
     axes, rules = test_lora.RULES["fsdp_tp"]
     plan = ts.plan(model, ts.make_mesh(axes), rules(model))
     trainer = ts.Trainer(model, test_lora.lm_loss, optax.adamw(test_lora.LR, weight_decay=test_lora.WD), plan)
-    got = _step_losses(trainer, data, work)
+    got = step_losses(trainer, data, work)
     return losses_cell(got, expected, test_families.RTOL)
 
 
@@ -388,6 +306,7 @@ CAPABILITIES: dict[str, Callable[[Row, Work], Cell]] = {
     "cp_a2a": cp_a2a,
     "lora": lora,
     "plan_compile": plan_compile,
+    **{key: capability for key, (_, _, capability) in COMBOS.items()},
 }
 assert list(CAPABILITIES) == [c.key for c in COLUMNS]
 
@@ -417,7 +336,7 @@ def _row(model_type: str, folder: Path) -> tuple[Row | None, str]:
             changed = row.batch.clone()
             changed[:, -1] = (changed[:, -1] + 1) % 128
             with torch.no_grad():
-                sees_later = not torch.equal(_forward(row.original, changed)["logits"][:, :-1], logits[:, :-1])
+                sees_later = not torch.equal(forward(row.original, changed)["logits"][:, :-1], logits[:, :-1])
         except Exception as err:  # no truth to compare with
             return None, f"cannot build or run eagerly from a tiny config: {type(err).__name__}: {first_line(err)}"
     if sees_later:

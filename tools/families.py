@@ -29,21 +29,21 @@ class Family:
     samples: str = ""  # why its train mode draws random numbers (a sampling router): it then trains in eval mode
 
 
-def config(family: Family) -> Any:
+def config(family: Family, *, layers: int = 2) -> Any:
     """The family's tiny config: `tools.tiny.tiny_kwargs` of its default config, then the family's overrides."""
     import transformers
     from transformers.models.auto.configuration_auto import CONFIG_MAPPING_NAMES
 
     config_class = getattr(transformers, CONFIG_MAPPING_NAMES[family.model_type])
-    return config_class(**(tiny_kwargs(config_class()) | dict(family.extra)))
+    return config_class(**(tiny_kwargs(config_class(), layers=layers) | dict(family.extra)))
 
 
-def build(family: Family, *, seed: int = 0) -> torch.nn.Module:
+def build(family: Family, *, seed: int = 0, layers: int = 2) -> torch.nn.Module:
     """The family's causal LM (its base model where it has none) on CPU, seeded."""
     import transformers
     from transformers.models.auto import modeling_auto
 
-    built = config(family)
+    built = config(family, layers=layers)
     name = modeling_auto.MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.get(family.model_type)
     torch.manual_seed(seed)
     model = getattr(transformers, name)(built)

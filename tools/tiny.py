@@ -190,17 +190,14 @@ def _settable(config: Any, name: str) -> bool:
     return _has(config, name) and (read(config, name) is not None or name in EVEN_IF_NONE)
 
 
-def _per_layer(default: Any, kw: dict[str, Any]) -> None:
-    """Per-layer lists cut to two entries, two kinds kept where there are two; dropout-like fields 0."""
+def _per_layer(default: Any, kw: dict[str, Any], depth: int) -> None:
+    """Per-layer lists cut to ``depth`` entries (two kinds kept, alternating, where there are two); dropout 0."""
     layers = read(default, "num_hidden_layers")
     for key, value in vars(default).items():
         cycled = key == "block_types"  # a pattern the layers repeat (RecurrentGemma's recurrent, recurrent, attention)
-        if (
-            not key.startswith("_")
-            and isinstance(value, list | tuple)
-            and (cycled or (layers and len(value) == layers))
-        ):
-            kw.setdefault(key, _two_layers(list(value)))
+        per_layer = cycled or (layers and len(value) == layers) if isinstance(value, list | tuple) else False
+        if not key.startswith("_") and per_layer:
+            kw.setdefault(key, (_two_layers(list(value)) * depth)[:depth])
         if isinstance(value, float) and value and _DROPOUT.search(key):
             kw[key] = 0.0  # so that two train-mode forwards agree
 
@@ -210,8 +207,8 @@ def _two_layers(values: list[Any]) -> list[Any]:
     return [values[0], other] if other is not None else values[:2]
 
 
-def tiny_kwargs(default: Any) -> dict[str, Any]:
-    """Config keywords that shrink ``default`` (a family's default config) and keep its structure.
+def tiny_kwargs(default: Any, *, layers: int = 2) -> dict[str, Any]:
+    """Config keywords that shrink ``default`` (a family's default config) to ``layers`` layers, keeping its structure.
 
     Examples:
         >>> import transformers
@@ -224,9 +221,9 @@ def tiny_kwargs(default: Any) -> dict[str, Any]:
     _ssm(default, kw)
     _widths(default, kw)
     _experts(default, kw)
-    kw |= FIXED
+    kw |= FIXED | {"num_hidden_layers": layers}
     kw = {k: v for k, v in kw.items() if _settable(default, k)}
-    _per_layer(default, kw)
+    _per_layer(default, kw, layers)
     return kw
 
 
