@@ -6,11 +6,17 @@
 `python3 dev.py compat` runs the quick suite on today's newest stack instead: a cached Python 3.12 venv
 (built once outside the clone) with whatever an unconstrained `pip install` picks, then once more with the
 newest torchax pre-release layered on top.
+
+`python3 dev.py gpu [--smoke]` runs the prepared device check (benchmarks/gpu.py) with the Python that runs
+dev.py when that Python has torch, jax and transformers (a GPU machine's image: it reaches no package index, so
+no .venv is made there), else in .venv as the other commands do. `python3 dev.py gpu --wheels DIR` fetches the
+pure-Python packages it needs that such an image may lack, at constraints.txt's versions, as wheels into DIR.
 """
 
 from __future__ import annotations
 
 import hashlib
+import importlib.util
 import json
 import os
 import shutil
@@ -54,7 +60,10 @@ COMPAT_EXTRAS = ("test", "examples", "hf")
 EXTRAS = (*COMPAT_EXTRAS, "docs")  # what .venv holds: the compat job needs no docs toolchain
 # the quick suite (the README's blocks are in it) and the stack's own checks, slow or not
 COMPAT_TESTS = ["-m", "pytest", "-n", "2", "-m", "not slow or compat", "-q"]
-ALL_COMMANDS = (*COMMANDS, "compat")
+ALL_COMMANDS = (*COMMANDS, "compat", "gpu")
+# what the device check imports that a GPU image may lack (pure Python: one wheel fits every machine)
+GPU_WHEELS = ("torchax", "optax", "absl-py")
+GPU_NEEDS = ("torch", "jax", "transformers")  # what it cannot carry: the image's own builds for its GPU
 
 
 def _fingerprint() -> str:
@@ -153,9 +162,47 @@ def compat(argv: list[str]) -> int:
     return 0
 
 
+def _pins(names: tuple[str, ...]) -> list[str]:
+    """``name==version`` for each of ``names`` as constraints.txt pins it."""
+    pins = dict(ln.split("==") for ln in (ROOT / "constraints.txt").read_text().splitlines() if "==" in ln)
+    return [f"{name}=={pins[name]}" for name in names]
+
+
+def _has_gpu() -> bool:
+    return shutil.which("nvidia-smi") is not None or Path("/dev/nvidia0").exists()
+
+
+def gpu(argv: list[str]) -> int:
+    """The device check with this Python where it has the stack (a GPU image), else with .venv; or, with
+    ``--wheels DIR``, the wheels it carries there."""
+    if "--wheels" in argv:
+        if argv.index("--wheels") + 1 >= len(argv):
+            print("usage: python3 dev.py gpu --wheels DIR", file=sys.stderr)
+            return 2
+        target = Path(argv[argv.index("--wheels") + 1]).resolve()
+        ensure_venv()
+        pip = [str(PY), "-m", "pip", "download", "--disable-pip-version-check", "-q", "--no-deps"]
+        code = subprocess.call([*pip, "--only-binary=:all:", "-d", str(target), *_pins(GPU_WHEELS)], cwd=ROOT)
+        if not code:
+            print(f"dev.py gpu: {', '.join(sorted(p.name for p in target.glob('*.whl')))} in {target}")
+        return code
+    python = sys.executable
+    if missing := [m for m in GPU_NEEDS if importlib.util.find_spec(m) is None]:
+        if _has_gpu():  # a device machine reaches no index: building .venv there would only fail, slowly
+            print(f"dev.py gpu: {python} cannot import {', '.join(missing)}; run dev.py with the image's "
+                  "python3 that has torch, jax and transformers", file=sys.stderr)  # fmt: skip
+            return 2
+        ensure_venv()
+        python = str(PY)
+    # the caller's directory stays, as with `run`: a relative --out is theirs
+    return subprocess.call([python, str(ROOT / "benchmarks" / "gpu.py"), *argv], env=_env())
+
+
 def main(argv: list[str]) -> int:
     if argv and argv[0] == "compat":
         return compat(argv[1:])
+    if argv and argv[0] == "gpu":
+        return gpu(argv[1:])
     if not argv or argv[0] not in COMMANDS:
         print(f"usage: python3 dev.py {{{'|'.join(ALL_COMMANDS)}}} [extra args]", file=sys.stderr)
         return 2
