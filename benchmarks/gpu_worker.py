@@ -14,7 +14,6 @@ from __future__ import annotations
 import argparse
 import collections
 import dataclasses
-import inspect
 import json
 import resource
 import statistics
@@ -186,9 +185,6 @@ def run_torchshard(preset: Preset, args: argparse.Namespace, row: Row) -> None:
     mesh_name, kwargs = variant_kwargs(args.variant)
     flags = dict(f.split("=", 1) for f in args.variant.split("+") if "=" in f)
     if "attn" in flags:
-        if "attention_kernel" not in inspect.signature(ts.Trainer).parameters:
-            row.update(skipped="this torchshard's Trainer has no attention_kernel keyword")
-            return
         kwargs["attention_kernel"] = flags["attn"]
     model = build(preset)
     row.update(flops_per_step=model_flops(model, preset), params=sum(p.numel() for p in model.parameters()))

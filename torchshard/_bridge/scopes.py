@@ -11,6 +11,19 @@ import jax
 import torch
 from torch.nn.modules import module as torch_module
 
+_open = threading.local()  # the names of the modules whose calls are being traced here, outermost first
+
+
+def current_module() -> str:
+    """The name of the innermost module call `named_scopes` is tracing on this thread ("" outside any).
+
+    Examples:
+        >>> current_module()
+        ''
+    """
+    names = getattr(_open, "names", None)
+    return names[-1] if names else ""
+
 
 @contextlib.contextmanager
 def named_scopes(model: torch.nn.Module) -> Iterator[None]:
@@ -37,16 +50,20 @@ def named_scopes(model: torch.nn.Module) -> Iterator[None]:
     names = {id(m): name for name, m in model.named_modules() if name}
     owner = threading.get_ident()
     opened: list[contextlib.AbstractContextManager[Any]] = []
+    stack: list[str] = getattr(_open, "names", None) or []
+    _open.names = stack
 
     def enter(module: torch.nn.Module, args: Any) -> None:
         if threading.get_ident() == owner and (name := names.get(id(module))) is not None:
             scope = jax.named_scope(name)
             scope.__enter__()
             opened.append(scope)
+            stack.append(name)
 
     def leave(module: torch.nn.Module, args: Any, output: Any) -> None:
         if threading.get_ident() == owner and id(module) in names and opened:
             opened.pop().__exit__(None, None, None)
+            stack.pop()
 
     before = torch_module.register_module_forward_pre_hook(enter)
     after = torch_module.register_module_forward_hook(leave, always_call=True)
@@ -57,3 +74,4 @@ def named_scopes(model: torch.nn.Module) -> Iterator[None]:
         after.remove()
         while opened:  # a forward that raised between its hooks (never seen; kept so the name stack unwinds)
             opened.pop().__exit__(None, None, None)
+            stack.pop()

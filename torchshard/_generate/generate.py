@@ -18,6 +18,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 from torchshard._base.errors import ArgumentError, raise_if_any
 from torchshard._bridge.layer_view import LayerView
 from torchshard._bridge.module_tensors import canonical_names, named_tensors
+from torchshard._bridge.ops import kernels
 from torchshard._bridge.tensors import is_jax_tensor, unwrap
 from torchshard._generate.decoders import Cached, Window, is_hf_causal_lm, text_config
 from torchshard._generate.generate_checks import (
@@ -204,6 +205,7 @@ def generate(
     seed: int = 0,
     pad_token_id: int | None = None,
     loop: Loop = DEFAULT_LOOP,
+    attention_kernel: str = "auto",
 ) -> torch.Tensor:
     """Continues each prompt by ``max_new_tokens`` tokens, compiled on the mesh the model's tensors are on.
 
@@ -230,6 +232,7 @@ def generate(
         seed: sampled tokens are the same for the same seed, prompt and settings.
         pad_token_id: fills rows after they stop; None takes the model's, else the first eos token.
         loop: ``"fused"`` runs every step in one jitted call; ``"stepped"`` calls one compiled step per token.
+        attention_kernel: the prefill's and decode steps' attention kernel, as ``Trainer(attention_kernel=)``.
 
     Returns:
         A CPU int64 tensor [batch, seq + n]: the prompts and ``n ≤ max_new_tokens`` new tokens, fewer
@@ -251,6 +254,7 @@ def generate(
     problems = setting_problems(max_new_tokens, temperature, top_k, top_p, eos_token_id, seed) + problems
     if loop not in ("fused", "stepped"):
         problems.append(f"loop={loop!r}: 'fused' or 'stepped'")
+    problems += kernels.check_kernel(attention_kernel, what="attention_kernel")
     raise_if_any(problems, header=f"generate: {len(problems)} bad argument(s)", error=ArgumentError)
     assert found is not None  # a target that was not found is a problem raised above
     model, (rows, prompt) = found.model, tuple(input_ids.shape)
@@ -267,11 +271,18 @@ def generate(
         arrays = {n: unwrap(t) for n, t in tensors.items() if canonical[n] == n}
         decoder = _decoder(model, found.mesh, kinds, rows, prompt, length)
         program = Program(decoder, prompt, max_new_tokens, sampling)
-        jitted = _compiled_for(model, program, lambda: _jitted(program))
+        jitted = _compiled_for(model, (program, attention_kernel), lambda: _jitted(program))
         inputs = _placed(found.mesh, input_ids.detach().cpu().to(torch.int32).numpy(), mask.numpy(), seed)
-        tokens, made = _traced_run(model, not kinds, lambda: _run(jitted, program, loop, arrays, *inputs))
+        with kernels.choosing(_kernel_policy(attention_kernel, found.mesh)):
+            tokens, made = _traced_run(model, not kinds, lambda: _run(jitted, program, loop, arrays, *inputs))
         out = np.asarray(jax.device_get(tokens))
     return torch.from_numpy(out[:, : prompt + made].astype(np.int64))
+
+
+def _kernel_policy(requested: str, mesh: Mesh | None) -> kernels.Policy:
+    if mesh is None:
+        return kernels.Policy(requested, jax.default_backend())
+    return kernels.Policy(requested, mesh.devices.flat[0].platform, mesh.devices.size)
 
 
 def _checked(target: Any, input_ids: Any, new: Any, attention_mask: Any):

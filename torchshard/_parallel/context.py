@@ -16,13 +16,14 @@ import numpy as np
 import torch
 from jax.sharding import Mesh, PartitionSpec
 
-from torchshard._base.errors import raise_if_any
+from torchshard._base.errors import ArgumentError, raise_if_any
 from torchshard._base.specs import entry_axes
 from torchshard._base.validate import AnyMesh, describe_mesh, instance_problems, raise_for_arguments
 from torchshard._bridge.constants import index_constants_folded
 from torchshard._bridge.env import overriding
-from torchshard._bridge.ops import tokens
+from torchshard._bridge.ops import kernels, tokens
 from torchshard._bridge.ops.attention import ATTENTION_OPS
+from torchshard._bridge.scopes import current_module
 from torchshard._parallel import documents, hf_documents
 from torchshard._parallel.ring_attention import context_attention
 
@@ -250,6 +251,7 @@ def _sdpa(
         raise_if_any(
             problems, header=f"scaled_dot_product_attention({shapes}) under {context} on {describe_mesh(mesh)}"
         )
+        _record_ring(context, mesh, query, key, value, attn_mask, is_causal)
         segments = _segments(attn_mask, query.shape[0], query.shape[2])[0]
         pattern = _mask_pattern(attn_mask, query.shape[2]) if attn_mask is not None and segments is None else None
         causal, window = pattern or (False, None)
@@ -270,6 +272,24 @@ def _sdpa(
         )
 
     return sdpa
+
+
+def _record_ring(context: ContextParallel, mesh: Mesh, query, key, value, attn_mask, is_causal) -> None:
+    """The call site's kernel: the ring (or all-gather), which folds its own tiles whatever ``auto`` would pick.
+
+    Raises:
+        ArgumentError: a kernel other than ``auto`` or ``tiled`` was forced.
+    """
+    policy = kernels.current(mesh.devices.flat[0].platform)
+    site = current_module()
+    if policy.requested not in ("auto", "tiled"):
+        raise ArgumentError(
+            f"attention_kernel={policy.requested!r} cannot take the attention called by {site or 'the top level'} "
+            f"(query {list(query.shape)}, key {list(key.shape)}): under {context} each device folds its part of the "
+            f"sequence with the ring's own tiles, not a {policy.requested} kernel; use attention_kernel='auto'"
+        )
+    if policy.record is not None:
+        policy.record.setdefault(site, kernels.Choice(context.attention, f"{context} over {describe_mesh(mesh)}"))
 
 
 class ContextParallelWarning(UserWarning):

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any, Protocol
 
 import numpy as np
@@ -63,6 +63,10 @@ class Bound:
     def gradient(self) -> Callable[[Any], Callable[..., Any]] | None:
         """The step's value_and_grad of the loss, from its `Runtime`, if this strategy differentiates it itself."""
         return None
+
+    def kernels(self) -> Mapping[str, Any]:
+        """The kernel each attention call site this strategy lowers got, and why (after the step is traced)."""
+        return {}
 
     @property
     def bubble(self) -> float:

@@ -171,6 +171,11 @@ class Trainer(Observed):
         """How tokens meet experts: ``ExpertDispatch()`` where all-to-all runs, else what was passed (or None)."""
         return self._strategies["expert_dispatch"].option
 
+    @property
+    def kernels(self) -> dict[str, Any]:
+        """The kernel each attention call site got and why (``attention_kernel=``), once the step is traced."""
+        return {site: choice for s in self._strategies.values() for site, choice in s.kernels().items()}
+
     def _own(self, model: torch.nn.Module) -> torch.nn.Module:
         """Places ``model``'s tensors as the plan says and makes this Trainer their owner; scanned layers are
         placed when they are stacked, so a pipeline stage's devices receive only its layers."""

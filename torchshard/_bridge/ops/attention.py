@@ -1,17 +1,25 @@
-"""``scaled_dot_product_attention`` in torch's layout that keeps heads sharded, tiled by `flash` (no saved scores)."""
+"""``scaled_dot_product_attention`` in torch's layout that keeps heads sharded, through the kernel `kernels` picks.
+
+The tiled kernel (`flash`: no saved scores) everywhere it must; cuDNN's fused flash attention on GPUs
+and splash attention on TPUs where they take the call; ``jax.nn.dot_product_attention``'s XLA form
+when forced.
+"""
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import torch
 
 from torchshard._bridge.loaded import Environment, interop
-from torchshard._bridge.ops import flash
+from torchshard._bridge.ops import flash, kernels, splash
 from torchshard._bridge.registry import register
+from torchshard._bridge.scopes import current_module
 
 
 def _grouped(query: jax.Array, kv_heads: int, scale: float | None) -> jax.Array:
@@ -45,14 +53,45 @@ def attention_jax(query, key, value, attn_mask, is_causal, scale, *, tiles: tupl
     return flash.attend(tiling, q, key, value, mask, bias).reshape(b, n, s, value.shape[-1])
 
 
+def fused_jax(kernel: str, query, key, value, attn_mask, is_causal, scale):
+    """``jax.nn.dot_product_attention(implementation=kernel)`` ("xla" or "cudnn") on torch's [b, heads, s, d] layout.
+
+    Its grouping of query heads over KV heads is torch's ``enable_gqa``'s (head ``n`` reads KV head
+    ``n // group``). A mask or bias is broadcast to the full [s, t] (cuDNN takes no broadcast sequence dims).
+    """
+    q, k, v = (jnp.swapaxes(x, 1, 2) for x in (query, key, value))  # [b, s, heads, d]
+    mask = bias = None
+    if attn_mask is not None:
+        m = attn_mask.reshape((1,) * (4 - attn_mask.ndim) + attn_mask.shape)
+        m = jnp.broadcast_to(m, (*m.shape[:2], query.shape[2], key.shape[2]))
+        mask, bias = (m, None) if m.dtype == jnp.bool_ else (None, m.astype(query.dtype))
+    scale = query.shape[-1] ** -0.5 if scale is None else scale
+    out = jax.nn.dot_product_attention(q, k, v, bias, mask, scale=scale, is_causal=is_causal, implementation=kernel)
+    return jnp.swapaxes(out, 1, 2)
+
+
 ATTENTION_OPS = (torch.nn.functional.scaled_dot_product_attention, torch.ops.aten.scaled_dot_product_attention)
 
 
+def _call(query, key, value, attn_mask, dropout_p, is_causal) -> kernels.Call:
+    mask = None if attn_mask is None else "bool" if attn_mask.dtype == torch.bool else "float"
+    return kernels.Call(current_module(), tuple(query.shape), tuple(key.shape), tuple(value.shape),
+                        np.dtype(_jax_dtype(query.dtype)), mask, bool(is_causal), dropout_p > 0)  # fmt: skip
+
+
+_DTYPES = {torch.bfloat16: jnp.bfloat16, torch.float16: jnp.float16, torch.float32: jnp.float32}
+
+
+def _jax_dtype(dtype: torch.dtype) -> Any:
+    return _DTYPES.get(dtype, jnp.float32)
+
+
 def attention(reference: Callable[..., Any], call_jax: Callable[..., Any]) -> Callable[..., Any]:
-    """``scaled_dot_product_attention`` that keeps heads sharded; dropout and odd ranks use ``reference``.
+    """``scaled_dot_product_attention`` through the kernel `kernels.choose` picks; heads stay sharded.
 
     torchax's version repeats grouped KV heads and multiplies through reshapes that make GSPMD
-    gather the heads a tensor-parallel attention had split over the mesh.
+    gather the heads a tensor-parallel attention had split over the mesh. Dropout, odd ranks and
+    empty sequences use ``reference``.
 
     Args:
         reference: torchax's own implementation (a torch-level op that takes ``env=``).
@@ -62,11 +101,26 @@ def attention(reference: Callable[..., Any], call_jax: Callable[..., Any]) -> Ca
     def sdpa(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False, env=None):
         grouped = query.ndim == 4 and key.ndim == 4 and query.shape[1] % key.shape[1] == 0
         empty = grouped and (query.shape[2] == 0 or key.shape[2] == 0)  # no tile to fold: torchax's own op
-        if dropout_p > 0 or not grouped or empty or (query.shape[1] != key.shape[1] and not enable_gqa):
+        if not grouped or empty or (query.shape[1] != key.shape[1] and not enable_gqa):
             return reference(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa, env=env)
+        policy = kernels.current(_platform())
+        call = _call(query, key, value, attn_mask, dropout_p, is_causal)
+        choice = kernels.choose(policy.requested, call, policy.platform, devices=policy.devices)
+        if policy.record is not None:
+            policy.record.setdefault(call.site, choice)
+        if choice.kernel == "reference":
+            return reference(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa, env=env)
+        if choice.kernel in ("xla", "cudnn"):
+            return call_jax(functools.partial(fused_jax, choice.kernel), query, key, value, attn_mask, is_causal, scale)
+        if choice.kernel == "splash":
+            return call_jax(splash.splash_attention, query, key, value, causal=bool(is_causal), scale=scale)
         return call_jax(attention_jax, query, key, value, attn_mask, is_causal, scale)
 
     return sdpa
+
+
+def _platform() -> str:
+    return jax.default_backend()
 
 
 def install(tx: Environment) -> None:

@@ -1,0 +1,59 @@
+"""``Trainer(attention_kernel=)``: which kernel each attention call gets, chosen while the step is traced."""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import logging
+from collections.abc import Iterator, Mapping
+from typing import Any
+
+from jax.sharding import Mesh
+
+from torchshard._base.validate import raise_for_arguments
+from torchshard._bridge.ops import kernels
+from torchshard._train.strategy import Bound, Setting, Strategy
+
+logger = logging.getLogger("torchshard")
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class KernelChoice(Bound):
+    """Every attention call traced in the step picks its kernel by the option; the choices are kept, by call site."""
+
+    option: str = "auto"
+    platform: str = "cpu"
+    devices: int = 1
+    chosen: dict[str, kernels.Choice] = dataclasses.field(default_factory=dict, compare=False, repr=False)
+
+    @contextlib.contextmanager
+    def _choosing(self) -> Iterator[None]:
+        before = dict(self.chosen)
+        with kernels.choosing(kernels.Policy(self.option, self.platform, self.devices, self.chosen)):
+            yield
+        if self.chosen != before:
+            logger.info("attention kernels: %s", "; ".join(f"{s or '<top>'}: {c}" for s, c in self.chosen.items()))
+
+    def tracing(self) -> contextlib.AbstractContextManager[Any]:
+        return self._choosing()
+
+    def kernels(self) -> Mapping[str, Any]:
+        return dict(self.chosen)
+
+
+def bind(option: Any, setting: Setting) -> Bound:
+    """``Trainer(attention_kernel=)``: ``"auto"`` (the default), or one of `kernels.KERNELS` forced.
+
+    Raises:
+        ArgumentError: ``option`` is not a kernel name.
+    """
+    option = "auto" if option is None else option
+    raise_for_arguments(kernels.check_kernel(option, what="attention_kernel"), header="invalid Trainer arguments")
+    mesh = setting.plan.mesh
+    device = mesh.devices.flat[0] if isinstance(mesh, Mesh) else None
+    platform = device.platform if device is not None else "cpu"
+    devices = mesh.devices.size if isinstance(mesh, Mesh) else 1
+    return KernelChoice(option=option, platform=platform, devices=devices)
+
+
+STRATEGY = Strategy(keyword="attention_kernel", option=str, bind=bind)
