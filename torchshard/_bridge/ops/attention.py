@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Callable
-from typing import Any
+from typing import Any, Literal
 
 import jax
 import jax.numpy as jnp
@@ -53,7 +53,7 @@ def attention_jax(query, key, value, attn_mask, is_causal, scale, *, tiles: tupl
     return flash.attend(tiling, q, key, value, mask, bias).reshape(b, n, s, value.shape[-1])
 
 
-def fused_jax(kernel: str, query, key, value, attn_mask, is_causal, scale):
+def fused_jax(kernel: Literal["xla", "cudnn"], query, key, value, attn_mask, is_causal, scale):
     """``jax.nn.dot_product_attention(implementation=kernel)`` ("xla" or "cudnn") on torch's [b, heads, s, d] layout.
 
     Its grouping of query heads over KV heads is torch's ``enable_gqa``'s (head ``n`` reads KV head
@@ -110,8 +110,9 @@ def attention(reference: Callable[..., Any], call_jax: Callable[..., Any]) -> Ca
             policy.record.setdefault(call.site, choice)
         if choice.kernel == "reference":
             return reference(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa, env=env)
-        if choice.kernel in ("xla", "cudnn"):
-            return call_jax(functools.partial(fused_jax, choice.kernel), query, key, value, attn_mask, is_causal, scale)
+        if choice.kernel == "xla" or choice.kernel == "cudnn":
+            fused = functools.partial(fused_jax, "xla" if choice.kernel == "xla" else "cudnn")
+            return call_jax(fused, query, key, value, attn_mask, is_causal, scale)
         if choice.kernel == "splash":
             return call_jax(splash.splash_attention, query, key, value, causal=bool(is_causal), scale=scale)
         return call_jax(attention_jax, query, key, value, attn_mask, is_causal, scale)
