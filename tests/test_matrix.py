@@ -108,6 +108,16 @@ def _hf_llama() -> nn.Module:
     return transformers.LlamaForCausalLM(config)
 
 
+def _hf_mistral() -> nn.Module:
+    import transformers
+
+    # a sliding window of 8 over 16-token rows: transformers builds it as a constant [B, 1, S, S] band mask
+    config = transformers.MistralConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                        num_attention_heads=4, num_key_value_heads=2, vocab_size=128,
+                                        max_position_embeddings=64, sliding_window=8)  # fmt: skip
+    return transformers.MistralForCausalLM(config)
+
+
 def hf_loss(model, ids):
     return model(input_ids=ids, labels=ids, use_cache=False).loss
 
@@ -150,6 +160,8 @@ FAMILIES = {
     # transformers' own Llama: its loss flattens the logits rows-major, as users' HF models do (see COMBOS)
     "hf_llama": Family(_hf_llama, hf_loss, lambda: hf_batches(8), LLAMA_LAYER,
                        lambda axes: presets.fsdp("data", min_size=256) if "data" in axes else None),
+    "hf_mistral": Family(_hf_mistral, hf_loss, lambda: hf_batches(8), LLAMA_LAYER,
+                         lambda axes: presets.fsdp("data", min_size=256) if "data" in axes else None),
     # transformers MoE families: their experts build index tensors inside the dispatch (see COMBOS)
     **{t: Family(_hf(t), hf_loss, lambda: hf_batches(8), LLAMA_LAYER, _hf_experts(t))
        for t in ("mixtral", "qwen2_moe")},
@@ -319,6 +331,15 @@ COMBOS = {
         pipeline=Pipeline(microbatches=2)),
     "context all_gather + 1f1b (HF Llama)": dict(
         strategy="context all_gather", features=(), family="hf_llama", axes={"stage": 2, "data": 2, "context": 2},
+        pipeline=Pipeline(microbatches=2, schedule="1f1b")),
+    # the window mask is a constant built outside the stack: split into micro-batches it would be traced, and the
+    # ring could not read it as a window; one row of it goes to every micro-batch instead
+    "context ring + gpipe (HF Mistral, sliding window)": dict(
+        strategy="context ring", features=(), family="hf_mistral", axes={"stage": 2, "data": 2, "context": 2},
+        pipeline=Pipeline(microbatches=2)),
+    # 1F1B runs the model's code before the stack under autodiff: the mask must come out of it a constant too
+    "context ring + 1f1b (HF Mistral, sliding window)": dict(
+        strategy="context ring", features=(), family="hf_mistral", axes={"stage": 2, "data": 2, "context": 2},
         pipeline=Pipeline(microbatches=2, schedule="1f1b")),
     "expert all_to_all + gpipe": dict(
         strategy="expert all_to_all", features=(), axes={"stage": 2, "expert": 4}, batch_spec=P("expert"),

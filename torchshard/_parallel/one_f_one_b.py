@@ -35,6 +35,7 @@ from torchshard._parallel.pipeline import (
     _reordered,
     _shards,
     _split,
+    narrowed,
 )
 from torchshard._parallel.residuals import Residuals, residuals
 
@@ -334,6 +335,7 @@ def run(
         loop: the schedule of the ticks (`_Loop`'s is 1F1B's; `zero_bubble` defers the weight gradients).
     """
     m, rows = spec.microbatches, h.shape[0]
+    others = narrowed(others, rows)
     if rows % m:
         raise ShardingError(
             f"Pipeline(schedule={spec.schedule!r}): the stack's input {list(h.shape)} does not split into "

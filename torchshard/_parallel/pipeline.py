@@ -176,6 +176,24 @@ def _merge(x: jax.Array) -> jax.Array:
     return jnp.swapaxes(x, 0, 1).reshape(x.shape[0] * x.shape[1], *x.shape[2:])
 
 
+def narrowed(others: Sequence[jax.Array], rows: int) -> list[jax.Array]:
+    """``others`` with each constant integer or boolean argument whose rows are all equal cut to one row.
+
+    A mask the model builds from no input (transformers' causal or sliding-window mask, [B, 1, S, S])
+    is a constant while traced (`index_constants_folded`); split into micro-batches it would turn into
+    a traced slice, which context-parallel attention cannot read as a window. One row broadcasts over
+    every micro-batch's rows and stays a constant.
+    """
+    out = []
+    for x in others:
+        if _by_batch(x, rows) and not isinstance(x, jax.core.Tracer) and not jnp.issubdtype(x.dtype, jnp.floating):
+            with jax.ensure_compile_time_eval():  # evaluated now, on the constant: the result stays one
+                first = x[:1]
+                x = first if bool((x == first).all()) else x
+        out.append(x)
+    return out
+
+
 def _by_batch(x: jax.Array, rows: int) -> bool:
     # a call argument of rank ≥ 2 whose leading dim is the batch's (a mask, positions) is split with the rows;
     # rank-1 arguments (cache positions) and broadcast ones (leading dim 1) go to every micro-batch whole
@@ -347,6 +365,7 @@ def run(
     blocks = (spec.stages, spec.chunk) if spec.repeats == 1 else (spec.stages, spec.repeats, spec.chunk)
     weights = {k: jax.lax.with_sharding_constraint(w.reshape(*blocks, *w.shape[1:]), _stage_spec(spec, w.ndim, blocks))
                for k, w in params.items()}  # fmt: skip
+    others = narrowed(others, rows)
     split = tuple(_split(x, m) for x in others if _by_batch(x, rows))
     whole = tuple(x for x in others if not _by_batch(x, rows))
     loop = _Loop(spec, _reordered(layer_fn, others, rows), weights, split, whole, key,

@@ -77,8 +77,17 @@ def intercepted(
     if mode is None:
         return None
     if mode.given is None:
+        # the block's output structure; constants among the call arguments (a mask built from no input) stay
+        # constants, so that what the layers check of them (context parallelism's window) is what they will see
+        traced = [isinstance(x, jax.core.Tracer) for x in others]
         shaped = lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype)  # noqa: E731
-        jax.eval_shape(layer_fn, *jax.tree.map(shaped, (dict(layer), h, list(others), key)))  # the block's output
+        args = jax.tree.map(shaped, (dict(layer), h, [x for x, t in zip(others, traced, strict=True) if t], key))
+
+        def block(layer: Any, h: jax.Array, given: list[jax.Array], key: jax.Array) -> Any:
+            it = iter(given)
+            return layer_fn(layer, h, [next(it) if t else x for x, t in zip(others, traced, strict=True)], key)
+
+        jax.eval_shape(block, *args)
         mode.layer_fn, mode.h, mode.others, mode.output, mode.policy = layer_fn, h, tuple(others), pure.output, policy
         raise _Stop
     if mode.given.shape != h.shape:
