@@ -177,8 +177,8 @@ def test_an_unknown_conversion_op_is_refused_naming_it_and_the_tensor(hub, monke
     before = model.model.embed_tokens.weight.detach().clone()
     with pytest.raises(
         ts.ShardingError,
-        match=r"model.layers.0.mlp.experts.down_proj \(from model.layers.0.mlp."
-        rf"experts.0.down_proj.weight and {model.config.num_experts - 1} more\): transformers converts it with Transpose",
+        match=r"model.layers.0.mlp.experts.down_proj \(from model.layers.0.mlp.experts.0.down_proj.weight "
+        rf"and {model.config.num_experts - 1} more\): transformers converts it with Transpose",
     ):
         ts.load_safetensors(hub("qwen2_moe"), model, plan)
     assert torch.equal(model.model.embed_tokens.weight, before)  # nothing placed
