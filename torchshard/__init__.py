@@ -3,6 +3,7 @@
 from torchshard import collectives, distributed, presets, track
 from torchshard import inspect as inspect
 from torchshard._base.errors import ArgumentError, CheckpointError, ShardingError, TrackerError, UnusedRuleWarning
+from torchshard._bridge.ops.linear_cross_entropy import linear_cross_entropy
 from torchshard._ckpt.checkpoint import load, save
 from torchshard._ckpt.stepdir import checkpoint_steps
 from torchshard._generate.generate import generate
@@ -60,6 +61,7 @@ __all__ = [
     "from_torch_state_dict",
     "generate",
     "init_sharded",
+    "linear_cross_entropy",
     "load",
     "load_dcp",
     "load_safetensors",

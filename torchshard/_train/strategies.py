@@ -9,7 +9,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-from torchshard._train import contextual, dispatched, kernel_choice, pipelined
+from torchshard._train import contextual, dispatched, fused_loss, kernel_choice, pipelined
 from torchshard._train.strategy import Bound, Setting, Strategy
 
 __all__ = ["STRATEGIES", "bind_all", "flagged", "register"]
@@ -34,6 +34,7 @@ def register(strategy: Strategy) -> Strategy:
 register(pipelined.STRATEGY)
 register(contextual.STRATEGY)
 register(dispatched.STRATEGY)
+register(fused_loss.STRATEGY)
 register(kernel_choice.STRATEGY)
 
 
