@@ -94,6 +94,29 @@ def test_master_state_is_float32_and_nine_in_ten_dots_are_bf16():
     assert {t.dtype for t in exported.values() if t.is_floating_point()} == {torch.float32}
 
 
+# the float32 matmuls a bf16 step may keep: those of the loss (its softmax runs in float32) and of norms
+FLOAT32_ALLOWED = re.compile(r"linear_cross_entropy|cross_entropy|norm", re.I)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("fused_loss", [True, False])
+def test_a_bf16_llama_step_has_no_float32_matmul_outside_the_loss_and_the_norms(fused_loss):
+    # read from the traced step: XLA:CPU converts bf16 matmuls to float32 when it compiles
+    import transformers
+
+    torch.manual_seed(0)
+    config = transformers.LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                      num_attention_heads=4, num_key_value_heads=2, vocab_size=512)  # fmt: skip
+    model = transformers.LlamaForCausalLM(config)
+    mesh = ts.make_mesh({"data": 4, "model": 2})
+    trainer = ts.Trainer(model, lambda m, ids: m(input_ids=ids, labels=ids).loss, optax.adamw(1e-3),
+                         ts.plan(model, mesh, presets.hf_rules(model)), precision=ts.MixedPrecision(),
+                         fused_loss=fused_loss)  # fmt: skip
+    found = ts.inspect.matmuls(trainer, torch.randint(0, 512, (8, 256)))
+    stray = [m for m in found if m.float32 and not FLOAT32_ALLOWED.search(m.scope)]
+    assert len(found) > 40 and stray == [], stray
+
+
 def test_without_a_policy_no_dot_is_bf16():
     torch.manual_seed(0)
     trainer = trainer_for(tiny_llama(), llama_loss)

@@ -2,9 +2,10 @@
 
 from torchshard._hlo.hardware import PROFILES, Hardware, hardware
 from torchshard._hlo.hlo import KINDS, Collective, axes_of, parse_hlo
+from torchshard._hlo.matmuls import Matmul
 from torchshard._hlo.memory import CompiledMemory
 from torchshard._report.compiled import memory
-from torchshard._report.inspection import CollectiveStats, collectives
+from torchshard._report.inspection import CollectiveStats, collectives, matmuls
 from torchshard._search.search import Candidate, search
 from torchshard._train.abstract import AbstractTrainer
 
@@ -17,9 +18,11 @@ __all__ = [
     "CollectiveStats",
     "CompiledMemory",
     "Hardware",
+    "Matmul",
     "axes_of",
     "collectives",
     "hardware",
+    "matmuls",
     "memory",
     "parse_hlo",
     "search",

@@ -16,6 +16,7 @@ from torchshard._base.validate import describe_mesh
 from torchshard._bridge.tensors import unwrap
 from torchshard._hlo.costs import collective_runs
 from torchshard._hlo.hlo import KINDS, Collective, axes_of
+from torchshard._hlo.matmuls import Matmul, matmuls_of
 from torchshard._train.trainer import Trainer
 
 
@@ -166,3 +167,20 @@ def collectives(target: Any, *args: Any, mesh: Mesh | None = None, **kwargs: Any
     if mesh is not None:
         ops = tuple(dataclasses.replace(op, axes=axes_of(op, mesh)) for op in ops)
     return CollectiveStats(ops, mesh, tuple(n for _, n in counted))
+
+
+def matmuls(trainer: Trainer, batch: Any) -> tuple[Matmul, ...]:
+    """Every matmul of ``trainer``'s step for ``batch``, with its operands' dtypes and name scopes.
+
+    Read from the traced program, before XLA: on the CPU, XLA converts bf16 matmuls to float32 when
+    it compiles, so the compiled HLO cannot say which the step asks for in float32. Nothing runs.
+
+    Examples:
+        >>> model = torch.nn.Linear(16, 4)
+        >>> p = ts.plan(model, ts.make_mesh({"data": 8}))
+        >>> trainer = ts.Trainer(model, lambda m, b: m(b).float().square().mean(), __import__("optax").sgd(0.1), p,
+        ...                      precision=ts.MixedPrecision())
+        >>> sorted({(m.lhs, m.rhs) for m in matmuls(trainer, torch.randn(32, 16))})
+        [('bfloat16', 'bfloat16')]
+    """
+    return matmuls_of(trainer.trace(batch).jaxpr)

@@ -372,6 +372,11 @@ class Trainer(Observed):
             with jax.set_mesh(self.mesh):
                 return self._step_fn.lower(*args)
 
+    def trace(self, batch: Any) -> jax.stages.Traced:
+        """The step traced for ``batch`` (``.jaxpr`` is its program before XLA), as `lower` does without compiling."""
+        with self._lock, jax.set_mesh(self.mesh):
+            return self._step_fn.trace(*self._step_args(batch))
+
     def evaluate(self, batch: Any, fn: LossFn | None = None, *, local: bool = False) -> dict[str, jax.Array]:
         """``fn(model, batch)`` on the current state in eval mode, as one compiled call; nothing in the state changes.
 

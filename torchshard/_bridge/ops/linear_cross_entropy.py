@@ -43,9 +43,29 @@ def chunk_count(tokens_: int, vocab: int, chunk_tokens: int | None) -> tuple[int
     return chunks, max(1, math.ceil(tokens_ / chunks))
 
 
+@jax.custom_vjp
 def _logits(h: jax.Array, w: jax.Array) -> jax.Array:
-    """``h @ w.T`` of one chunk, accumulated and returned in float32 (the loss' softmax runs in float32)."""
+    """``h @ w.T`` of one chunk, accumulated and returned in float32 (the loss' softmax runs in float32).
+
+    Its gradient flows back in the inputs' dtype, as torch autocast's ``.float()`` hands it back: the
+    head's backward matmuls then run in bf16 under a bf16 policy, not in float32 against a bf16 weight.
+    """
     return jax.lax.dot_general(h, w, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
+
+
+def _logits_fwd(h: jax.Array, w: jax.Array) -> tuple[jax.Array, tuple[jax.Array, jax.Array]]:
+    return _logits(h, w), (h, w)
+
+
+def _logits_bwd(res: tuple[jax.Array, jax.Array], g: jax.Array) -> tuple[jax.Array, jax.Array]:
+    h, w = res
+    g = g.astype(h.dtype)
+    dh = jax.lax.dot_general(g, w, (((1,), (0,)), ((), ())), preferred_element_type=jnp.float32)
+    dw = jax.lax.dot_general(g, h, (((0,), (0,)), ((), ())), preferred_element_type=jnp.float32)
+    return dh.astype(h.dtype), dw.astype(w.dtype)
+
+
+_logits.defvjp(_logits_fwd, _logits_bwd)
 
 
 def _chunk(x: jax.Array, k: jax.Array) -> jax.Array:
@@ -151,7 +171,8 @@ def loss_jax(
         labels = jnp.pad(labels, (0, chunks * per - n), constant_values=ignore_index)
     if chunks == 1:  # nothing to save by recomputing: autodiff keeps the one chunk's logits (and XLA cannot
         # merge a recomputation with the forward, counting the head's matmul as recomputed work in MFU)
-        total = _forward(ignore_index, hidden.reshape(per, 1, -1), weight, labels.reshape(per, 1))[0]
+        with jax.named_scope(LOSS_SCOPE):
+            total = _forward(ignore_index, hidden.reshape(per, 1, -1), weight, labels.reshape(per, 1))[0]
     else:
         total = summed_loss(ignore_index, hidden.reshape(per, chunks, -1), weight, labels.reshape(per, chunks))
     if reduction == "mean":
