@@ -208,3 +208,32 @@ def test_moe_router_logits_train_the_aux_loss_under_remat_and_scan_like_torch(fa
     with torch.no_grad():
         aux = float(reference(input_ids=data[0], labels=data[0]).aux_loss)
     assert float(got[0]["aux_loss"]) > 0.1 and aux > 0.1  # the aux loss takes part
+
+
+@pytest.mark.slow
+def test_the_matmuls_policy_recomputes_no_matmul_against_a_weight_and_trains_like_eager(mesh_fsdp):
+    """remat=Remat(layers, policy="matmuls") keeps each matmul against a weight and recomputes the cheap rest and
+    attention's forward, where nothing_saveable recomputes every matmul of the forward."""
+
+    def run(policy: str | None) -> ts.Trainer:
+        torch.manual_seed(0)
+        model = tiny_llama(layers=2)
+        remat = None if policy is None else ts.Remat(r"model\.layers\.\d+", policy=policy)
+        loss = lambda m, ids: m(input_ids=ids, labels=ids).loss  # noqa: E731
+        return ts.Trainer(model, loss, optax.adamw(1e-3), ts.plan(model, mesh_fsdp), scan_layers=True, remat=remat)
+
+    g = torch.Generator().manual_seed(5)
+    data = [torch.randint(0, 128, (8, 64), generator=g) for _ in range(3)]
+    torch.manual_seed(0)
+    ref = tiny_llama(layers=2)
+    expected = torch_losses(ref, lambda m, ids: m(input_ids=ids, labels=ids).loss,
+                            torch.optim.AdamW(ref.parameters(), lr=1e-3), data)  # fmt: skip
+    kept, recomputed, plain = run("matmuls"), run("nothing_saveable"), run(None)
+    np.testing.assert_allclose([float(kept.step(b)["loss"]) for b in data], expected, rtol=1e-4)
+    recomputed.step(data[0])
+    plain.step(data[0])
+    # matmul FLOPs remat added (the tiled attention's backward recomputes its scores with or without remat):
+    # nothing_saveable recomputes the projections and MLP, "matmuls" only attention's forward scores
+    added = lambda t: t.flops_per_step - t.model_flops_per_step - (plain.flops_per_step - plain.model_flops_per_step)  # noqa: E731
+    assert added(recomputed) > 0.2 * plain.model_flops_per_step
+    assert 0 < added(kept) < 0.05 * plain.model_flops_per_step, (added(kept), plain.model_flops_per_step)

@@ -9,7 +9,7 @@ from typing import Any
 import jax
 import torch
 
-from torchshard._bridge import autocast, grad_mode, init_ops
+from torchshard._bridge import autocast, grad_mode, init_ops, xla_flags
 from torchshard._bridge.fixes import batch_norm_stats, captured_constants, narrow_dtypes, ragged_dot_dims
 from torchshard._bridge.loaded import Environment, torchax
 from torchshard._bridge.ops import (
@@ -32,6 +32,7 @@ _fixed_envs: set[int] = set()
 
 def env() -> Environment:
     """torchax's default environment with torchshard's lowerings, created on first use (starts the JAX backend)."""
+    xla_flags.apply_gpu_flags(started=backend_started())  # before torchax's environment starts the backend
     tx = torchax.default_env()
     if id(tx) not in _fixed_envs:
         _install_lowerings(tx)

@@ -12,6 +12,7 @@ from jax.sharding import AxisType, Mesh
 from torchshard._base.errors import ArgumentError, ShardingError
 from torchshard._base.validate import raise_for_arguments
 from torchshard._bridge.env import backend_started
+from torchshard._bridge.xla_flags import apply_gpu_flags
 
 
 def use_cpu_devices(n: int) -> None:
@@ -107,6 +108,8 @@ def make_mesh(axes: Mapping[str, int], devices: Sequence[jax.Device] | None = No
             f"make_mesh(axes={axes!r}): axes must be a non-empty dict of axis name → size, "
             f'e.g. {{"data": 4, "model": 2}}.'
         )
+    if devices is None:
+        apply_gpu_flags(started=backend_started())  # before jax.devices() starts the backend
     devices = list(jax.devices() if devices is None else _checked_devices(devices))
     shape = _resolve_sizes(axes, len(devices))
     return jax.make_mesh(shape, tuple(axes), axis_types=(AxisType.Auto,) * len(shape), devices=devices)

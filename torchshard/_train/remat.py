@@ -30,6 +30,12 @@ POLICIES = tuple(
 )
 
 
+# torchshard's name for the policy to train with on GPUs (MaxText's configs call it "minimal"): keep every matmul
+# against a weight, recompute the cheap rest (norms, activations, rotary, softmax) and attention's forward, whose
+# scores are what flash attention exists not to keep
+MATMULS = "matmuls"
+
+
 @dataclasses.dataclass(frozen=True)
 class Remat:
     """Activation checkpointing for `Trainer` (``remat=``): which modules, and what their backward may reuse.
@@ -45,7 +51,9 @@ class Remat:
         policy: a ``jax.checkpoint_policies`` name: ``"nothing_saveable"`` (recompute all),
             ``"dots_saveable"`` (keep matmul outputs), ``"dots_with_no_batch_dims_saveable"``,
             ``"everything_saveable"``, or ``"offload_dot_with_no_batch_dims"`` (keep matmul outputs in
-            pinned host memory, on backends that have it); or a policy function.
+            pinned host memory, on backends that have it); ``"matmuls"``, the one to train with on
+            GPUs (``dots_with_no_batch_dims_saveable``): keep every matmul against a weight, recompute
+            norms, activations, rotary, softmax and attention's forward; or a policy function.
 
     Raises:
         ArgumentError: a pattern that is not a valid regex, or an unknown policy.
@@ -65,16 +73,17 @@ class Remat:
         problems += [f"remat pattern {p!r} {why}" for p in patterns if isinstance(p, str) and (why := regex_problem(p))]
         if not patterns:
             problems.append("remat names no module pattern; pass e.g. r'model\\.layers\\.\\d+'")
-        if not callable(self.policy) and self.policy not in POLICIES:
-            problems.append(f"remat policy {self.policy!r} is not one of {list(POLICIES)} or a policy function")
+        if not callable(self.policy) and self.policy not in (*POLICIES, MATMULS):
+            problems.append(f"remat policy {self.policy!r} is not one of {[*POLICIES, MATMULS]} or a policy function")
         raise_for_arguments(problems, header="invalid Remat")
 
     def jax_policy(self) -> Callable[..., Any]:
         """The policy as ``jax.checkpoint`` takes it."""
         if callable(self.policy):
             return self.policy
-        policy = getattr(jax.checkpoint_policies, self.policy)
-        return policy("device", "pinned_host") if self.policy in _OFFLOAD else policy
+        name = "dots_with_no_batch_dims_saveable" if self.policy == MATMULS else self.policy
+        policy = getattr(jax.checkpoint_policies, name)
+        return policy("device", "pinned_host") if name in _OFFLOAD else policy
 
 
 RematLike = str | Sequence[str] | Remat | None
