@@ -44,7 +44,10 @@ ROOT = Path(__file__).resolve().parent.parent
 WORKER = Path(__file__).resolve().parent / "gpu_worker.py"
 # eager torch first (before JAX takes the GPU's memory), then torch.compile, then torchshard: its library default
 # attention kernel ("auto" once the Trainer has the keyword), the same with scan and remat, and today's tiled loop
-VARIANTS = ("eager", "compile", "fsdp+bf16", "fsdp+bf16+scan+remat", "fsdp+bf16+attn=tiled")
+# eager torch first (before JAX takes the GPU's memory), then torch.compile, then torchshard: its defaults (cuDNN
+# attention, the fused loss, the GPU XLA flags), then each of them turned back one at a time, then scan + remat
+VARIANTS = ("eager", "compile", "fsdp+bf16", "fsdp+bf16+attn=tiled", "fsdp+bf16+xla=default",
+            "fsdp+bf16+loss=unfused", "fsdp+bf16+scan+remat=matmuls")  # fmt: skip
 LABELS = {"eager": "eager torch, bf16 autocast, SDPA", "compile": "torch.compile, bf16 autocast, SDPA"}
 CAPS_S = {"eager": 90, "compile": 180}  # per variant; torchshard's get --cap
 # module → the wheel that provides it, for the imports a device image may lack

@@ -15,6 +15,7 @@ import argparse
 import collections
 import dataclasses
 import json
+import os
 import resource
 import statistics
 import sys
@@ -174,7 +175,8 @@ def kernel_summary(trainer: Any) -> str | None:
 
 
 def run_torchshard(preset: Preset, args: argparse.Namespace, row: Row) -> None:
-    """One Trainer variant: ``mesh+flag+...`` as benchmarks/llama_train.py reads it, plus ``attn=KERNEL``."""
+    """One Trainer variant: ``mesh+flag+...`` as benchmarks/llama_train.py reads it, plus ``attn=KERNEL``,
+    ``remat=POLICY`` (each layer), ``loss=unfused`` (``fused_loss=False``) and ``xla=default`` (no GPU flags)."""
     import jax
     import optax
 
@@ -182,10 +184,18 @@ def run_torchshard(preset: Preset, args: argparse.Namespace, row: Row) -> None:
 
     if args.smoke:
         ts.use_cpu_devices(1)  # the device check's one device
-    mesh_name, kwargs = variant_kwargs(args.variant)
     flags = dict(f.split("=", 1) for f in args.variant.split("+") if "=" in f)
+    if (
+        flags.get("xla") == "default"
+    ):  # XLA's own defaults: a set XLA_FLAGS (even empty) keeps torchshard's GPU flags out
+        os.environ.setdefault("XLA_FLAGS", "")
+    mesh_name, kwargs = variant_kwargs("+".join(f for f in args.variant.split("+") if "=" not in f))
     if "attn" in flags:
         kwargs["attention_kernel"] = flags["attn"]
+    if "remat" in flags:
+        kwargs["remat"] = ts.Remat(r"model\.layers\.\d+", policy=flags["remat"])
+    if flags.get("loss") == "unfused":
+        kwargs["fused_loss"] = False
     model = build(preset)
     row.update(flops_per_step=model_flops(model, preset), params=sum(p.numel() for p in model.parameters()))
     mesh, rules = mesh_and_rules(mesh_name, model)

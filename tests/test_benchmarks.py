@@ -234,7 +234,8 @@ def test_gpu_check_smoke_runs_every_variant_in_its_own_process(tmp_path):
     stdout = run_benchmark("gpu.py", "--smoke", "--out", str(tmp_path))
     result = json.loads((tmp_path / "gpu.json").read_text())
     rows = {r["variant"]: r for r in result["rows"]}
-    assert list(rows) == ["eager", "compile", "fsdp+bf16", "fsdp+bf16+scan+remat", "fsdp+bf16+attn=tiled"]
+    assert list(rows) == ["eager", "compile", "fsdp+bf16", "fsdp+bf16+attn=tiled", "fsdp+bf16+xla=default",
+                          "fsdp+bf16+loss=unfused", "fsdp+bf16+scan+remat=matmuls"]  # fmt: skip
     for name, row in rows.items():
         assert "error" not in row and "skipped" not in row, row
         assert row["tokens_per_s"] > 0 and row["mfu"] > 0 and row["peak_bytes"] > 0 and row["compile_s"] >= 0
