@@ -128,6 +128,17 @@ def test_the_space_has_only_degrees_that_divide_the_model():
     assert all(lay.microbatches == dict(lay.mesh)["stage"] for lay in found if dict(lay.mesh)["stage"] > 1)
 
 
+@pytest.mark.parametrize(("precision", "dtype"), [("bf16", torch.bfloat16), ("fp16", torch.float16), ("fp32", None)])
+def test_each_precision_compiles_under_its_own_policy(precision, dtype):
+    # plan --search --precisions fp16 compiled every candidate that was not fp32 as bf16
+    from torchshard._search import search_compile
+    from torchshard._search.space import SearchLayout
+
+    layout = SearchLayout(mesh=(("data", 8),), precision=precision)
+    policy = search_compile._options(tiny_llama(meta=True), layout)["precision"]
+    assert (policy.compute_dtype if policy is not None else None) == dtype
+
+
 def test_pipelined_meshes_are_tried_with_each_schedule_and_the_rest_with_none():
     found = layouts(8, DIMS, (8, 32), schedules=("1f1b", "gpipe"), **OPTIONS)
     piped = [lay for lay in found if lay.degree("stage") > 1]

@@ -14,6 +14,7 @@ from torchshard._hlo.hardware import PROFILES, hardware, load_profiles
 from torchshard._report.fit import parse_batch, parse_size, simulated_devices
 from torchshard._report.usage import UsageError
 from torchshard._search.search import REMATS, SCHEDULES, Candidate, search
+from torchshard._search.space import PRECISIONS
 
 SEARCH_HELP = """\
 --search enumerates the meshes (stage x data/FSDP x context x expert x model degrees dividing the
@@ -72,7 +73,7 @@ def search_options(args: argparse.Namespace) -> dict[str, Any]:
     return {
         "remat": _values(args.remat_policies, "--remat-policies", lambda v: None if v == "none" else v, REMATS),
         "microbatches": _values(args.microbatches, "--microbatches", int),
-        "precision": _values(args.precisions, "--precisions", str, ("bf16", "fp16", "fp32")),
+        "precision": _values(args.precisions, "--precisions", str, tuple(PRECISIONS)),
         "scan": _values(args.scans, "--scans", lambda v: {"true": True, "false": False}[v.lower()]),
         "schedules": _values(args.schedules, "--schedules", str, SCHEDULES),
     }

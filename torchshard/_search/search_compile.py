@@ -21,7 +21,7 @@ from torchshard._hlo.hlo import axes_of
 from torchshard._hlo.memory import CompiledMemory
 from torchshard._presets.hf import hf_rules
 from torchshard._presets.tables import common_tensor_parallel, fsdp
-from torchshard._search.space import ModelDims, SearchLayout
+from torchshard._search.space import PRECISIONS, ModelDims, SearchLayout
 from torchshard._sharding.mesh import make_mesh
 from torchshard._sharding.plan import ShardingPlan, plan
 from torchshard._train.abstract import AbstractTrainer
@@ -90,7 +90,7 @@ def _options(model: torch.nn.Module, layout: SearchLayout) -> dict[str, Any]:
         **{s.keyword: s.searched(layout) for s in STRATEGIES.values() if s.searched},
         "remat": Remat(rf"{re.escape(_stack_name(model))}\.\d+", policy=layout.remat) if layout.remat else None,
         "scan_layers": layout.scan,
-        "precision": MixedPrecision(torch.bfloat16) if layout.precision != "fp32" else None,
+        "precision": MixedPrecision(dtype) if (dtype := PRECISIONS[layout.precision]) is not None else None,
     }
 
 

@@ -40,6 +40,17 @@ def _longest_stack(model: torch.nn.Module) -> int | None:
     return max(lengths, default=0) or None
 
 
+# a candidate's precision → the compute dtype of its MixedPrecision policy (None: float32, no policy): the one home
+# of the names --precisions takes, the policy the candidate compiles under and the widths the estimate counts
+PRECISIONS: dict[str, torch.dtype | None] = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": None}
+
+
+def precision_width(precision: str) -> int:
+    """Bytes per activation element under ``precision`` (a name of `PRECISIONS`)."""
+    dtype = PRECISIONS[precision]
+    return 4 if dtype is None else dtype.itemsize
+
+
 @dataclasses.dataclass(frozen=True)
 class SearchLayout:
     """One configuration: mesh degrees and Trainer options.
@@ -191,7 +202,7 @@ def analytic_seconds(
     flops = 6 * params * tokens * recompute / math.prod(layout.axes.values())
     stages, m = layout.degree("stage"), layout.microbatches
     bubble = bubble_fraction(stages, m, schedule=layout.schedule)
-    width = 2 if layout.precision != "fp32" else 4
+    width = precision_width(layout.precision)
     local = width * tokens / (layout.degree("data") * layout.degree("expert") * layout.degree("context"))
     layers = (dims.layers or 1) / stages
     weights = 3 * width * params / (stages * layout.degree("model") * layout.degree("expert"))
