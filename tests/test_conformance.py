@@ -11,7 +11,7 @@ import textwrap
 import pytest
 
 import torchshard as ts
-from tools import capabilities, cells, conformance
+from tools import capabilities, cells, conformance, rotation, tiny
 from tools.capabilities import run_family
 from tools.cells import Cell, Work, eager, losses_cell, noisy_losses_cell, run_cell
 from tools.families import DENSE, MOE, build, causal_lm_types, family
@@ -101,8 +101,18 @@ def test_a_bf16_difference_within_eagers_own_spread_is_no_verdict_and_beyond_it_
     assert noisy_losses_cell([1.0, float("nan")], [1.0, 2.0], 1e-3, lambda: [[1.0, 2.5]]).status == "fail"
 
 
+def test_a_slice_checks_every_nth_family_and_the_representative_ones_and_writes_no_committed_table():
+    names = causal_lm_types()
+    thirds = [set(rotation.sliced(names, k, 3)) for k in range(3)]
+    assert set().union(*thirds) == set(names) and sum(map(len, thirds)) == len(names)  # three commits: every row
+    args = conformance._parser().parse_args(["--slice", "1/3"])
+    assert conformance.destinations(args) == (None, None)
+    with pytest.raises(ValueError, match=r"--slice '3/3': K/N with 0 <= K < N"):
+        rotation.parse_slice("3/3")
+
+
 def test_the_docstring_examples_of_the_tools_run():
-    for module in (cells, conformance):
+    for module in (cells, conformance, rotation, tiny):
         result = doctest.testmod(module, optionflags=doctest.ELLIPSIS | doctest.NORMALIZE_WHITESPACE)
         assert result.attempted and not result.failed, module.__name__
 

@@ -362,6 +362,12 @@ def _parser() -> argparse.ArgumentParser:
         metavar="JSON",
         help="run nothing: write --out/--json from these results, later files' rows replacing earlier",
     )
+    parser.add_argument(
+        "--slice",
+        metavar="K/N",
+        help="only every N-th family from the K-th (sorted), and the "
+        "representative ones (CI: K from the commit; see tools/rotation.py)",
+    )
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     return parser
 
@@ -456,7 +462,7 @@ def destinations(args: argparse.Namespace) -> tuple[Path | None, Path | None]:
         ...     (DOC, DATA), (None, None)]
         True
     """
-    full = not args.families and not args.only and not args.baseline
+    full = not args.families and not args.only and not args.baseline and not args.slice
     return args.out or (DOC if full else None), args.json or (DATA if full else None)
 
 
@@ -478,6 +484,11 @@ def main(argv: list[str]) -> int:
     if unknown or args.jobs < 1:
         print(f"conformance: unknown families or columns {unknown} (or --jobs < 1)", file=sys.stderr)
         return 2
+    if args.slice:
+        from tools.families import REPRESENTATIVE
+        from tools.rotation import parse_slice, sliced
+
+        names = sliced(names, *parse_slice(args.slice), always=REPRESENTATIVE)
     out, data = destinations(args)
     baseline = json.loads(args.baseline.read_text())["families"] if args.baseline else None  # before any rewrite
     if baseline is not None and not args.families:
