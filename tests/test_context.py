@@ -256,9 +256,10 @@ def padded_loss(model, batch):
 
 INNER_LENGTH = r"the attention's: the sequence \(length 260\) does not split into 8 equal chunks.*e.g. 256 or 264"
 PADDING = (
-    r"attn_mask bool\[2, 1, 256, 256\] is computed from the step's inputs \(e.g. a padding attention_mask in the "
-    r"batch\); context-parallel attention supports no mask, is_causal=True, a constant causal mask.*or packed "
-    r"documents \(ts.document_mask\(position_ids\)"
+    r"(?s)called by model.layers.0.self_attn under .* attn_mask bool\[2, 1, 256, 256\] is traced: transformers built "
+    r"it from a 2-D attention_mask \w+\[2, 256\] \(padding.*context-parallel attention supports no mask, "
+    r"is_causal=True, a constant causal mask.*or packed documents \(ts.document_mask\(position_ids\).*train without "
+    r"an attention_mask \(unpadded rows\)"
 )
 DROPOUT = r"dropout_p=0.1 is not supported; set the model's attention dropout to 0"
 

@@ -39,10 +39,13 @@ def layer_kinds(model: torch.nn.Module) -> tuple[tuple[str, ...], list[str]]:
 
     config: Any = model.config
     name = f"{type(model).__name__} ({getattr(config, 'model_type', '?')})"
-    if not {"past_key_values", "cache"} & set(inspect.signature(model.forward).parameters):
-        return (), [  # rwkv: the decode step would feed one token with no state and read garbage
-            f"{name}: its forward takes no past_key_values (it carries a recurrent state of its own); generate "
-            f"decodes over full-attention and sliding-window caches only, so it refuses this model"
+    parameters = set(inspect.signature(model.forward).parameters)
+    if not {"past_key_values", "cache"} & parameters:
+        state = sorted(parameters & {"cache_params", "state", "mems"})  # mamba, rwkv, xlnet carry their own state
+        kind = f"it carries a recurrent state of its own ({state[0]}=)" if state else "it keeps no KV cache"
+        return (), [  # the decode step would feed one token with no state or keys and read garbage
+            f"{name}: its forward takes no past_key_values ({kind}); generate decodes over full-attention and "
+            f"sliding-window KV caches only, so it refuses this model"
         ]
     try:
         layers = StaticCache(config=config, max_cache_len=1).layers

@@ -30,6 +30,7 @@ from torchshard._generate.generate_checks import (
     vocab_problems,
 )
 from torchshard._generate.sampling import Sampling, choose, finish
+from torchshard._generate.untraceable import TRACING_ERRORS, untraceable_message
 from torchshard._train.trainer import Trainer
 
 Loop = Literal["fused", "stepped"]
@@ -323,7 +324,8 @@ def _traced_run(model: torch.nn.Module, windowed: bool, run: Callable[[], Any]) 
     """``run()``, with the errors tracing the model raises said as what to change.
 
     A module decoded over a window is only known to be an LM once it is called on token ids: what
-    tracing it raises (before anything runs) says it is not one.
+    tracing it raises (before anything runs) says it is not one. A transformers causal LM is one:
+    what it raises while traced names the construct in its code that generate cannot trace.
     """
     try:
         return run()
@@ -332,6 +334,8 @@ def _traced_run(model: torch.nn.Module, windowed: bool, run: Callable[[], Any]) 
     except jax.errors.JaxRuntimeError:
         raise  # the device's, not the model's: running, not tracing, failed
     except (TypeError, ValueError, RuntimeError, AttributeError, IndexError, NotImplementedError) as err:
+        if is_hf_causal_lm(model) and isinstance(err, TRACING_ERRORS):
+            raise ArgumentError(untraceable_message(model, err)) from err
         if not windowed and not isinstance(err, TypeError):
             raise
         raise ArgumentError(

@@ -209,8 +209,9 @@ def _call_problems(
     (heads, length), (kv_heads, kv_length) = (query.shape[1], query.shape[2]), (key.shape[1], key.shape[2])
     if length != kv_length:
         problems.append(
-            f"queries ({length}) and keys ({kv_length}) differ in length; context parallelism splits self-attention "
-            f"over one sequence (train cross-attention models without context=)"
+            f"queries ({length}) and keys ({kv_length}) differ in length: the call attends across something other "
+            f"than the one sequence context parallelism splits (cross-attention, or a dim other than the tokens); "
+            f"train this model without context="
         )
     if heads % kv_heads or (heads != kv_heads and not enable_gqa):
         problems.append(
@@ -229,9 +230,13 @@ def _mask_problems(mask: Any, length: int) -> list[str]:
         return []
     what = f"attn_mask {mask.dtype}{list(mask.shape)}"
     if isinstance(mask, jax.core.Tracer):
-        inputs = "is computed from the step's inputs (e.g. a padding attention_mask in the batch)"
+        built = hf_documents.built_from(mask)
+        if built is not None:
+            return [f"{what} is traced: {built[0]}; {SUPPORTED}; {built[1]}"]
         return [
-            f"{what} {inputs}; {SUPPORTED}: drop attention_mask from the batch and train on unpadded (packed) sequences"
+            f"{what} is traced, computed in the step from the batch or the model's tensors (a padding attention_mask, "
+            f"a learned or input-dependent bias); {SUPPORTED}: pass no such mask (unpadded rows, no bias), or train "
+            f"without context="
         ]
     return [
         f"{what} is a constant mask but neither all-visible, causal nor a causal sliding window; {SUPPORTED}: "
@@ -247,10 +252,9 @@ def _sdpa(
     def sdpa(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False):
         calls.append(1)
         problems = _call_problems(context, mesh, query, key, attn_mask, dropout_p, enable_gqa)
-        shapes = f"query {list(query.shape)}, key {list(key.shape)}"
-        raise_if_any(
-            problems, header=f"scaled_dot_product_attention({shapes}) under {context} on {describe_mesh(mesh)}"
-        )
+        shapes, site = f"query {list(query.shape)}, key {list(key.shape)}", current_module()
+        called = f"scaled_dot_product_attention({shapes})" + (f" called by {site}" if site else "")
+        raise_if_any(problems, header=f"{called} under {context} on {describe_mesh(mesh)}")
         _record_ring(context, mesh, query, key, value, attn_mask, is_causal)
         segments = _segments(attn_mask, query.shape[0], query.shape[2])[0]
         pattern = _mask_pattern(attn_mask, query.shape[2]) if attn_mask is not None and segments is None else None

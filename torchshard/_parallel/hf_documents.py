@@ -6,26 +6,38 @@ with ``packed_sequence_compatibility_function`` and has the ``"sdpa"`` mask inte
 ``[B, 1, S, S]`` mask from it. That mask is computed from the batch, so context-parallel attention
 could not split it. Here the wrapped function keeps the document ids it was built from, and the
 mask interface returns them (`documents.document_mask`'s integer form) when the mask is exactly
-documents × causal; any other mask (sliding windows, padding, extra mask functions) is built as before.
+documents × causal; any other mask (sliding windows, padding, extra mask functions) is built as before,
+and what it was built from is kept for the refusal that names it (`built_from`).
 """
 
 from __future__ import annotations
 
 import contextlib
+import contextvars
 import dataclasses
 import sys
 from collections.abc import Callable, Iterator
 from typing import Any
 
+import jax
 import torch
+
+from torchshard._bridge.tensors import unwrap
+
+# what each traced mask the interface built in this step came from, by (dtype, shape)
+_BUILT: contextvars.ContextVar[dict[tuple[str, tuple[int, ...]], set[tuple[str, str]]] | None] = contextvars.ContextVar(
+    "torchshard_hf_masks", default=None
+)
 
 
 @dataclasses.dataclass(frozen=True)
 class _Documents:
-    """transformers' packed mask function, remembering the document ids ``[B, S]`` it compares."""
+    """transformers' packed mask function, remembering the document ids ``[B, S]`` it compares, and whether the
+    function it made packed was plain causal."""
 
     function: Callable[..., Any]
     segments: torch.Tensor
+    causal: bool
 
     def __call__(self, *args: Any) -> Any:
         return self.function(*args)
@@ -34,9 +46,40 @@ class _Documents:
 def _compatibility(original: Callable[..., Any], causal: Callable[..., Any]) -> Callable[..., Any]:
     def wrapped(mask_function, position_ids, packed_sequence_mask):
         combined = original(mask_function, position_ids, packed_sequence_mask)
-        return _Documents(combined, packed_sequence_mask) if mask_function is causal else combined
+        return _Documents(combined, packed_sequence_mask, mask_function is causal)
 
     return wrapped
+
+
+def _sources(mask_function: Any, attention_mask: Any, local_size: Any) -> tuple[str, str]:
+    """What transformers builds a mask from, in words, and the way to a mask context parallelism reads."""
+    parts, packed = [], isinstance(mask_function, _Documents)
+    if attention_mask is not None:
+        parts.append(f"a 2-D attention_mask {str(attention_mask.dtype).removeprefix('torch.')}"
+                     f"{list(attention_mask.shape)} (padding, from the batch or the model)")  # fmt: skip
+    if packed:
+        parts.append("the batch's position_ids (packed documents)")
+        if not mask_function.causal and local_size is None:
+            parts.append("a mask function other than plain causal (the model's own and/or masks)")
+    if local_size is not None:
+        parts.append(f"a sliding window or chunks of {local_size} tokens (config.sliding_window or "
+                     f"attention_chunk_size)")  # fmt: skip
+    fix = (
+        "it reads packed documents only under a plain causal mask, and a window only as a constant band: train "
+        "these rows unpacked (positions 0, 1, ... in each row), or without context="
+        if packed
+        else "train without an attention_mask (unpadded rows), or without context="
+    )
+    return f"transformers built it from {' and '.join(parts) or 'its mask function'}", fix
+
+
+def built_from(mask: Any) -> tuple[str, str] | None:
+    """What transformers built a traced ``mask`` (a jax array) from in this step, and how to avoid it; None when
+    its mask interface built no traced mask of that dtype and shape in this step."""
+    found = (_BUILT.get() or {}).get((str(mask.dtype), tuple(mask.shape)))
+    if not found:
+        return None
+    return " / ".join(sorted(s for s, _ in found)), " / ".join(sorted({f for _, f in found}))
 
 
 def _mask_interface(original: Callable[..., Any]) -> Callable[..., Any]:
@@ -53,10 +96,10 @@ def _mask_interface(original: Callable[..., Any]) -> Callable[..., Any]:
         **kwargs,
     ):
         plain = attention_mask is None and local_size is None and q_length == kv_length
-        if isinstance(mask_function, _Documents) and plain and q_offset == 0 and kv_offset == 0:
+        if isinstance(mask_function, _Documents) and mask_function.causal and plain and q_offset == 0 == kv_offset:
             segments = mask_function.segments.expand(batch_size, -1)
             return segments.to(torch.int32).reshape(batch_size, 1, 1, q_length)
-        return original(
+        built = original(
             batch_size=batch_size,
             q_length=q_length,
             kv_length=kv_length,
@@ -67,8 +110,18 @@ def _mask_interface(original: Callable[..., Any]) -> Callable[..., Any]:
             local_size=local_size,
             **kwargs,
         )
+        _remember(built, _sources(mask_function, attention_mask, local_size))
+        return built
 
     return sdpa_mask
+
+
+def _remember(mask: Any, sources: tuple[str, str]) -> None:
+    """Keeps ``sources`` for a mask that is traced (a constant mask is read, not refused)."""
+    known = _BUILT.get()
+    if known is not None and isinstance(unwrap(mask), jax.core.Tracer):
+        key = (str(mask.dtype).removeprefix("torch."), tuple(mask.shape))
+        known.setdefault(key, set()).add(sources)
 
 
 @contextlib.contextmanager
@@ -82,9 +135,11 @@ def segments_from_position_ids() -> Iterator[None]:
     local = dict(interface._local_mapping)  # private: the instance's overrides, restored as they were
     masking.packed_sequence_compatibility_function = _compatibility(original, masking.causal_mask_function)
     interface["sdpa"] = _mask_interface(interface["sdpa"])
+    token = _BUILT.set({})
     try:
         yield
     finally:
+        _BUILT.reset(token)
         masking.packed_sequence_compatibility_function = original
         interface._local_mapping.clear()
         interface._local_mapping.update(local)

@@ -221,9 +221,14 @@ def hf_rules(
 def _expert_rules(model: Any, tp_plan: Mapping[str, str], ep_plan: Mapping[str, str], axis: AxisName) -> Rules:
     patterns = expert_patterns(ep_plan, tp_plan)
     if not patterns:
+        stacked = [f"{n} {list(p.shape)}" for n, p in model.named_parameters() if p.ndim == 3]
+        fix = (  # an MoE whose plans leave its stacked experts out (jetmoe) is not told it needs one
+            f"it has 3-D weights ({', '.join(stacked[:2])}, ...): name its stacked expert tensors with "
+            if stacked
+            else "expert parallelism needs a mixture of experts, or name its expert tensors with "
+        )
         raise ShardingError(
             f"hf_rules(expert_axis={axis!r}): {type(model).__name__} has no stacked expert weights in its ep_plan "
-            f"or tp_plan (no 'grouped_gemm' or 'moe_tp_experts' entries); expert parallelism needs a mixture of "
-            f"experts, or name its expert tensors with presets.expert_parallel(patterns)"
+            f"or tp_plan (no 'grouped_gemm' or 'moe_tp_experts' entries); {fix}presets.expert_parallel(patterns)"
         )
     return expert_parallel(patterns, axis)
