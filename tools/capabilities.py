@@ -283,7 +283,9 @@ def plan_compile(row: Row, work: Work) -> Cell:
     out, err = io.StringIO(), io.StringIO()
     with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
         code = main(argv)
-    lines = [x for x in err.getvalue().splitlines() if x.strip() and not x.startswith(("note:", "error: invalid"))]
+    # the error's lines, not the progress the command prints on the way ("tracing and lowering ...")
+    progress = ("note:", "error: invalid", "tracing", "compiling", "lowering", "building")
+    lines = [x for x in err.getvalue().splitlines() if x.strip() and not x.strip().startswith(progress)]
     if code == EXIT_INVALID_PLAN:
         return Cell("refused", f"ShardingError: {lines[0] if lines else ''}"[:300])
     if code:
