@@ -16,7 +16,7 @@ from torch.nn import functional as F
 
 import torchshard as ts
 from torchshard import ArgumentError, ContextParallel, MixedPrecision, Pipeline, ShardingError, presets
-from torchshard._train import evaluate as evaluate_module
+from torchshard._trainer import evaluate as evaluate_module
 
 RTOL = 1e-5  # fp32: evaluate is the same forward as eager torch on the same weights
 

@@ -10,8 +10,8 @@ import pytest
 PACKAGE = pathlib.Path(__file__).resolve().parent.parent / "torchshard"
 # top to bottom: a layer may import the layers below it, never one above; public faces sit on top
 LAYERS = (
-    "_search", "_report", "_interop", "_ckpt", "_generate", "_train", "_hlo", "_parallel", "_multihost", "_spmd",
-    "_presets", "_sharding", "_bridge", "_base",
+    "_search", "_report", "_interop", "_ckpt", "_generate", "_trainer", "_train", "_hlo", "_parallel", "_multihost",
+    "_spmd", "_presets", "_sharding", "_bridge", "_base",
 )  # fmt: skip
 PUBLIC_FACES = (
     "__init__", "__main__", "launch", "presets", "collectives", "distributed", "inspect", "lm_eval", "track",

@@ -20,8 +20,8 @@ import torchshard as ts
 from torchshard._base.errors import ArgumentError
 from torchshard._hlo.hardware import PROFILES, for_device_kind
 from torchshard._hlo.memory import CompiledMemory
-from torchshard._train import observed
-from torchshard._train.run_metrics import batch_counts, device_memory, host_rss, step_line
+from torchshard._trainer import observed
+from torchshard._trainer.run_metrics import batch_counts, device_memory, host_rss, step_line
 
 SIZES = (32, 64, 16)
 ROWS = 64

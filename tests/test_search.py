@@ -235,7 +235,7 @@ def test_the_search_ranks_fitting_configurations_and_its_best_fits_by_plan_compi
 def test_the_search_compiles_without_llvm_optimisation_to_the_same_program_and_memory(tiny_problem):
     import optax
 
-    from torchshard._train.abstract import AbstractTrainer
+    from torchshard._trainer.abstract import AbstractTrainer
 
     layout = SearchLayout(
         (("stage", 1), ("data", 2), ("context", 1), ("expert", 1), ("model", 2)), remat="dots_saveable"

@@ -23,12 +23,12 @@ from torchshard._sharding.placement import constrain, shard, shard_batch
 from torchshard._sharding.plan import PlanEntry, ShardingPlan, plan
 from torchshard._sharding.rules import Rule, Rules, TensorInfo
 from torchshard._train.precision import MixedPrecision
-from torchshard._train.prefetch import prefetch
 from torchshard._train.remat import Remat
 from torchshard._train.scan import ScanLayersWarning
-from torchshard._train.staged_init import init_sharded
 from torchshard._train.state import TrainState
-from torchshard._train.trainer import Trainer
+from torchshard._trainer.prefetch import prefetch
+from torchshard._trainer.staged_init import init_sharded
+from torchshard._trainer.trainer import Trainer
 
 # `inspect` stays an attribute (ts.inspect.collectives) but is left out of __all__: under
 # `from torchshard import *` it would shadow the standard library's inspect module.

@@ -20,7 +20,7 @@ from torchshard._multihost.runtime import (
 )
 from torchshard._multihost.worker import heartbeat
 from torchshard._sharding.process import global_shape, local_batch_slice
-from torchshard._train.trainer import Trainer
+from torchshard._trainer.trainer import Trainer
 
 __all__ = [
     "CLUSTER_ENV",

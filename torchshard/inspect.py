@@ -7,7 +7,7 @@ from torchshard._hlo.memory import CompiledMemory
 from torchshard._report.compiled import memory
 from torchshard._report.inspection import CollectiveStats, collectives, matmuls
 from torchshard._search.search import Candidate, search
-from torchshard._train.abstract import AbstractTrainer
+from torchshard._trainer.abstract import AbstractTrainer
 
 __all__ = [
     "KINDS",

@@ -32,7 +32,7 @@ from torchshard._generate import scoring
 from torchshard._generate.generate import generate
 from torchshard._generate.generate_checks import vocab_problems
 from torchshard._sharding.mesh import use_cpu_devices
-from torchshard._train.trainer import Trainer
+from torchshard._trainer.trainer import Trainer
 
 __all__ = ["TorchshardLM", "main"]
 
@@ -331,7 +331,7 @@ def _from_pretrained(path: str, target: Any, tokenizer: Any, mesh: Any, pad_toke
     from torchshard._interop.pretrained import load_safetensors
     from torchshard._presets.hf import hf_rules
     from torchshard._sharding.mesh import make_mesh
-    from torchshard._train.staged_init import init_sharded
+    from torchshard._trainer.staged_init import init_sharded
 
     if target is not None or tokenizer is not None:
         raise ArgumentError("pass pretrained= alone, or a target and a tokenizer, not both")

@@ -1,5 +1,5 @@
 """Trackers a `Trainer` logs its metrics to (``Trainer(log_every=N, trackers=[...])``), and their protocol."""
 
-from torchshard._train.trackers import JSONL, TensorBoard, Tracker, Trackio, WandB
+from torchshard._trainer.trackers import JSONL, TensorBoard, Tracker, Trackio, WandB
 
 __all__ = ["JSONL", "TensorBoard", "Tracker", "Trackio", "WandB"]

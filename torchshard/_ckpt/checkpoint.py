@@ -55,7 +55,7 @@ from torchshard._ckpt.stepdir import (
 from torchshard._multihost.agree import flagged_processes, gathered
 from torchshard._sharding.placement import assign
 from torchshard._sharding.plan import ShardingPlan
-from torchshard._train.trainer import Trainer
+from torchshard._trainer.trainer import Trainer
 
 PathLike = str | os.PathLike[str]
 _SAVES = itertools.count()  # every process saves in the same order: the n-th save's barriers are unique and agree

@@ -21,7 +21,7 @@ from torchshard._ckpt.meta import flat
 from torchshard._ckpt.state import placed_arrays, trainer_tree
 from torchshard._sharding.plan import ShardingPlan
 from torchshard._train.state import TrainState
-from torchshard._train.trainer import Trainer
+from torchshard._trainer.trainer import Trainer
 
 Meta = dict[str, Any]
 

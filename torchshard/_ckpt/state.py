@@ -11,7 +11,7 @@ import torch
 from torchshard._base.errors import raise_if_any
 from torchshard._bridge.module_tensors import canonical_names, model_tensors, named_tensors
 from torchshard._bridge.tensors import is_jax_tensor, unwrap
-from torchshard._train.trainer import Trainer
+from torchshard._trainer.trainer import Trainer
 
 Target = Trainer | torch.nn.Module
 

@@ -31,7 +31,7 @@ from torchshard._generate.generate_checks import (
 )
 from torchshard._generate.sampling import Sampling, choose, finish
 from torchshard._generate.untraceable import TRACING_ERRORS, untraceable_message
-from torchshard._train.trainer import Trainer
+from torchshard._trainer.trainer import Trainer
 
 Loop = Literal["fused", "stepped"]
 # one jitted call runs prefill and every step in a lax.while_loop: measured faster than a compiled

@@ -19,7 +19,7 @@ from torchshard._bridge.module_tensors import canonical_names, named_tensors
 from torchshard._bridge.tensors import unwrap, wrap
 from torchshard._generate.decoders import _logits, _traced
 from torchshard._generate.generate import _compiled_for, _target, kv_sharding
-from torchshard._train.trainer import Trainer
+from torchshard._trainer.trainer import Trainer
 
 
 @dataclasses.dataclass(frozen=True)

@@ -18,7 +18,7 @@ from torchshard._ckpt.state import Target, export_arrays, model_of, torch_dtypes
 from torchshard._ckpt.stepdir import path_problems
 from torchshard._interop.export import torch_tensor
 from torchshard._interop.safetensors import export_arrays_as, staged_write
-from torchshard._train.trainer import Trainer
+from torchshard._trainer.trainer import Trainer
 
 PathLike = str | os.PathLike[str]
 _PEFT_PREFIX = "base_model.model."

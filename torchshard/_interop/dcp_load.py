@@ -23,7 +23,7 @@ from torchshard._interop import dcp_names
 from torchshard._interop.pretrained import _arrays, _Build, _destination, _place, _problems
 from torchshard._interop.renames import Rename, model_names, rename_problems, renamer
 from torchshard._sharding.plan import ShardingPlan
-from torchshard._train.trainer import Trainer
+from torchshard._trainer.trainer import Trainer
 
 if TYPE_CHECKING:  # dcp_io imports torch.distributed.checkpoint: see _read
     from torchshard._interop.dcp_io import BoxReader

@@ -21,7 +21,7 @@ from torchshard._ckpt.stepdir import TMP, commit, discard, path_problems, settle
 from torchshard._interop import dcp_names
 from torchshard._interop.safetensors_files import normalized
 from torchshard._multihost.agree import gathered
-from torchshard._train.trainer import Trainer
+from torchshard._trainer.trainer import Trainer
 
 if TYPE_CHECKING:  # dcp_io imports torch.distributed.checkpoint: see _write
     from torchshard._interop.dcp_io import Chunk

@@ -19,7 +19,7 @@ from torchshard._ckpt.restore import Destination, plan_destination
 from torchshard._ckpt.state import Target, export_arrays, model_of, torch_dtypes
 from torchshard._sharding.placement import assign, put, range_problems
 from torchshard._sharding.plan import ShardingPlan
-from torchshard._train.trainer import Trainer
+from torchshard._trainer.trainer import Trainer
 
 
 def host_array(array: jax.Array) -> np.ndarray:

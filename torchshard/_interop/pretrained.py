@@ -35,7 +35,7 @@ from torchshard._interop.renames import Rename, model_names, rename_problems
 from torchshard._interop.safetensors_files import DTYPES, Reader, checkpoint_files, index_of, normalized
 from torchshard._sharding.placement import assign, put, range_problems
 from torchshard._sharding.plan import ShardingPlan
-from torchshard._train.trainer import Trainer
+from torchshard._trainer.trainer import Trainer
 
 _log = logging.getLogger("torchshard")
 PathLike = str | os.PathLike[str]

@@ -20,7 +20,7 @@ from torchshard._ckpt.checkpoint import primary, together
 from torchshard._ckpt.state import Target, export_arrays, model_of, torch_dtypes
 from torchshard._ckpt.stepdir import TMP, commit, discard, path_problems, settle, write_failure
 from torchshard._interop.export import torch_state_dict, torch_tensor
-from torchshard._train.trainer import Trainer
+from torchshard._trainer.trainer import Trainer
 
 _INDEX = "model.safetensors.index.json"
 _SHARD_FILE = re.compile(r"model-\d{5}-of-\d{5}\.safetensors")

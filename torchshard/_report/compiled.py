@@ -8,7 +8,7 @@ import jax
 
 from torchshard._base.errors import ShardingError
 from torchshard._hlo.memory import CompiledMemory
-from torchshard._train.trainer import Trainer
+from torchshard._trainer.trainer import Trainer
 
 
 def memory(target: Any, batch: Any = None) -> CompiledMemory:

@@ -17,7 +17,7 @@ from torchshard._bridge.tensors import unwrap
 from torchshard._hlo.costs import collective_runs
 from torchshard._hlo.hlo import KINDS, Collective, axes_of
 from torchshard._hlo.matmuls import Matmul, matmuls_of
-from torchshard._train.trainer import Trainer
+from torchshard._trainer.trainer import Trainer
 
 
 @dataclasses.dataclass(frozen=True)

@@ -24,10 +24,10 @@ from torchshard._presets.tables import common_tensor_parallel, fsdp
 from torchshard._search.space import PRECISIONS, ModelDims, SearchLayout
 from torchshard._sharding.mesh import make_mesh
 from torchshard._sharding.plan import ShardingPlan, plan
-from torchshard._train.abstract import AbstractTrainer
 from torchshard._train.precision import MixedPrecision
 from torchshard._train.remat import Remat
 from torchshard._train.strategies import STRATEGIES
+from torchshard._trainer.abstract import AbstractTrainer
 
 Compiled = tuple[int, StepCosts]  # peak bytes per device, costs
 _CACHE: dict[tuple[Any, ...], Compiled] = {}  # one compile per program, reused across searches in a process

@@ -1,4 +1,5 @@
-"""The Trainer: its argument checks, the pure jitted step, scan over layers, remat, mixed precision, prefetch.
+"""The pure step and what it is made of: the loss traced on bound arrays, scan over layers, remat, mixed precision,
+batching, the train-state layout, and the strategy seam (what a strategy binds to and gives the step).
 
-May import _parallel and everything below it (trainer.py itself reaches _parallel only through strategies.py).
+May import _hlo and everything below it.
 """

@@ -13,7 +13,7 @@ from torchshard._base.validate import describe_mesh, mismatch_problems
 from torchshard._bridge.module_tensors import named_tensors
 from torchshard._bridge.tensors import jax_dtype
 from torchshard._train.state import Arrays, TrainState, train_state_structs
-from torchshard._train.trainer import Trainer
+from torchshard._trainer.trainer import Trainer
 
 
 def _leaf_struct(leaf: Any) -> tuple[tuple[int, ...], Any]:

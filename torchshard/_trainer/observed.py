@@ -18,9 +18,9 @@ import torch
 
 from torchshard._base.errors import ArgumentError, CheckpointError
 from torchshard._base.validate import raise_for_arguments
-from torchshard._train.run_metrics import StepFigures, batch_counts, device_memory, host_rss, peak_flops, step_line
-from torchshard._train.tracked import close_all, log_all, metric_values
-from torchshard._train.trackers import Tracker, path_problem
+from torchshard._trainer.run_metrics import StepFigures, batch_counts, device_memory, host_rss, peak_flops, step_line
+from torchshard._trainer.tracked import close_all, log_all, metric_values
+from torchshard._trainer.trackers import Tracker, path_problem
 
 logger = logging.getLogger("torchshard")
 

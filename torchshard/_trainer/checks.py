@@ -14,7 +14,7 @@ from torchshard._base.specs import SPEC_HINT, parse_spec, spec_axes
 from torchshard._base.validate import instance_problems, int_problems, raise_for_arguments
 from torchshard._sharding.plan import ShardingPlan
 from torchshard._train.precision import MixedPrecision
-from torchshard._train.trackers import tracker_problems
+from torchshard._trainer.trackers import tracker_problems
 
 # XLA on CPU aborts ("Expected N threads to join the rendezvous") with ~30 collective-heavy steps queued
 CPU_MAX_IN_FLIGHT = 16

@@ -8,7 +8,7 @@ from collections.abc import Iterable, Iterator
 from typing import Any
 
 from torchshard._base.validate import instance_problems, int_problems, raise_for_arguments
-from torchshard._train.trainer import Trainer
+from torchshard._trainer.trainer import Trainer
 
 _DONE = object()
 

@@ -9,7 +9,7 @@ import numpy as np
 
 from torchshard._base.errors import TrackerError
 from torchshard._base.validate import raise_for_arguments
-from torchshard._train.trackers import Tracker
+from torchshard._trainer.trackers import Tracker
 
 
 def _value(name: str, value: Any) -> float | str:
