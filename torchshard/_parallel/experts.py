@@ -294,7 +294,9 @@ def _moved(experts: Experts, dispatch: ExpertDispatch, mesh: Mesh, original: Any
         out = _local_experts(experts, original, local, got.reshape(n * capacity, -1), got_ids, got_used, values)
         back = _exchange(out.reshape(n, capacity, -1), experts.axis)
         picked = back[dest, jnp.minimum(row, capacity - 1)]
-        scale = jnp.where(fits, weights.reshape(-1), 0).astype(picked.dtype)
+        # in the weights' dtype, as transformers weighs and sums its experts' outputs: float32 routing
+        # weights round once, at the end, and not three times in bf16 (weights, products, sum)
+        scale = jnp.where(fits, weights.reshape(-1), 0)
         dropped = jnp.sum(~fits)
         return (picked * scale[:, None]).reshape(-1, k, picked.shape[-1]).sum(1).astype(x.dtype), dropped[None]
 
