@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Any
 
 import optax
+import test_bf16_moe
 import test_evaluate
 import test_families
 import test_generate
@@ -47,6 +48,7 @@ from tools.rows import NOT_MOE, Row, forward, state_error, step_losses
 
 # packed rows of 64 tokens (the families' positions): documents crossing the 16-token chunks of context=4
 PACKED_ROWS = [[20, 30, 14], [64], [10, 40, 14], [16, 16, 16, 16]]
+FP32_GRADIENTS = 1e-5  # relative L2 of all gradients: fp32 runs differ by summation order only (2e-7 to 1e-6 seen)
 SHORT, LONG = 5, 12  # prompt lengths: shorter and longer than the families' windows (tools.tiny.FIXED: 8)
 
 
@@ -79,7 +81,9 @@ COLUMNS = (
            f"{test_families.RTOL:.0e}"),
     Column("bf16", "MoE bf16 all_to_all", "MixedPrecision on expert=4 × model=2 (all-to-all) vs an eager torch twin "
            f"of the bf16 policy; losses rtol {test_precision.RTOL:.0e} (over it, — when within {NOISE_RATIO:.0f}× the "
-           "spread of eager torch's own runs on other kernels)"),
+           "spread of eager torch's own runs on other kernels); one step's gradients: fp32 within "
+           f"{FP32_GRADIENTS:.0e} of eager's, bf16's drift from fp32 0.5–{test_bf16_moe.RATIO}× eager's, top-k "
+           "routing pinned to eager fp32's"),
     Column("cp_a2a", "MoE CP × all_to_all", "packed documents, context=2 × expert=4, ring; losses rtol "
            f"{test_families.RTOL:.0e}"),
     Column("lora", "LoRA TP", "peft LoRA on the tp_plan's Linear layers, data=4 × model=2; losses rtol "
@@ -221,7 +225,32 @@ def bf16(row: Row, work: Work) -> Cell:
     expected = eager(test_precision.torch_mixed_precision, row.fresh(), lm_loss, data)
     trainer = test_families.trainer_for(row.fresh(), "expert_model", precision=ts.MixedPrecision())
     got = step_losses(trainer, data, work)
-    return noisy_losses_cell(got, list(expected), test_precision.RTOL, lambda: _reordered(row, data))
+    losses = noisy_losses_cell(got, list(expected), test_precision.RTOL, lambda: _reordered(row, data))
+    if losses.status != "ok":
+        return losses
+    grads = bf16_gradients(row.fresh(), data[0])
+    return Cell(grads.status, f"losses {losses.text}; {grads.text}")
+
+
+def bf16_gradients(model: torch.nn.Module, ids: torch.Tensor) -> Cell:
+    """One step's gradients: torchshard's fp32 must be eager's, and its bf16 must drift from its fp32 as eager
+    torch's bf16 drifts from eager's fp32 (ratio in (0.5, 1.25]: a step that ran in fp32 scores ~0, a 3× drift
+    fails), with the routers' top-k pinned to eager fp32's choice where they can be (tests/test_bf16_moe.py:
+    two bf16 runs round apart as far as either is from fp32, so no tolerance between them can tell bf16 from
+    fp32; and a token whose k-th and next expert tie within bf16 rounding flips by chance, moving a tiny
+    model's gradients ~1 % per token)."""
+    pinned = bool(test_bf16_moe.routers(model))
+    with test_bf16_moe.pinned_routing(model, ids) if pinned else contextlib.nullcontext():
+        d = eager(test_bf16_moe.gradient_distances, model, ids)
+    if d["fp32"] > FP32_GRADIENTS:
+        return Cell("fail", f"fp32 gradients differ from eager's by {d['fp32']:.1e} (tol {FP32_GRADIENTS:.0e})")
+    ratio = d["torchshard"] / d["eager"]
+    text = f"grads drift {ratio:.2f}× eager's from fp32 ({d['torchshard']:.1e})"
+    if not pinned:  # a chance flip may double either side: only a step that did not run in bf16 is caught
+        ok, text = ratio > 0.5, f"{text}, routing not pinned"
+    else:
+        ok, text = 0.5 < ratio <= test_bf16_moe.RATIO, f"{text}, routing pinned"
+    return Cell("ok" if ok else "fail", text if ok else f"{text} (want 0.5 < ratio ≤ {test_bf16_moe.RATIO})")
 
 
 def _reordered(row: Row, data: list[torch.Tensor]) -> list[list[float]]:
