@@ -12,7 +12,7 @@ from torch.nn import functional as F
 import torchshard as ts
 from torchshard._bridge.ops import flash
 from torchshard._bridge.ops.attention import attention_jax
-from torchshard._parallel.ring_attention import context_attention
+from torchshard._strategies.context.ring_attention import context_attention
 
 # (heads, kv_heads, seq, keys, causal, tiles): small tiles make several (query block, key tile) pairs
 CASES = [

@@ -24,9 +24,10 @@ from torch import nn
 import torchshard as ts
 from torchshard import ShardingError
 from torchshard._bridge.env import env
-from torchshard._parallel import experts, pipeline
-from torchshard._parallel.ring_attention import context_attention
-from torchshard._parallel.ring_layout import SequenceLayout
+from torchshard._strategies.context.ring_attention import context_attention
+from torchshard._strategies.context.ring_layout import SequenceLayout
+from torchshard._strategies.experts import experts
+from torchshard._strategies.pipeline import loop as pipeline
 
 
 def _close_trees(got, want) -> None:

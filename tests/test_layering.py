@@ -10,7 +10,7 @@ import pytest
 PACKAGE = pathlib.Path(__file__).resolve().parent.parent / "torchshard"
 # top to bottom: a layer may import the layers below it, never one above; public faces sit on top
 LAYERS = (
-    "_search", "_report", "_interop", "_ckpt", "_generate", "_trainer", "_train", "_hlo", "_parallel", "_multihost",
+    "_search", "_report", "_interop", "_ckpt", "_generate", "_trainer", "_strategies", "_train", "_hlo", "_multihost",
     "_spmd", "_presets", "_sharding", "_bridge", "_base",
 )  # fmt: skip
 PUBLIC_FACES = (

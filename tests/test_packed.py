@@ -17,8 +17,8 @@ from torch import nn
 
 import torchshard as ts
 from torchshard import ArgumentError, ContextParallel, ShardingError
-from torchshard._parallel.documents import segment_ids
-from torchshard._parallel.ring_attention import context_attention
+from torchshard._strategies.context.documents import segment_ids
+from torchshard._strategies.context.ring_attention import context_attention
 
 SEQ, VOCAB = 256, 64
 LR, BETAS, EPS, WEIGHT_DECAY = 1e-2, (0.9, 0.99), 1e-8, 0.01

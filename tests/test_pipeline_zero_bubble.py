@@ -21,7 +21,7 @@ from test_pipeline_1f1b import (
 
 import torchshard as ts
 from torchshard import ArgumentError, Pipeline, ShardingError
-from torchshard._parallel.split_backward import split
+from torchshard._strategies.pipeline.split_backward import split
 
 ZERO_BUBBLE = Pipeline(microbatches=4, schedule="zero_bubble")
 

@@ -22,7 +22,7 @@ from torchshard.__main__ import EXIT_OK, EXIT_USAGE, main
 from torchshard._base.validate import instance_problems, raise_for_arguments
 from torchshard._search.search_compile import _options
 from torchshard._search.space import SearchLayout
-from torchshard._train.strategies import STRATEGIES, register
+from torchshard._strategies import STRATEGIES, register
 from torchshard._train.strategy import Bound, Flag, Strategy
 
 PACKAGE = pathlib.Path(ts.__file__).parent
@@ -184,12 +184,10 @@ def test_search_candidates_give_the_toy_its_option(toy):
     assert _options(Stack(), SearchLayout(mesh=(("data", 1),)))["mark"] is None
 
 
-# the strategies' own modules: their seam files and the machinery under them
+# the strategies' own modules: every module of a strategy's folder (the registry, _strategies/__init__.py, is not one)
 STRATEGY_MODULES = {
-    "torchshard._train.pipelined", "torchshard._train.contextual", "torchshard._train.dispatched",
-    "torchshard._parallel.pipeline", "torchshard._parallel.context", "torchshard._parallel.experts",
-    "torchshard._parallel.ring_attention",
-}  # fmt: skip
+    ".".join(p.relative_to(PACKAGE.parent).with_suffix("").parts) for p in (PACKAGE / "_strategies").glob("*/**/*.py")
+} | {f"torchshard._strategies.{p.name}" for p in (PACKAGE / "_strategies").iterdir() if p.is_dir()}
 UNAWARE = ["_train/scan.py", "_report/fit.py", "_report/cli.py", "__main__.py",
            *(str(p.relative_to(PACKAGE)) for p in sorted((PACKAGE / "_search").glob("*.py")))]  # fmt: skip
 
@@ -207,4 +205,14 @@ def _imported(path: pathlib.Path) -> set[str]:
 @pytest.mark.parametrize("module", UNAWARE)
 def test_the_scan_fit_search_and_cli_import_no_strategy_module(module):
     named = sorted(_imported(PACKAGE / module) & STRATEGY_MODULES)
-    assert named == [], f"{module} imports {named}; read the strategies from torchshard._train.strategies.STRATEGIES"
+    assert named == [], f"{module} imports {named}; read the strategies from torchshard._strategies.STRATEGIES"
+
+
+@pytest.mark.parametrize("folder", sorted(p.name for p in (PACKAGE / "_strategies").iterdir() if p.is_dir()
+                                          and not p.name.startswith("_")))  # fmt: skip
+def test_no_strategy_imports_another(folder):
+    mine = f"torchshard._strategies.{folder}"
+    others = {m for m in STRATEGY_MODULES if not (m == mine or m.startswith(mine + "."))}
+    for path in sorted((PACKAGE / "_strategies" / folder).rglob("*.py")):
+        named = sorted(_imported(path) & others)
+        assert named == [], f"{path.relative_to(PACKAGE)} imports another strategy's {named}: share through _train"

@@ -13,15 +13,15 @@ from torchshard._interop.dcp_save import save_dcp
 from torchshard._interop.export import from_torch_state_dict, to_torch_state_dict
 from torchshard._interop.pretrained import load_safetensors
 from torchshard._interop.safetensors import save_safetensors
-from torchshard._parallel.context import ContextParallel, ContextParallelWarning
-from torchshard._parallel.documents import document_mask
-from torchshard._parallel.experts import ExpertDispatch, ExpertDispatchWarning
-from torchshard._parallel.pipeline import Pipeline
 from torchshard._report.visualize import visualize, visualize_plan
 from torchshard._sharding.mesh import make_mesh, use_cpu_devices
 from torchshard._sharding.placement import constrain, shard, shard_batch
 from torchshard._sharding.plan import PlanEntry, ShardingPlan, plan
 from torchshard._sharding.rules import Rule, Rules, TensorInfo
+from torchshard._strategies.context.context import ContextParallel, ContextParallelWarning
+from torchshard._strategies.context.documents import document_mask
+from torchshard._strategies.experts.experts import ExpertDispatch, ExpertDispatchWarning
+from torchshard._strategies.pipeline.loop import Pipeline
 from torchshard._train.precision import MixedPrecision
 from torchshard._train.remat import Remat
 from torchshard._train.scan import ScanLayersWarning

@@ -17,8 +17,8 @@ from torchshard._base.errors import ShardingError
 from torchshard._report.cli import PRESET_HELP, PRESETS, UsageError, build_on_meta, load_factory, run_plan
 from torchshard._report.fit import EXIT_DOES_NOT_FIT, OPTIMIZERS, PRECISIONS
 from torchshard._search.search_cli import SEARCH_HELP, add_search_arguments, search_command
+from torchshard._strategies import flagged
 from torchshard._train.remat import POLICIES
-from torchshard._train.strategies import flagged
 
 EXIT_OK, EXIT_INVALID_PLAN, EXIT_USAGE = 0, 1, 2
 

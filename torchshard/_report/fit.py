@@ -26,9 +26,9 @@ from torchshard._report.memory import training_memory
 from torchshard._report.usage import UsageError
 from torchshard._sharding.mesh import use_cpu_devices
 from torchshard._sharding.plan import ShardingPlan
+from torchshard._strategies import STRATEGIES, flagged
 from torchshard._train.precision import MixedPrecision
 from torchshard._train.remat import Remat
-from torchshard._train.strategies import STRATEGIES, flagged
 from torchshard._trainer.abstract import AbstractTrainer
 
 EXIT_DOES_NOT_FIT = 3

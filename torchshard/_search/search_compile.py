@@ -24,9 +24,9 @@ from torchshard._presets.tables import common_tensor_parallel, fsdp
 from torchshard._search.space import PRECISIONS, ModelDims, SearchLayout
 from torchshard._sharding.mesh import make_mesh
 from torchshard._sharding.plan import ShardingPlan, plan
+from torchshard._strategies import STRATEGIES
 from torchshard._train.precision import MixedPrecision
 from torchshard._train.remat import Remat
-from torchshard._train.strategies import STRATEGIES
 from torchshard._trainer.abstract import AbstractTrainer
 
 Compiled = tuple[int, StepCosts]  # peak bytes per device, costs

@@ -1,6 +1,6 @@
 """The strategy seam: what a parallel strategy binds to, and what a bound strategy gives the Trainer and its step.
 
-A strategy is one `Strategy` (registered in ``_train/strategies.py``, or by anyone with
+A strategy is one `Strategy` (registered in ``_strategies/__init__.py``, or by anyone with
 ``register``): its Trainer keyword, its option's type and a function ``bind(option, setting) ->
 Bound``. ``option`` is what the user passed for its Trainer keyword (``None`` included),
 ``setting`` what it binds to. It checks its arguments there (raising `ArgumentError` /

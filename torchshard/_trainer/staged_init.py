@@ -14,9 +14,9 @@ from torchshard._bridge.layer_view import view_stacks
 from torchshard._sharding import init as sharded
 from torchshard._sharding.placement import assign
 from torchshard._sharding.rules import Rules
+from torchshard._strategies import STRATEGIES, bind_all
 from torchshard._train.scan import StateLayout
 from torchshard._train.state import tensor_structs
-from torchshard._train.strategies import STRATEGIES, bind_all
 from torchshard._train.strategy import Setting
 
 

@@ -24,6 +24,7 @@ from torchshard._bridge.tensors import rebind, set_array, unwrap
 from torchshard._multihost.worker import heartbeat
 from torchshard._sharding.placement import put, put_stacked, shard
 from torchshard._sharding.plan import ShardingPlan
+from torchshard._strategies import bind_all
 from torchshard._train.batching import BatchLayout
 from torchshard._train.precision import MixedPrecision, store_params, stored_dtypes
 from torchshard._train.remat import RematLike, as_remat, remat_targets, scan_remat
@@ -39,7 +40,6 @@ from torchshard._train.state import (
     train_state_structs,
 )
 from torchshard._train.step import LossFn, Runtime, Step
-from torchshard._train.strategies import bind_all
 from torchshard._train.strategy import Setting, gradient_of, leaf_problems, tracing_all
 from torchshard._trainer.checks import batch_type_problems, check_trainer_args
 from torchshard._trainer.evaluate import Compiled, evaluating, structure, structure_problems

@@ -1,5 +1,5 @@
 """The online-softmax tile both attention kernels fold over: flash attention's key tiles and the context ring's
-key blocks (torchshard._parallel.ring_attention)."""
+key blocks (torchshard._strategies.context.ring_attention)."""
 
 from __future__ import annotations
 

@@ -26,7 +26,7 @@ from jax.sharding import Mesh, PartitionSpec
 from torchshard._bridge.ops import online_softmax
 from torchshard._bridge.ops.flash import TILE_SCOPE
 from torchshard._bridge.vmapped import vmapped_axes
-from torchshard._parallel.ring_layout import SequenceLayout, from_zigzag, to_zigzag
+from torchshard._strategies.context.ring_layout import SequenceLayout, from_zigzag, to_zigzag
 
 Stats = tuple[jax.Array, jax.Array, jax.Array]  # running max, running sum, running weighted values (all f32)
 Seg = jax.Array | None  # [b, s] segment ids of a run of tokens (non-decreasing along it); None: one document

@@ -24,8 +24,8 @@ from torchshard._bridge.env import overriding
 from torchshard._bridge.ops import kernels, tokens
 from torchshard._bridge.ops.attention import ATTENTION_OPS
 from torchshard._bridge.scopes import current_module
-from torchshard._parallel import documents, hf_documents
-from torchshard._parallel.ring_attention import context_attention
+from torchshard._strategies.context import documents, hf_documents
+from torchshard._strategies.context.ring_attention import context_attention
 
 ATTENTIONS = ("ring", "all_gather")
 SUPPORTED = (

@@ -11,7 +11,13 @@ from jax.sharding import Mesh
 
 from torchshard._base.errors import raise_if_any
 from torchshard._base.specs import entry_axes
-from torchshard._parallel.context import ContextParallel, check_context, model_problems, sequence_problems, tracing
+from torchshard._strategies.context.context import (
+    ContextParallel,
+    check_context,
+    model_problems,
+    sequence_problems,
+    tracing,
+)
 from torchshard._train.strategy import Bound, SearchedLayout, Setting, Strategy
 
 

@@ -16,10 +16,10 @@ from torchshard._base.specs import spec_axes
 from torchshard._base.validate import compiled, describe_mesh, instance_problems, raise_for_arguments
 from torchshard._bridge.env import current_key
 from torchshard._bridge.module_call import PureForward, argument_names
-from torchshard._parallel import pipeline as schedule
-from torchshard._parallel.pipeline import Pipeline, Stages, resolve
 from torchshard._sharding.plan import ShardingPlan
-from torchshard._train import one_f_one_b_grads
+from torchshard._strategies.pipeline import grads as one_f_one_b_grads
+from torchshard._strategies.pipeline import loop as schedule
+from torchshard._strategies.pipeline.loop import Pipeline, Stages, resolve
 from torchshard._train.scan import ScanGroup, ScanRun, block_problems, check_output, find_groups, is_stack, module_lists
 from torchshard._train.strategy import Bound, Flag, SearchedLayout, Setting, Strategy
 

@@ -1,7 +1,8 @@
-"""Every parallel strategy a Trainer takes, by keyword: the one place a strategy registers.
-
-Trainer, AbstractTrainer, init_sharded, ``plan --compile``, ``plan --search`` and the command
+"""The parallel strategies, one folder each (pipeline, context, experts), and their registry: the one place a
+strategy registers. Trainer, AbstractTrainer, init_sharded, ``plan --compile``, ``plan --search`` and the command
 line read their strategies from `STRATEGIES`; none of them names one.
+
+May import _train and everything below it; no strategy's folder imports another's.
 """
 
 from __future__ import annotations
@@ -9,7 +10,10 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-from torchshard._train import contextual, dispatched, fused_loss, kernel_choice, pipelined
+from torchshard._strategies.context import binding as contextual
+from torchshard._strategies.experts import binding as dispatched
+from torchshard._strategies.pipeline import binding as pipelined
+from torchshard._train import fused_loss, kernel_choice
 from torchshard._train.strategy import Bound, Setting, Strategy
 
 __all__ = ["STRATEGIES", "bind_all", "flagged", "register"]

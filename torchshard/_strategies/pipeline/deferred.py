@@ -26,9 +26,9 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from torchshard._parallel import one_f_one_b
-from torchshard._parallel.one_f_one_b import _Loop, _read, _write
-from torchshard._parallel.split_backward import Split, split
+from torchshard._strategies.pipeline import ticks as one_f_one_b
+from torchshard._strategies.pipeline.split_backward import Split, split
+from torchshard._strategies.pipeline.ticks import _Loop, _read, _write
 
 
 @dataclasses.dataclass(frozen=True)

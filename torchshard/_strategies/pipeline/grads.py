@@ -22,8 +22,9 @@ from jax.sharding import NamedSharding, PartitionSpec
 from torchshard._base.errors import ShardingError
 from torchshard._base.specs import entry_axes
 from torchshard._bridge.module_call import PureForward
-from torchshard._parallel import one_f_one_b, zero_bubble
-from torchshard._parallel.pipeline import LayerFn, Stages, _batch_axes
+from torchshard._strategies.pipeline import deferred as zero_bubble
+from torchshard._strategies.pipeline import ticks as one_f_one_b
+from torchshard._strategies.pipeline.loop import LayerFn, Stages, _batch_axes
 from torchshard._train.scan import ScanGroup
 from torchshard._train.state import Arrays
 from torchshard._train.step import Runtime, micro_batches

@@ -8,7 +8,7 @@ from typing import Any
 
 from jax.sharding import Mesh
 
-from torchshard._parallel.experts import ExpertDispatch, Experts, dispatching, expert_dispatch_for
+from torchshard._strategies.experts.experts import ExpertDispatch, Experts, dispatching, expert_dispatch_for
 from torchshard._train.strategy import Bound, Setting, Strategy
 
 

@@ -23,7 +23,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 
 from torchshard._base.errors import ShardingError
 from torchshard._bridge.vmapped import vmapped_over
-from torchshard._parallel.pipeline import (
+from torchshard._strategies.pipeline.loop import (
     LayerFn,
     Stages,
     _batch_axes,
@@ -37,7 +37,7 @@ from torchshard._parallel.pipeline import (
     _split,
     narrowed,
 )
-from torchshard._parallel.residuals import Residuals, residuals
+from torchshard._strategies.pipeline.residuals import Residuals, residuals
 
 # tail(micro-batch index, the stack's output for it) -> (what the step sums over micro-batches, d output)
 Tail = Callable[[jax.Array, jax.Array], tuple[Any, jax.Array]]

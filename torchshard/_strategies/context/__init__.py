@@ -1,0 +1,1 @@
+"""Context parallelism: the option, ring and all-gather attention, packed documents, the Trainer binding."""

@@ -1,0 +1,1 @@
+"""Pipeline parallelism: the option, the loops that run stages, the schedules' registry, the Trainer binding."""
