@@ -15,9 +15,11 @@ import pytest
 # tests with them too.
 FAST_COMPILE = ("--xla_backend_optimization_level=0", "--xla_cpu_use_fusion_emitters=false")
 # XLA on CPU aborts the whole process when a collective's devices reach it too far apart ("Termination timeout
-# for `all to all` ... rendezvous"): on 2 loaded cores one device's thread can lag that long behind the others,
-# and a family's row crashed so while the suite ran beside it. The tests wait for it instead (pytest-timeout
-# still ends a test that truly hangs). Not a compiler flag: it holds with XLA's defaults too.
+# for `all to all` ... rendezvous", after 40 s). The deadlock behind most such aborts (devices starting two
+# collectives in different orders, each holding one of too few pool threads) is gone: `use_cpu_devices` below
+# sizes XLA's CPU pool, as it does for users. What is left is lag: on 2 cores loaded by the suite and other work,
+# one device's thread can fall that far behind the others. The tests wait for it instead (pytest-timeout still
+# ends a test that truly hangs). Not a compiler flag: it holds with XLA's defaults too.
 PATIENT_COLLECTIVES = ("--xla_cpu_collective_call_terminate_timeout_seconds=600",)
 CHOSEN = "_TORCHSHARD_TEST_XLA_FLAGS"  # what the first pytest process picked; its workers reuse it
 
@@ -57,7 +59,7 @@ import torch  # noqa: E402
 import torchshard  # noqa: E402
 
 torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
-torchshard.use_cpu_devices(8)
+torchshard.use_cpu_devices(8)  # and 4 XLA pool threads per device, for collectives (its docstring says why)
 
 
 @pytest.fixture(autouse=True, scope="session")

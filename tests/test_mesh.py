@@ -1,5 +1,11 @@
 """Simulated CPU devices and Auto-axis meshes."""
 
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
 import jax
 import pytest
 from helpers import fresh_process
@@ -7,6 +13,7 @@ from jax.sharding import AxisType
 
 import torchshard
 from torchshard import ShardingError
+from torchshard._sharding.mesh import THREADS_PER_DEVICE
 
 
 def test_use_cpu_devices_late_with_a_different_count_is_an_error():
@@ -31,6 +38,56 @@ def test_use_cpu_devices_before_the_backend_starts():
     fresh = fresh_process()  # a fresh process: use_cpu_devices(3) right after import torchshard
     assert fresh["returncode"] == 0, fresh["stderr"]
     assert fresh["devices"] == [3, "cpu"]
+
+
+def _xla_cpu_pool_threads() -> int:
+    """Threads of XLA's CPU intra-op pool (named XLAEigen) in this process."""
+    tasks = Path("/proc/self/task")
+    return sum("XLAEigen" in (task / "comm").read_text() for task in tasks.iterdir())
+
+
+@pytest.mark.skipif(not Path("/proc/self/task").is_dir(), reason="counts threads in Linux's /proc")
+def test_the_cpu_thread_pool_has_threads_for_each_devices_collectives():
+    """conftest's use_cpu_devices(8) sized XLA's pool before JAX started: with one thread per device, two collectives
+    started in different orders by the devices held every thread and deadlocked (falcon_h1's packed CP ring)."""
+    assert _xla_cpu_pool_threads() >= THREADS_PER_DEVICE * jax.device_count()
+
+
+POOL_ENV = """
+import json, os
+from pathlib import Path
+import jax, torchshard
+
+def after(env, platforms=None):
+    for name in ("PJRT_NPROC", "NPROC"):
+        os.environ.pop(name, None)
+    os.environ.update(env)
+    jax.config.update("jax_platforms", platforms)
+    torchshard.use_cpu_devices(3)
+    return os.environ.get("PJRT_NPROC")
+
+report = {"user_pjrt_nproc": after({"PJRT_NPROC": "5"}), "user_nproc": after({"NPROC": "6"}),
+          "no_cpu": after({}, "tpu"), "default": after({})}
+jax.devices()  # starts the CPU backend with the last case's environment
+report["pool"] = sum("XLAEigen" in (t / "comm").read_text() for t in Path("/proc/self/task").iterdir())
+print(json.dumps(report))
+"""
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not Path("/proc/self/task").is_dir(), reason="counts threads in Linux's /proc")
+def test_use_cpu_devices_sizes_the_pool_unless_the_user_did():
+    env = {k: v for k, v in os.environ.items() if k not in ("PJRT_NPROC", "NPROC", "JAX_PLATFORMS")}
+    done = subprocess.run([sys.executable, "-c", POOL_ENV], env=env, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    expected = max(len(os.sched_getaffinity(0)), THREADS_PER_DEVICE * 3)
+    assert json.loads(done.stdout.splitlines()[-1]) == {
+        "user_pjrt_nproc": "5",  # kept, and NPROC (XLA's fallback) is not overridden either
+        "user_nproc": None,
+        "no_cpu": None,  # JAX_PLATFORMS without the CPU: nothing to size
+        "default": str(expected),
+        "pool": expected,
+    }
 
 
 @pytest.mark.parametrize(

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import os
 from collections.abc import Mapping, Sequence
 
 import jax
@@ -14,9 +15,27 @@ from torchshard._base.validate import raise_for_arguments
 from torchshard._bridge.env import backend_started
 from torchshard._bridge.xla_flags import apply_gpu_flags
 
+# XLA:CPU runs each device's share of a program on one intra-op thread pool, sized by default to max(cores, devices),
+# and an in-process collective holds its thread until every device has joined it. Its thunk executor orders a
+# device's collectives only by when they *start*: a while loop or conditional whose body goes asynchronous (work
+# handed to the pool) lets the next collective start while the loop's own collectives are still to come. Devices can
+# then start two collectives in different orders (jaxlib 0.10.2, falcon_h1's packed ring attention: some devices in
+# an all-reduce after the backward ring loop, the others in the loop's next collective-permute). Each device holds a
+# pool thread in its collective; with one thread per device none is left for the loop's remaining work, and both
+# collectives wait until XLA aborts the process. No XLA option orders the starts (the executor's sequential mode
+# has no flag), so the pool gets the threads: XLA sizes it from PJRT_NPROC (else NPROC, else the core count).
+THREADS_PER_DEVICE = 4  # one per collective a device can have started: a loop's, and the ones released past it
+
 
 def use_cpu_devices(n: int) -> None:
     """Makes JAX expose ``n`` CPU devices; call it before anything touches JAX devices.
+
+    Simulated devices share XLA's CPU thread pool, and a collective blocks its thread until all devices join it. A
+    device can start a second collective before an earlier one (one inside a loop) has run, in an order that differs
+    between devices, so with XLA's default pool (one thread per device on a small machine) the collectives could
+    wait on each other until XLA aborts ("Termination timeout ... rendezvous"). Before JAX starts, this sets
+    ``PJRT_NPROC`` to ``4 * n`` threads (or the number of cores, if larger) unless ``PJRT_NPROC`` or ``NPROC`` is
+    already set, or ``JAX_PLATFORMS`` leaves out the CPU.
 
     Args:
         n: number of simulated CPU devices (e.g. 8 on a laptop).
@@ -40,7 +59,17 @@ def use_cpu_devices(n: int) -> None:
                 f"XLA_FLAGS=--xla_force_host_platform_device_count={n} in the environment."
             )
         return
+    _size_cpu_thread_pool(n)
     jax.config.update("jax_num_cpu_devices", n)
+
+
+def _size_cpu_thread_pool(n: int) -> None:
+    """Gives XLA's CPU thread pool `THREADS_PER_DEVICE` threads per device (read when the backend starts)."""
+    platforms = jax.config.values.get("jax_platforms")  # JAX_PLATFORMS, or as set in the program
+    if "PJRT_NPROC" in os.environ or "NPROC" in os.environ or (platforms and "cpu" not in platforms.split(",")):
+        return  # the user's choice (XLA reads PJRT_NPROC, then NPROC), or no CPU backend to size
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    os.environ["PJRT_NPROC"] = str(max(cores, THREADS_PER_DEVICE * n))
 
 
 def _resolve_sizes(axes: Mapping[str, int], n_devices: int) -> tuple[int, ...]:
