@@ -178,7 +178,7 @@ def measure(configs: list[Config], args: argparse.Namespace, batch: Any) -> list
             "param_bytes": device_bytes(jax.tree.leaves(trainer.state.params)),
             "argument_bytes": memory.argument_size_in_bytes,
             "temp_bytes": memory.temp_size_in_bytes,
-            "bubble": trainer.pipeline_bubble,
+            "bubble": trainer.idle_fraction,
         }
         jax.block_until_ready(trainer.step(placed[config.name])["loss"])  # compile and warm up
         print(f"built {config.name}", flush=True)
@@ -258,7 +258,7 @@ def communication(args: argparse.Namespace, batch: Any) -> list[dict[str, Any]]:
         rows.append({"config": name, "per_axes": per_axes, "off_stage": sum(n for k, n in per_axes.items()
                      if k != "stage"), "temp_bytes": compiled.memory_analysis().temp_size_in_bytes,
                      "flops": costs.flops, "recompute_flops": costs.recompute_flops,
-                     "bubble": trainer.pipeline_bubble if schedule else None})  # fmt: skip
+                     "bubble": trainer.idle_fraction if schedule else None})  # fmt: skip
         print(f"compiled {name}", flush=True)
     useful, gpipe = rows[1]["flops"], next(r for r in rows if r["config"] == "gpipe")
     one_f_one_b = next(r for r in rows if r["config"] == "1f1b")

@@ -28,7 +28,7 @@ import torchshard as ts
 from torchshard._hlo.hardware import hardware
 from torchshard._report.fit import lm_loss, simulated_devices
 from torchshard._search import search as engine
-from torchshard._search.space import AXES, SearchLayout
+from torchshard._search.space import SearchLayout, mesh_axes
 
 MODELS = {  # Llama 3 8B / 70B and Llama 2 70B, as their Hugging Face configs give them
     "llama3-8b": dict(vocab_size=128256, hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
@@ -58,7 +58,7 @@ def published_layout(text: str) -> SearchLayout:
     """``data=8,model=2:dots_saveable`` as a scanned bf16 layout without accumulation."""
     mesh, _, remat = text.partition(":")
     axes = {k: int(v) for k, v in (p.split("=") for p in mesh.split(","))}
-    return SearchLayout(tuple((a, axes.get(a, 1)) for a in AXES), 1, remat or "nothing_saveable", True, "bf16")
+    return SearchLayout(tuple((a, axes.get(a, 1)) for a in mesh_axes()), 1, remat or "nothing_saveable", True, "bf16")
 
 
 def row(c: engine.Candidate, devices: int) -> str:

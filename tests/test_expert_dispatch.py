@@ -127,7 +127,7 @@ def dispatched():
 
 def test_default_is_all_to_all_and_trains_like_eager_torch(dispatched, eager):
     trainer, (losses, metrics) = dispatched
-    assert trainer.expert_dispatch == ts.ExpertDispatch("all_to_all")
+    assert trainer.strategies["expert_dispatch"].option == ts.ExpertDispatch("all_to_all")
     np.testing.assert_allclose(losses, eager, rtol=RTOL)
     assert "dropped_tokens" not in metrics[0]  # dropless: nothing to report
 
@@ -211,7 +211,7 @@ def test_the_default_falls_back_to_the_plan_where_all_to_all_cannot_run_and_says
     assert "keeps the plan's sharding (GSPMD, no all-to-all)" in message
     for layer in ("layers.0.experts", "layers.1.experts"):
         assert f"{layer}: the batch is not split over the expert axis 'expert'" in message
-    assert trainer.expert_dispatch is None
+    assert trainer.strategies["expert_dispatch"].option is None
     losses, _ = _losses(trainer, _batches())
     np.testing.assert_allclose(losses, eager, rtol=RTOL)
 
@@ -241,7 +241,7 @@ def test_router_logits_and_the_aux_loss_train_like_torch_under_all_to_all(family
     rules = presets.hf_rules(model, axis=None, expert_axis="expert", fsdp_min_size=1024)
     trainer = ts.Trainer(model, loss_fn, optax.sgd(0.1), ts.plan(model, ts.make_mesh(AXES), rules),
                          batch_spec=BATCH_SPEC, scan_layers=True)  # fmt: skip
-    assert trainer.expert_dispatch == ts.ExpertDispatch("all_to_all")
+    assert trainer.strategies["expert_dispatch"].option == ts.ExpertDispatch("all_to_all")
     got = [trainer.step(b) for b in data]
     expected = torch_losses(reference, lambda m, ids: loss_fn(m, ids)[0],
                             torch.optim.SGD(reference.parameters(), lr=0.1), data)  # fmt: skip
@@ -253,7 +253,7 @@ def test_router_logits_and_the_aux_loss_train_like_torch_under_all_to_all(family
 def test_experts_are_recognised_by_their_arguments_meaning_not_names_and_dense_scores_train_like_torch():
     """GPT-OSS's old interface: (tokens, router_indices, routing_weights [T, experts])."""
     trainer = _trainer(_model(moe=ScoredMoE))
-    assert trainer.expert_dispatch == ts.ExpertDispatch("all_to_all")
+    assert trainer.strategies["expert_dispatch"].option == ts.ExpertDispatch("all_to_all")
     losses, _ = _losses(trainer, _batches())
     ref = _model(moe=ScoredMoE)
     expected = torch_losses(ref, mse, torch.optim.AdamW(ref.parameters(), lr=1e-2, weight_decay=1e-4), _batches())
@@ -264,7 +264,9 @@ def test_experts_are_recognised_by_their_arguments_meaning_not_names_and_dense_s
 @pytest.mark.slow
 def test_a_call_that_is_not_the_routing_rows_keeps_the_plan_and_says_so_once_per_module():
     trainer = _trainer(_model(moe=BatchedMoE))
-    assert trainer.expert_dispatch == ts.ExpertDispatch("all_to_all")  # the signature fits; the call does not
+    assert trainer.strategies["expert_dispatch"].option == ts.ExpertDispatch(
+        "all_to_all"
+    )  # the signature fits; the call does not
     batches = _batches()
     with pytest.warns(ts.ExpertDispatchWarning) as caught:
         losses, _ = _losses(trainer, batches)
@@ -298,7 +300,7 @@ def test_experts_that_take_no_routing_keep_the_plan_and_say_why():
     assert re.search(r"layers\.0\.experts: its experts are sharded over 'expert', but GroupedExperts\.forward"
                      r"\(hidden_states\) does not take \(hidden states \[T, H\], expert indices \[T, k\]",
                      str(caught[0].message))  # fmt: skip
-    assert trainer.expert_dispatch is None
+    assert trainer.strategies["expert_dispatch"].option is None
     with pytest.raises(ShardingError, match=r"GroupedExperts\.forward\(hidden_states\) does not take[\s\S]*"
                                             r"no experts module to dispatch to"):  # fmt: skip
         _trainer(_grouped(), expert_dispatch=ts.ExpertDispatch())
@@ -307,7 +309,10 @@ def test_experts_that_take_no_routing_keep_the_plan_and_say_why():
 def test_choosing_gspmd_says_nothing():
     with warnings.catch_warnings():
         warnings.simplefilter("error")
-        assert _trainer(_grouped(), expert_dispatch=ts.ExpertDispatch("gspmd")).expert_dispatch.kind == "gspmd"
+        assert (
+            _trainer(_grouped(), expert_dispatch=ts.ExpertDispatch("gspmd")).strategies["expert_dispatch"].option.kind
+            == "gspmd"
+        )
 
 
 def _gpt_oss(seed: int = 0) -> nn.Module:
@@ -335,7 +340,7 @@ def test_gpt_oss_experts_move_tokens_by_all_to_all_and_train_like_torch():
     rules = presets.hf_rules(model, axis=None, expert_axis="expert", fsdp_min_size=1024)
     plan = ts.plan(model, ts.make_mesh(AXES), rules)
     trainer = ts.Trainer(model, _lm_loss, optax.adamw(1e-3), plan, batch_spec=BATCH_SPEC)
-    assert trainer.expert_dispatch == ts.ExpertDispatch("all_to_all")
+    assert trainer.strategies["expert_dispatch"].option == ts.ExpertDispatch("all_to_all")
     losses = [float(trainer.step(ids)["loss"]) for ids in data]
     expected = torch_losses(ref, _lm_loss, torch.optim.AdamW(ref.parameters(), lr=1e-3, weight_decay=1e-4), data)
     np.testing.assert_allclose(losses, expected, rtol=RTOL)
@@ -402,7 +407,7 @@ def test_a_model_with_a_0d_parameter_builds_a_trainer_and_trains_like_torch():
     model = copy.deepcopy(reference)
     plan = ts.plan(model, ts.make_mesh({"data": 8}), presets.fsdp(min_size=1))
     trainer = ts.Trainer(model, mse, optax.adamw(1e-2), plan, batch_spec=P("data"))
-    assert trainer.expert_dispatch is None
+    assert trainer.strategies["expert_dispatch"].option is None
     losses, _ = _losses(trainer, _batches())
     opt = torch.optim.AdamW(reference.parameters(), lr=1e-2, weight_decay=1e-4)
     np.testing.assert_allclose(losses, torch_losses(reference, mse, opt, _batches()), rtol=RTOL)

@@ -28,6 +28,8 @@ from torchshard._strategies.context.ring_attention import context_attention
 from torchshard._strategies.context.ring_layout import SequenceLayout
 from torchshard._strategies.experts import experts
 from torchshard._strategies.pipeline import loop as pipeline
+from torchshard._strategies.pipeline.schedules import SCHEDULES
+from torchshard._strategies.pipeline.stages import resolve
 
 
 def _close_trees(got, want) -> None:
@@ -68,8 +70,9 @@ def _readout(out):
 )
 def test_pipeline_loop_matches_a_sequential_scan(schedule, repeats, remat):
     mesh = ts.make_mesh({"stage": 4, "data": 2})
-    stages = pipeline.resolve(ts.Pipeline(microbatches=4, schedule=schedule, repeats=repeats), mesh,
-                              prefix="layers", layers=LAYERS, batch="data")  # fmt: skip
+    remats = SCHEDULES[schedule].remats_each_layer  # circular recomputes each layer in the backward
+    stages = resolve(ts.Pipeline(microbatches=4, schedule=schedule, repeats=repeats), mesh, prefix="layers",
+                     layers=LAYERS, batch="data", remats_each_layer=remats)  # fmt: skip
     order = np.asarray(stages.order())
     policy = jax.checkpoint_policies.nothing_saveable if remat else None
     params, h, others = _pipeline_inputs()
@@ -90,7 +93,7 @@ def test_pipeline_loop_matches_a_sequential_scan(schedule, repeats, remat):
 
 def test_pipeline_loop_refuses_rows_the_microbatches_do_not_split():
     mesh = ts.make_mesh({"stage": 4, "data": 2})
-    stages = pipeline.resolve(ts.Pipeline(microbatches=4), mesh, prefix="layers", layers=LAYERS)
+    stages = resolve(ts.Pipeline(microbatches=4), mesh, prefix="layers", layers=LAYERS)
     params, h, others = _pipeline_inputs()
     with pytest.raises(ShardingError, match=r"layers: the hidden state \[6, 3, 16\] does not split into "
                        r"microbatches=4 along dim 0; .* multiple of 4, e.g. 8"):  # fmt: skip

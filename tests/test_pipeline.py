@@ -128,10 +128,10 @@ def test_the_compiled_step_moves_activations_by_collective_permute_and_holds_a_q
 
 
 def test_bubble_is_the_idle_fraction_of_the_schedule(built):
-    assert built["gpipe"].pipeline_bubble == pytest.approx(3 / (4 + 3))
-    assert built["circular"].pipeline_bubble == pytest.approx(1 / (2 * 2 + 1))
+    assert built["gpipe"].idle_fraction == pytest.approx(3 / (4 + 3))
+    assert built["circular"].idle_fraction == pytest.approx(1 / (2 * 2 + 1))
     model = blocks()
-    assert ts.Trainer(model, blocks_loss, adamw(), ts.plan(model, ts.make_mesh({"data": 8}), FSDP)).pipeline_bubble == 0
+    assert ts.Trainer(model, blocks_loss, adamw(), ts.plan(model, ts.make_mesh({"data": 8}), FSDP)).idle_fraction == 0
     assert Pipeline(microbatches=8, schedule="circular", repeats=2).bubble(stages=4) == pytest.approx(3 / 19)
 
 

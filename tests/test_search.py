@@ -24,12 +24,12 @@ from torchshard._search.search import (
     FAST_COMPILE,
     Problem,
     _base,
-    _options,
-    _plan,
     at_depth,
     compile_layout,
+    layout_plan,
     measure,
     rate,
+    trainer_options,
 )
 from torchshard._search.space import ModelDims, SearchLayout, layouts
 
@@ -135,7 +135,7 @@ def test_each_precision_compiles_under_its_own_policy(precision, dtype):
     from torchshard._search.space import SearchLayout
 
     layout = SearchLayout(mesh=(("data", 8),), precision=precision)
-    policy = search_compile._options(tiny_llama(meta=True), layout)["precision"]
+    policy = search_compile.trainer_options(tiny_llama(meta=True), layout)["precision"]
     assert (policy.compute_dtype if policy is not None else None) == dtype
 
 
@@ -145,7 +145,9 @@ def test_pipelined_meshes_are_tried_with_each_schedule_and_the_rest_with_none():
     assert piped and {lay.schedule for lay in piped} == {"1f1b", "gpipe"}
     assert all(lay.schedule is None for lay in found if lay.degree("stage") == 1)
     assert " pipeline M=2 1f1b " in next(lay for lay in piped if lay.schedule == "1f1b").label() + " "
-    with pytest.raises(ArgumentError, match=r"schedules=\['zero'\]: choose one or more of \['1f1b', 'gpipe', 'zero_b"):
+    with pytest.raises(
+        ArgumentError, match=r"schedules=\['zero'\]: choose one or more of \['gpipe', '1f1b', '1f1b_remat', 'zero_b"
+    ):
         ts.inspect.search(tiny_llama(meta=True), devices=2, batch=(4, 16), schedules=("zero",), **OPTIONS)
 
 
@@ -199,7 +201,7 @@ def test_a_searched_1f1b_pipeline_compiles_gpipes_flops_in_less_memory(tiny_prob
     mesh = (("stage", 2), ("data", 1), ("context", 1), ("expert", 1), ("model", 1))
     model, devices = problem.model, jax.devices()[:2]
     one_f, gpipe = (SearchLayout(mesh, 8, None, True, "fp32", s) for s in ("1f1b", "gpipe"))
-    assert _options(model, one_f)["pipeline"] == ts.Pipeline(microbatches=8, schedule="1f1b")
+    assert trainer_options(model, one_f)["pipeline"] == ts.Pipeline(microbatches=8, schedule="1f1b")
     assert _base([gpipe, one_f], {"remat": (None,), "precision": ("fp32",), "schedules": ("gpipe", "1f1b")}) == one_f
     (one_f_peak, one_f_costs), (gpipe_peak, gpipe_costs) = (compile_layout(problem, lay, model, devices)
                                                             for lay in (one_f, gpipe))  # fmt: skip
@@ -241,8 +243,8 @@ def test_the_search_compiles_without_llvm_optimisation_to_the_same_program_and_m
         (("stage", 1), ("data", 2), ("context", 1), ("expert", 1), ("model", 2)), remat="dots_saveable"
     )
     model = tiny_problem.model
-    trainer = AbstractTrainer(model, tiny_problem.loss_fn, optax.adamw(1e-4), _plan(model, layout, jax.devices()[:4]),
-                              **_options(model, layout))  # fmt: skip
+    planned = layout_plan(model, layout, jax.devices()[:4])
+    trainer = AbstractTrainer(model, tiny_problem.loss_fn, optax.adamw(1e-4), planned, **trainer_options(model, layout))
     lowered = trainer.lower(torch.empty(tiny_problem.batch, dtype=torch.int64, device="meta"))
     fast, full = lowered.compile(FAST_COMPILE), lowered.compile({"xla_backend_optimization_level": 3})
     assert fast.as_text() == full.as_text()  # the optimised HLO, its sharding, collectives and buffers

@@ -82,7 +82,7 @@ def test_abstract_and_real_trainers_compile_the_same_state(name):
     shapes = jax.tree.map(lambda t: jax.ShapeDtypeStruct(tuple(t.shape), t.numpy().dtype), batch)
     assert _specs(abstract) == _specs(real)
     assert _bytes(abstract, shapes) == _bytes(real, batch)
-    assert abstract.pipeline_bubble == real.pipeline_bubble
+    assert abstract.idle_fraction == real.idle_fraction
 
 
 def test_a_pipelined_stack_is_split_over_the_stage_axis_in_both():

@@ -20,7 +20,7 @@ from helpers import torch_losses
 import torchshard as ts
 from torchshard.__main__ import EXIT_OK, EXIT_USAGE, main
 from torchshard._base.validate import instance_problems, raise_for_arguments
-from torchshard._search.search_compile import _options
+from torchshard._search.search_compile import trainer_options
 from torchshard._search.space import SearchLayout
 from torchshard._strategies import STRATEGIES, register
 from torchshard._train.strategy import Bound, Flag, Strategy
@@ -180,8 +180,8 @@ def test_plan_lists_and_accepts_the_toy_flag(toy, capsys, tmp_path, monkeypatch)
 
 
 def test_search_candidates_give_the_toy_its_option(toy):
-    assert _options(Stack(), SearchLayout(mesh=(("data", 8),)))["mark"] == Mark("searched")
-    assert _options(Stack(), SearchLayout(mesh=(("data", 1),)))["mark"] is None
+    assert trainer_options(Stack(), SearchLayout(mesh=(("data", 8),)))["mark"] == Mark("searched")
+    assert trainer_options(Stack(), SearchLayout(mesh=(("data", 1),)))["mark"] is None
 
 
 # the strategies' own modules: every module of a strategy's folder (the registry, _strategies/__init__.py, is not one)

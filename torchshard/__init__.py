@@ -21,7 +21,7 @@ from torchshard._sharding.rules import Rule, Rules, TensorInfo
 from torchshard._strategies.context.context import ContextParallel, ContextParallelWarning
 from torchshard._strategies.context.documents import document_mask
 from torchshard._strategies.experts.experts import ExpertDispatch, ExpertDispatchWarning
-from torchshard._strategies.pipeline.loop import Pipeline
+from torchshard._strategies.pipeline.option import Pipeline
 from torchshard._train.precision import MixedPrecision
 from torchshard._train.remat import Remat
 from torchshard._train.scan import ScanLayersWarning

@@ -12,7 +12,6 @@ import torch
 
 from torchshard._base.errors import ArgumentError, ShardingError
 from torchshard._base.format import fmt_bytes
-from torchshard._base.schedule import bubble_fraction
 from torchshard._hlo.costs import StepCosts
 from torchshard._hlo.hardware import Hardware, hardware
 from torchshard._report.fit import lm_loss, simulated_devices
@@ -23,18 +22,25 @@ from torchshard._search.estimate import estimate
 from torchshard._search.search_compile import (  # noqa: F401  (re-exported: tests and benchmarks use them)
     FAST_COMPILE,
     Problem,
-    _options,
-    _plan,
     at_depth,
     compile_layout,
+    layout_plan,
     measure,
+    trainer_options,
 )
-from torchshard._search.space import ModelDims, SearchLayout, analytic_seconds, layouts
+from torchshard._search.space import (
+    ModelDims,
+    SearchLayout,
+    analytic_seconds,
+    layouts,
+    leanest,
+    strategy_axes,
+    variants,
+)
+from torchshard._strategies import STRATEGIES
 
 log = logging.getLogger(__name__)
 REMATS = (None, "nothing_saveable", "dots_saveable")
-# searchable pipeline schedules ("circular" needs a layer split the search does not choose)
-SCHEDULES = ("1f1b", "gpipe", "zero_bubble", "1f1b_remat")
 Progress = Callable[[int, int, str], None]
 
 
@@ -69,21 +75,17 @@ class Candidate:
 
     @property
     def options(self) -> dict[str, Any]:
-        """The Trainer options: pipeline micro-batches or grad accumulation, remat policy, scan, precision."""
+        """The Trainer options: each strategy's (by keyword, its option's fields, or None), grad accumulation where
+        no strategy takes the micro-batches, remat policy, scan, precision."""
         lay = self.layout
-        micro = (
-            {"pipeline_microbatches": lay.microbatches}
-            if lay.degree("stage") > 1
-            else {"grad_accum_steps": lay.microbatches}
-        )
-        schedule = {"pipeline_schedule": lay.schedule} if lay.schedule else {}
+        given = trainer_options(None, lay)
+        strategies = {k: _fields(v) for k, v in given.items() if k in STRATEGIES}
         return {
-            **micro,
-            **schedule,
+            **strategies,
+            "grad_accum_steps": given["grad_accum_steps"],
             "remat": lay.remat,
             "scan_layers": lay.scan,
             "precision": lay.precision,
-            "context_parallel": lay.degree("context") > 1,
         }
 
     def to_json(self) -> dict[str, Any]:
@@ -102,6 +104,13 @@ class Candidate:
         }
 
 
+def _fields(option: Any) -> Any:
+    """A strategy's option as JSON-ready data: a dataclass's fields, else the value (None: off)."""
+    if dataclasses.is_dataclass(option) and not isinstance(option, type):
+        return dataclasses.asdict(option)
+    return option
+
+
 def model_flops(model: torch.nn.Module, tokens: int, seq: int) -> float:
     """Training FLOPs of a step as torchtitan counts them: 6 × non-embedding params + 12 × L × hidden × seq."""
     params = sum(p.numel() for p in model.parameters() if p.requires_grad)
@@ -114,8 +123,7 @@ def model_flops(model: torch.nn.Module, tokens: int, seq: int) -> float:
 
 def rate(problem: Problem, layout: SearchLayout, peak: int, costs: StepCosts) -> Candidate:
     """The candidate's verdict and speed on the problem's hardware."""
-    stages = layout.degree("stage")
-    bubble = bubble_fraction(stages, layout.microbatches, schedule=layout.schedule)
+    bubble = sum(axis.idle(layout) for axis in strategy_axes())
     est = estimate(
         costs, problem.hw, precision=layout.precision, devices_per_host=problem.devices_per_host, bubble=bubble
     )
@@ -143,7 +151,7 @@ def _rough(problem: Problem, layout: SearchLayout) -> float:
 
 def _state_note(problem: Problem, layout: SearchLayout, devices: list[Any]) -> str:
     try:
-        planned = _plan(problem.model, layout, devices)
+        planned = layout_plan(problem.model, layout, devices)
     except ShardingError as err:
         return f"no plan: {str(err).splitlines()[-1].strip()}"
     stored = torch.float32 if layout.precision != "fp32" else None
@@ -158,17 +166,9 @@ def _base(group: list[SearchLayout], options: dict[str, Any]) -> SearchLayout:
 
     def prefer(lay: SearchLayout) -> tuple[bool, bool, bool, int, bool]:
         return (lay.remat != remat, not lay.scan, lay.precision != precision, lay.microbatches,
-                lay.schedule != _leanest(lay, options.get("schedules", ())))  # fmt: skip
+                lay.schedule != leanest(lay, options.get("schedules", ())))  # fmt: skip
 
     return min(group, key=prefer)
-
-
-def _leanest(layout: SearchLayout, schedules: Sequence[str]) -> str | None:
-    """The schedule holding the fewest micro-batches' activations: 1F1B's 2S-1 when under M, else gpipe's M."""
-    if layout.schedule is None:
-        return None
-    lean = "1f1b" if layout.microbatches > 2 * layout.degree("stage") - 1 else "gpipe"
-    return lean if lean in schedules else layout.schedule
 
 
 def _first(values: Sequence[Any], wanted: Any) -> Any:
@@ -272,16 +272,16 @@ def search(
     remat: Sequence[str | None] = REMATS,
     scan: Sequence[bool] = (True, False),
     precision: Sequence[str] = ("bf16", "fp32"),
-    schedules: Sequence[str] = SCHEDULES[:3],
+    schedules: Sequence[str] | None = None,
     max_compiles: int = 20,
     refine_meshes: int = 3,
     progress: Progress | None = None,
 ) -> list[Candidate]:
     """Searches meshes and Trainer options for ``model`` on ``devices`` devices; the best first.
 
-    Enumerates (stage, data, context, expert, model) degrees that divide the model's head counts,
-    layers, experts and the sequence, with micro-batches (pipeline micro-batches, or gradient
-    accumulation), remat policies, scan and precision; drops those whose plan's state alone
+    Enumerates the mesh degrees (data, model and each strategy's axis: stage, context, expert) that
+    divide the model's head counts, layers, experts and the sequence, with micro-batches (pipeline
+    micro-batches, or gradient accumulation), remat policies, scan and precision; drops those whose plan's state alone
     cannot fit; compiles the rest (in order of a rough estimate, at most ``max_compiles``) with an
     `AbstractTrainer` on simulated devices; and ranks the ones that fit by the step time estimated
     from the compiled FLOPs, memory traffic and collectives over ``hardware_name``'s profile.
@@ -299,9 +299,9 @@ def search(
         remat: the remat policies to enumerate.
         scan: the scan settings to enumerate.
         precision: the precisions to enumerate.
-        schedules: the pipeline schedules to enumerate for meshes with a ``stage`` axis. A mesh is
-            compiled first with the one that holds the fewest micro-batches' activations: ``"1f1b"``
-            (gpipe's FLOPs, at most 2S-1 in flight) when there are more micro-batches than that.
+        schedules: the pipeline schedules to enumerate for meshes with a ``stage`` axis (default: those
+            whose `Schedule` says the search tries them). A mesh is compiled first with the one that holds
+            the fewest micro-batches' activations (``"1f1b"``: at most 2S-1 in flight, gpipe's M+S-1).
         max_compiles: layouts compiled at most: half of them the meshes' first layouts (in order of a
             rough analytic estimate), the rest refining the best ``refine_meshes`` meshes that fit.
         refine_meshes: how many of the best fitting meshes get their options searched one at a time.
@@ -346,9 +346,11 @@ def search(
         max(per_host, 1),
         loss_fn or lm_loss,
     )
-    bad = [s for s in schedules if s not in SCHEDULES]
+    tried, allowed = variants()
+    schedules = tried if schedules is None else schedules
+    bad = [s for s in schedules if s not in allowed]
     if bad or not schedules:
-        raise ArgumentError(f"search: schedules={list(schedules)!r}: choose one or more of {list(SCHEDULES)}")
+        raise ArgumentError(f"search: schedules={list(schedules)!r}: choose one or more of {list(allowed)}")
     options = {"microbatches": microbatches, "remat": remat, "scan": scan, "precision": precision,
                "schedules": tuple(schedules)}  # fmt: skip
     return run_search(problem, options, max_compiles=max_compiles, refine_meshes=refine_meshes, progress=progress)

@@ -13,8 +13,8 @@ from torchshard._base.format import columns, fmt_bytes
 from torchshard._hlo.hardware import PROFILES, hardware, load_profiles
 from torchshard._report.fit import parse_batch, parse_size, simulated_devices
 from torchshard._report.usage import UsageError
-from torchshard._search.search import REMATS, SCHEDULES, Candidate, search
-from torchshard._search.space import PRECISIONS
+from torchshard._search.search import REMATS, Candidate, search
+from torchshard._search.space import PRECISIONS, variants
 
 SEARCH_HELP = """\
 --search enumerates the meshes (stage x data/FSDP x context x expert x model degrees dividing the
@@ -43,7 +43,12 @@ def add_search_arguments(parser: argparse.ArgumentParser) -> None:
     s.add_argument("--microbatches", default="1,2,4", help="grad accumulation / micro-batches per stage to try")
     s.add_argument("--precisions", default="bf16,fp32", help="precisions to try")
     s.add_argument("--scans", default="true,false", help="scan_layers values to try")
-    s.add_argument("--schedules", default="1f1b,gpipe,zero_bubble", help="pipeline schedules to try on stage meshes")
+    tried, allowed = variants()
+    s.add_argument(
+        "--schedules",
+        default=",".join(tried),
+        help=f"pipeline schedules to try on stage meshes, of {','.join(allowed)} (default: %(default)s)",
+    )
 
 
 def positive_int(text: str) -> int:
@@ -75,7 +80,7 @@ def search_options(args: argparse.Namespace) -> dict[str, Any]:
         "microbatches": _values(args.microbatches, "--microbatches", int),
         "precision": _values(args.precisions, "--precisions", str, tuple(PRECISIONS)),
         "scan": _values(args.scans, "--scans", lambda v: {"true": True, "false": False}[v.lower()]),
-        "schedules": _values(args.schedules, "--schedules", str, SCHEDULES),
+        "schedules": _values(args.schedules, "--schedules", str, variants()[1]),
     }
 
 

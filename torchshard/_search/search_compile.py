@@ -21,7 +21,16 @@ from torchshard._hlo.hlo import axes_of
 from torchshard._hlo.memory import CompiledMemory
 from torchshard._presets.hf import hf_rules
 from torchshard._presets.tables import common_tensor_parallel, fsdp
-from torchshard._search.space import PRECISIONS, ModelDims, SearchLayout
+from torchshard._search.space import (
+    DATA,
+    MODEL,
+    PRECISIONS,
+    ModelDims,
+    SearchLayout,
+    micro_degree,
+    row_axes,
+    strategy_axes,
+)
 from torchshard._sharding.mesh import make_mesh
 from torchshard._sharding.plan import ShardingPlan, plan
 from torchshard._strategies import STRATEGIES
@@ -74,32 +83,37 @@ def at_depth(model: torch.nn.Module, layers: int) -> torch.nn.Module:
 
 
 def _rules(model: torch.nn.Module, layout: SearchLayout) -> Any:
-    tp = "model" if layout.degree("model") > 1 else None
+    tp = MODEL if layout.degree(MODEL) > 1 else None
     if getattr(model, "config", None) is not None:
-        experts = "expert" if layout.degree("expert") > 1 else None
-        return hf_rules(model, axis=tp, expert_axis=experts, fsdp_axis="data")
-    return (common_tensor_parallel(axis="model") + fsdp("data")) if tp else fsdp("data")
+        placed: dict[str, Any] = {a.plan_keyword: a.name for a in strategy_axes()
+                                  if a.plan_keyword and layout.degree(a.name) > 1}  # fmt: skip
+        return hf_rules(model, axis=tp, fsdp_axis=DATA, **placed)
+    return (common_tensor_parallel(axis=MODEL) + fsdp(DATA)) if tp else fsdp(DATA)
 
 
-def _options(model: torch.nn.Module, layout: SearchLayout) -> dict[str, Any]:
-    stages, context = layout.degree("stage"), layout.degree("context")
-    rows: Any = ("data", "expert") if layout.degree("expert") > 1 else "data"
+def trainer_options(model: torch.nn.Module | None, layout: SearchLayout) -> dict[str, Any]:
+    """The Trainer keywords of a candidate: batch spec, accumulation, each strategy's option, remat, scan, precision."""
+    rows = row_axes(layout.axes)
+    sequence = [a.name for a in strategy_axes() if a.batch_dim == 1 and layout.degree(a.name) > 1]
     return {
-        "batch_spec": (rows, "context") if context > 1 else (rows,),
-        "grad_accum_steps": 1 if stages > 1 else layout.microbatches,
+        "batch_spec": (rows[0] if len(rows) == 1 else tuple(rows), *sequence),
+        "grad_accum_steps": 1 if micro_degree(layout.axes) > 1 else layout.microbatches,
         **{s.keyword: s.searched(layout) for s in STRATEGIES.values() if s.searched},
-        "remat": Remat(rf"{re.escape(_stack_name(model))}\.\d+", policy=layout.remat) if layout.remat else None,
+        "remat": Remat(rf"{re.escape(_stack_name(model))}\.\d+", policy=layout.remat)
+        if layout.remat and model is not None
+        else None,
         "scan_layers": layout.scan,
         "precision": MixedPrecision(dtype) if (dtype := PRECISIONS[layout.precision]) is not None else None,
     }
 
 
 def _mesh(layout: SearchLayout, devices: list[Any]) -> Any:
-    axes = {a: n for a, n in layout.mesh if n > 1 or a == "data"}
+    axes = {a: n for a, n in layout.mesh if n > 1 or a == DATA}
     return make_mesh(axes, devices=devices[: math.prod(axes.values())])
 
 
-def _plan(model: torch.nn.Module, layout: SearchLayout, devices: list[Any]) -> ShardingPlan:
+def layout_plan(model: torch.nn.Module, layout: SearchLayout, devices: list[Any]) -> ShardingPlan:
+    """The candidate's plan on the first of ``devices``."""
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # unused tp_plan entries: the plan is still the model's
         return plan(model, _mesh(layout, devices), _rules(model, layout))
@@ -110,10 +124,10 @@ def compile_layout(problem: Problem, layout: SearchLayout, model: torch.nn.Modul
     key = (id(problem.model), layout, sum(1 for _ in model.parameters()), problem.batch, problem.loss_fn)
     if key in _CACHE:
         return _CACHE[key]
-    planned = _plan(model, layout, devices)
+    planned = layout_plan(model, layout, devices)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        trainer = AbstractTrainer(model, problem.loss_fn, optax.adamw(1e-4), planned, **_options(model, layout))
+        trainer = AbstractTrainer(model, problem.loss_fn, optax.adamw(1e-4), planned, **trainer_options(model, layout))
         batch = torch.empty(problem.batch, dtype=torch.int64, device="meta")
         compiled = trainer.lower(batch).compile(FAST_COMPILE)
     costs = step_costs(str(compiled.as_text()))

@@ -3,16 +3,70 @@
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 
 import torch
 
 from torchshard._base.errors import ShardingError
-from torchshard._base.schedule import bubble_fraction
+from torchshard._strategies import STRATEGIES
+from torchshard._train.strategy import SearchAxis
 
-# mesh order: the last axes vary fastest over the device list, so they stay inside a host (fast links)
-AXES = ("stage", "data", "context", "expert", "model")
+DATA, MODEL = "data", "model"  # the axes of every layout: FSDP / data parallelism, and tensor parallelism
+
+
+def strategy_axes() -> list[SearchAxis]:
+    """The mesh axes the registered strategies lay out (`Strategy.axis`), in registry order."""
+    return [s.axis for s in STRATEGIES.values() if s.axis is not None]
+
+
+def mesh_axes() -> tuple[str, ...]:
+    """Mesh order: the last axes vary fastest over the device list, so they stay inside a host (fast links).
+
+    The outer strategy axes (a pipeline's stages), data, the other strategy axes, then the model axis.
+
+    Examples:
+        >>> mesh_axes()
+        ('stage', 'data', 'context', 'expert', 'model')
+    """
+    axes = strategy_axes()
+    return (*(a.name for a in axes if a.outer), DATA, *(a.name for a in axes if not a.outer), MODEL)
+
+
+def variants() -> tuple[tuple[str, ...], tuple[str, ...]]:
+    """(the variants a search tries by default, those it may be asked to try): the strategies' (pipeline schedules).
+
+    Examples:
+        >>> variants()
+        (('gpipe', '1f1b', 'zero_bubble'), ('gpipe', '1f1b', '1f1b_remat', 'zero_bubble'))
+    """
+    tried: tuple[str, ...] = ()
+    allowed: tuple[str, ...] = ()
+    for axis in strategy_axes():
+        if axis.variants is not None:
+            default, possible = axis.variants()
+            tried, allowed = tried + default, allowed + possible
+    return tried, allowed
+
+
+def leanest(layout: SearchLayout, choices: Sequence[str]) -> str | None:
+    """Of ``choices``, the variant holding the fewest micro-batches' activations on ``layout`` (`SearchAxis.holds`)."""
+    if layout.schedule is None:
+        return None
+    held = [(a.holds(v, layout.degree(a.name), layout.microbatches), v) for a in strategy_axes() if a.holds
+            for v in choices if layout.degree(a.name) > 1]  # fmt: skip
+    return min(held)[1] if held else layout.schedule
+
+
+def micro_degree(axes: dict[str, int]) -> int:
+    """How many-fold the axes that need micro-batches of their own multiply them (a pipeline's stages)."""
+    return math.prod(axes.get(a.name, 1) for a in strategy_axes() if a.microbatches)
+
+
+def row_axes(axes: dict[str, int]) -> list[str]:
+    """The mesh axes a batch's rows split over: data, then each strategy axis that splits rows (experts)."""
+    return [DATA, *(a.name for a in strategy_axes() if a.batch_dim == 0 and axes.get(a.name, 1) > 1)]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -77,9 +131,10 @@ class SearchLayout:
     def label(self) -> str:
         """``data=8,model=2 M=4 remat=nothing_saveable scan bf16``: one line of the table."""
         mesh = ",".join(f"{a}={n}" for a, n in self.mesh if n > 1) or "data=1"
-        micro = f" {'pipeline M' if self.degree('stage') > 1 else 'accum'}={self.microbatches}"
+        staged = micro_degree(self.axes) > 1
+        micro = f" {'pipeline M' if staged else 'accum'}={self.microbatches}"
         micro += f" {self.schedule}" if self.schedule else ""
-        micro = micro if self.microbatches > 1 or self.degree("stage") > 1 else ""
+        micro = micro if self.microbatches > 1 or staged else ""
         remat = f" remat={self.remat}" if self.remat else ""
         return f"{mesh}{micro}{remat}{' scan' if self.scan else ''} {self.precision}"
 
@@ -94,28 +149,35 @@ def _fits(degree: int, dim: int | None) -> bool:
 
 
 def meshes(devices: int, dims: ModelDims, seq: int) -> Iterator[dict[str, int]]:
-    """Every (stage, data, context, expert, model) whose product is ``devices`` and whose degrees divide the dims.
+    """Every mesh (`mesh_axes`) whose product is ``devices`` and whose degrees divide the dims.
 
-    Tensor degrees divide the query and key/value head counts, stage degrees the layers, expert
-    degrees the experts, context degrees half the sequence (load-balanced ring chunks).
+    Tensor degrees divide the query and key/value head counts; each strategy's axis takes the
+    degrees its `SearchAxis.fits` allows (stages divide the layers, experts the experts, context
+    degrees half the sequence); data takes the rest.
     """
-    for t in divisors(devices):
-        if not (_fits(t, dims.heads) and _fits(t, dims.kv_heads)):
-            continue
-        for s in divisors(devices // t):
-            if not _fits(s, dims.layers):
-                continue
-            for c in divisors(devices // (t * s)):
-                if c > 1 and seq % (2 * c):
-                    continue
-                for e in divisors(devices // (t * s * c)):
-                    if _fits(e, dims.experts):
-                        yield {"stage": s, "data": devices // (t * s * c * e), "context": c, "expert": e, "model": t}
+
+    def tensor(d: int) -> bool:
+        return _fits(d, dims.heads) and _fits(d, dims.kv_heads)
+
+    axes: list[tuple[str, Callable[[int], bool]]] = [(MODEL, tensor)]
+    axes += [(a.name, functools.partial(a.fits, dims, seq)) for a in strategy_axes()]
+
+    def fill(left: int, i: int, chosen: dict[str, int]) -> Iterator[dict[str, int]]:
+        if i == len(axes):
+            found = {**chosen, DATA: left}
+            yield {a: found[a] for a in mesh_axes()}
+            return
+        name, fits = axes[i]
+        for d in divisors(left):
+            if fits(d):
+                yield from fill(left // d, i + 1, {**chosen, name: d})
+
+    yield from fill(devices, 0, {})
 
 
 def batch_problem(axes: dict[str, int], batch: int, microbatches: int) -> bool:
-    """Whether ``batch`` rows cannot split over data × expert shards and then into ``microbatches``."""
-    return batch % (axes["data"] * axes["expert"] * microbatches) != 0
+    """Whether ``batch`` rows cannot split over the row axes' shards (`row_axes`) and then into ``microbatches``."""
+    return batch % (math.prod(axes[a] for a in row_axes(axes)) * microbatches) != 0
 
 
 def layouts(
@@ -139,16 +201,18 @@ def layouts(
         raise ShardingError(_no_mesh(devices, dims, seq))
     result = []
     for axes in found:
-        stages = axes["stage"]
+        stages = micro_degree(axes)
+        varied = any(a.variants is not None and axes[a.name] > 1 for a in strategy_axes())
+        scanned = any(a.needs_scan and axes[a.name] > 1 for a in strategy_axes())
         for k in microbatches:
             m = k * stages if stages > 1 else k
             if batch_problem(axes, rows, m):
                 continue
             for r, sc, p, s in ((r, sc, p, s) for r in remat for sc in scan for p in precision
-                                for s in (schedules if stages > 1 else (None,))):  # fmt: skip
-                if stages > 1 and not sc:
+                                for s in (schedules if varied else (None,))):  # fmt: skip
+                if scanned and not sc:
                     continue  # a pipeline stacks its layers: its program is the scanned one
-                result.append(SearchLayout(tuple((a, axes[a]) for a in AXES), m, r, sc, p, s))
+                result.append(SearchLayout(tuple((a, axes[a]) for a in mesh_axes()), m, r, sc, p, s))
     if not result:
         raise ShardingError(_no_batch(rows, found, microbatches) + _other_devices(devices, dims, batch, microbatches))
     return result
@@ -168,7 +232,7 @@ def _no_mesh(devices: int, dims: ModelDims, seq: int) -> str:
 def _other_devices(devices: int, dims: ModelDims, batch: tuple[int, int], microbatches: Sequence[int]) -> str:
     def works(n: int) -> bool:
         return any(
-            not batch_problem(a, batch[0], k * a["stage"] if a["stage"] > 1 else k)
+            not batch_problem(a, batch[0], k * micro_degree(a) if micro_degree(a) > 1 else k)
             for a in meshes(n, dims, batch[1])
             for k in microbatches
         )
@@ -180,13 +244,14 @@ def _other_devices(devices: int, dims: ModelDims, batch: tuple[int, int], microb
 
 def _no_batch(rows: int, found: list[dict[str, int]], microbatches: Sequence[int]) -> str:
     splits = sorted(
-        {a["data"] * a["expert"] * (k * a["stage"] if a["stage"] > 1 else k) for a in found for k in microbatches}
-    )
+        {math.prod(a[r] for r in row_axes(a)) * (k * micro_degree(a) if micro_degree(a) > 1 else k)
+         for a in found for k in microbatches}
+    )  # fmt: skip
     near = sorted({math.ceil(rows / s) * s for s in splits} | {rows // s * s for s in splits if rows >= s} - {0})
     closest = sorted(near, key=lambda n: (abs(n - rows), n))[:4]
     return (
-        f"batch {rows} splits over no configuration of these devices: its rows must divide by data × expert "
-        f"shards × micro-batches, one of {splits[:12]}; nearest batch sizes that work: {sorted(closest)}"
+        f"batch {rows} splits over no configuration of these devices: its rows must divide by the shards of the "
+        f"axes that split rows × micro-batches, one of {splits[:12]}; nearest batch sizes that work: {sorted(closest)}"
     )
 
 
@@ -194,21 +259,27 @@ def analytic_seconds(
     layout: SearchLayout, dims: ModelDims, params: int, batch: tuple[int, int], peak: float, link: float
 ) -> float:
     """A rough step time to order meshes before compiling: matmul work with remat's recompute and the
-    pipeline bubble, FSDP's weight traffic, tensor parallelism's activations, the context ring's keys."""
+    strategies' idle time, FSDP's weight traffic, tensor parallelism's activations, and each strategy's own
+    traffic (`SearchAxis.traffic`: the context ring's keys, a pipeline's hops)."""
     tokens = batch[0] * batch[1]
     recompute = {None: 1.0, "nothing_saveable": 4 / 3}.get(layout.remat, 1.1)
-    if layout.schedule == "1f1b_remat" and layout.remat is None:
-        recompute = 4 / 3  # its backward replays each layer's forward
+    if layout.remat is None and any(a.recomputes and layout.schedule and a.recomputes(layout.schedule)
+                                    for a in strategy_axes()):  # fmt: skip
+        recompute = 4 / 3  # a schedule that replays each layer's forward in its backward (1f1b_remat)
     flops = 6 * params * tokens * recompute / math.prod(layout.axes.values())
-    stages, m = layout.degree("stage"), layout.microbatches
-    bubble = bubble_fraction(stages, m, schedule=layout.schedule)
+    axes = strategy_axes()
+    idle = sum(a.idle(layout) for a in axes)
     width = precision_width(layout.precision)
-    local = width * tokens / (layout.degree("data") * layout.degree("expert") * layout.degree("context"))
-    layers = (dims.layers or 1) / stages
-    weights = 3 * width * params / (stages * layout.degree("model") * layout.degree("expert"))
-    fsdp = weights * (layout.degree("data") - 1) / layout.degree("data")
-    tp = 8 * layers * local * (dims.hidden or 0) * (layout.degree("model") - 1) / layout.degree("model")
-    kv = (dims.hidden or 0) * (dims.kv_heads or 1) / (dims.heads or 1) / layout.degree("model")
-    ring = 6 * layers * local * kv * (layout.degree("context") - 1)
-    hops = 2 * m * local * (dims.hidden or 0) / m if stages > 1 else 0.0
-    return flops / peak / (1 - bubble) + (fsdp + tp + ring + hops) / link
+    local = width * tokens / math.prod(layout.degree(a) for a in _split_batch(layout))
+    layers = (dims.layers or 1) / micro_degree(layout.axes)
+    weights = 3 * width * params / math.prod([layout.degree(MODEL), *(layout.degree(a.name) for a in axes
+                                                                       if a.splits_weights)])  # fmt: skip
+    fsdp = weights * (layout.degree(DATA) - 1) / layout.degree(DATA)
+    tp = 8 * layers * local * (dims.hidden or 0) * (layout.degree(MODEL) - 1) / layout.degree(MODEL)
+    own = sum(a.traffic(layout, dims, local, layers) for a in axes)
+    return flops / peak / (1 - idle) + (fsdp + tp + own) / link
+
+
+def _split_batch(layout: SearchLayout) -> list[str]:
+    """The axes that split a batch's tokens: data and every strategy axis with a batch dim (rows or sequence)."""
+    return [DATA, *(a.name for a in strategy_axes() if a.batch_dim is not None)]

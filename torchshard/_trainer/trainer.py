@@ -5,8 +5,9 @@ from __future__ import annotations
 import collections
 import threading
 import time
+import types
 import weakref
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import jax
@@ -40,7 +41,7 @@ from torchshard._train.state import (
     train_state_structs,
 )
 from torchshard._train.step import LossFn, Runtime, Step
-from torchshard._train.strategy import Setting, gradient_of, leaf_problems, tracing_all
+from torchshard._train.strategy import Bound, Setting, gradient_of, leaf_problems, tracing_all
 from torchshard._trainer.checks import batch_type_problems, check_trainer_args
 from torchshard._trainer.evaluate import Compiled, evaluating, structure, structure_problems
 from torchshard._trainer.observed import Observed
@@ -79,7 +80,7 @@ class Trainer(Observed):
             all-gather) attention over it; ``batch_spec`` must split dim 1 over it, e.g. ``("data",
             "context")``. ``expert_dispatch=`` an `ExpertDispatch`: how tokens meet experts the plan shards
             by expert. ``None`` moves them by all-to-all where the batch is split over the expert axis and
-            leaves them to the plan's sharding otherwise; ``trainer.expert_dispatch`` says which.
+            leaves them to the plan's sharding otherwise; ``trainer.strategies["expert_dispatch"]`` says which.
             ``fused_loss=False``: HF causal LMs' loss as written, not chunked by `linear_cross_entropy`.
 
     Raises:
@@ -161,16 +162,17 @@ class Trainer(Observed):
         self._trained_on: Any = None  # the structure of the batches steps took, which evaluate checks against
         self._start_observing(log_every, trackers, peak_flops)
 
-    # each strategy's option, as its registry entry resolved it (typed Any: the Trainer names no strategy's module)
     @property
-    def context(self) -> Any:
-        """The `ContextParallel` the step runs under, or None."""
-        return self._strategies["context"].option
+    def strategies(self) -> Mapping[str, Bound]:
+        """Trainer keyword → its bound strategy (``.option`` is what the keyword resolved to: e.g.
+        ``strategies["expert_dispatch"].option`` is ``ExpertDispatch()`` where all-to-all runs), read-only."""
+        return types.MappingProxyType(self._strategies)
 
     @property
-    def expert_dispatch(self) -> Any:
-        """How tokens meet experts: ``ExpertDispatch()`` where all-to-all runs, else what was passed (or None)."""
-        return self._strategies["expert_dispatch"].option
+    def idle_fraction(self) -> float:
+        """The fraction of the devices' time the strategies leave idle: a pipeline's bubble,
+        ``(S-1)/(repeats*M + S-1)`` (``2(S-1)/(3M + 2(S-1))`` under ``"zero_bubble"``); 0.0 without one."""
+        return sum(s.idle_fraction for s in self._strategies.values())
 
     @property
     def kernels(self) -> dict[str, Any]:
@@ -219,12 +221,6 @@ class Trainer(Observed):
     @property
     def step_count(self) -> int:
         return int(self._state.step)
-
-    @property
-    def pipeline_bubble(self) -> float:
-        """The idle fraction of the pipeline schedule, ``(S-1)/(repeats*M + S-1)`` (``2(S-1)/(3M + 2(S-1))`` under
-        ``"zero_bubble"``); 0.0 without a pipeline."""
-        return max((s.bubble for s in self._strategies.values()), default=0.0)
 
     @property
     def rng_key(self) -> jax.Array:

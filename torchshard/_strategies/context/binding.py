@@ -18,7 +18,7 @@ from torchshard._strategies.context.context import (
     sequence_problems,
     tracing,
 )
-from torchshard._train.strategy import Bound, SearchedLayout, Setting, Strategy
+from torchshard._train.strategy import Bound, SearchAxis, SearchedLayout, Setting, Strategy
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -55,7 +55,18 @@ def bind(context: Any, setting: Setting) -> Bound:
 
 
 def _searched(layout: SearchedLayout) -> ContextParallel | None:
-    return ContextParallel() if layout.axes.get("context", 1) > 1 else None
+    return ContextParallel() if layout.axes.get(AXIS.name, 1) > 1 else None
 
 
-STRATEGY = Strategy(keyword="context", option=ContextParallel, bind=bind, searched=_searched)
+def _fits(dims: Any, seq: int, degree: int) -> bool:
+    return degree == 1 or seq % (2 * degree) == 0  # load-balanced: 2·degree equal chunks
+
+
+def _ring(layout: Any, dims: Any, activation_bytes: float, layers: float) -> float:
+    # each layer's keys and values go round the ring, forward and backward (K, V, dK, dV: ~6 passes)
+    kv = (dims.hidden or 0) * (dims.kv_heads or 1) / (dims.heads or 1) / layout.degree("model")
+    return 6 * layers * activation_bytes * kv * (layout.degree(AXIS.name) - 1)
+
+
+AXIS = SearchAxis(name="context", fits=_fits, batch_dim=1, traffic=_ring)
+STRATEGY = Strategy(keyword="context", option=ContextParallel, bind=bind, searched=_searched, axis=AXIS)

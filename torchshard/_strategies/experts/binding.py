@@ -9,7 +9,7 @@ from typing import Any
 from jax.sharding import Mesh
 
 from torchshard._strategies.experts.experts import ExpertDispatch, Experts, dispatching, expert_dispatch_for
-from torchshard._train.strategy import Bound, Setting, Strategy
+from torchshard._train.strategy import Bound, SearchAxis, Setting, Strategy
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -38,4 +38,10 @@ def bind(dispatch: Any, setting: Setting) -> Bound:
     return Dispatched(option=resolved, mesh=setting.plan.mesh, experts=tuple(experts))
 
 
-STRATEGY = Strategy(keyword="expert_dispatch", option=ExpertDispatch, bind=bind)
+def _fits(dims: Any, seq: int, degree: int) -> bool:
+    return degree == 1 or (dims.experts is not None and dims.experts % degree == 0)
+
+
+# the search gives no option: all-to-all is the default wherever the batch is split over the expert axis
+AXIS = SearchAxis(name="expert", fits=_fits, batch_dim=0, splits_weights=True, plan_keyword="expert_axis")
+STRATEGY = Strategy(keyword="expert_dispatch", option=ExpertDispatch, bind=bind, axis=AXIS)

@@ -11,7 +11,7 @@ import jax
 import torch
 from jax.sharding import Mesh, PartitionSpec
 
-from torchshard._base.errors import ArgumentError, ShardingError, raise_if_any
+from torchshard._base.errors import ShardingError, raise_if_any
 from torchshard._base.specs import spec_axes
 from torchshard._base.validate import compiled, describe_mesh, instance_problems, raise_for_arguments
 from torchshard._bridge.env import current_key
@@ -19,11 +19,13 @@ from torchshard._bridge.module_call import PureForward, argument_names
 from torchshard._sharding.plan import ShardingPlan
 from torchshard._strategies.pipeline import grads as one_f_one_b_grads
 from torchshard._strategies.pipeline import loop as schedule
-from torchshard._strategies.pipeline.loop import Pipeline, Stages, resolve
+from torchshard._strategies.pipeline.flag import FLAG
+from torchshard._strategies.pipeline.option import Pipeline
+from torchshard._strategies.pipeline.schedules import SCHEDULES
+from torchshard._strategies.pipeline.search import AXIS, searched
+from torchshard._strategies.pipeline.stages import Stages, resolve
 from torchshard._train.scan import ScanGroup, ScanRun, block_problems, check_output, find_groups, is_stack, module_lists
-from torchshard._train.strategy import Bound, Flag, SearchedLayout, Setting, Strategy
-
-_PIPELINE_KEYS = {"microbatches": int, "schedule": str, "repeats": int, "layers": str}
+from torchshard._train.strategy import Bound, Setting, Strategy
 
 
 def _all_lists(model: torch.nn.Module) -> list[str]:
@@ -156,13 +158,13 @@ class Pipelined(Bound):
 
     def gradient(self) -> Any:
         """1F1B and zero-bubble differentiate the step themselves: the loss and the backward run in their loop."""
-        if self.stages.schedule not in one_f_one_b_grads.LOOPS:
+        if SCHEDULES[self.stages.schedule].loop is None:
             return None
         return one_f_one_b_grads.gradient(self.stages, self.group)
 
     @property
-    def bubble(self) -> float:
-        return self.stages.bubble
+    def idle_fraction(self) -> float:
+        return SCHEDULES[self.stages.schedule].bubble(self.stages.stages, self.stages.microbatches, self.stages.repeats)
 
 
 def bind(pipeline: Any, setting: Setting) -> Bound:
@@ -184,79 +186,12 @@ def bind(pipeline: Any, setting: Setting) -> Bound:
     model = setting.model
     group = _named(model, pipeline.layers) if pipeline.layers is not None else _found(model, setting.groups)
     batch = batch_spec[0] if len(batch_spec) else None
-    stages = resolve(pipeline, mesh, prefix=group.prefix, layers=group.count, batch=batch)
+    remats = SCHEDULES[pipeline.schedule].remats_each_layer
+    stages = resolve(pipeline, mesh, prefix=group.prefix, layers=group.count, batch=batch, remats_each_layer=remats)
     problems = _axis_problems(stages, group, setting.plan, batch_spec)
     raise_if_any(problems, header=f"Pipeline over {stages.axis} on {describe_mesh(mesh)} cannot use this plan")
     return Pipelined(option=pipeline, group=group, stages=stages)
 
 
-def parse(text: str, axes: dict[str, int]) -> Pipeline:
-    """``--pipeline stage=4,microbatches=8,schedule=1f1b`` → a `Pipeline` over the mesh axis ``stage`` of size 4.
-
-    The one pair whose key is not a `Pipeline` field names the stage axis and its size, which
-    ``--mesh`` must give it too.
-
-    Raises:
-        ValueError: the command-line mistake, saying what to write.
-
-    Examples:
-        >>> parse("stage=2,microbatches=4,schedule=1f1b", {"stage": 2, "data": 4})
-        Pipeline(axis='stage', microbatches=4, schedule='1f1b', repeats=1, layers=None)
-    """
-    fields: dict[str, Any] = {}
-    axis: list[tuple[str, str]] = []
-    for part in filter(None, (p.strip() for p in text.split(","))):
-        key, sep, value = (x.strip() for x in part.partition("="))
-        if not sep or not key or not value:
-            raise ValueError(f"--pipeline {text!r}: write key=value pairs, e.g. stage=4,microbatches=8,schedule=1f1b")
-        kind = _PIPELINE_KEYS.get(key)
-        if kind is int and not value.isdigit():
-            raise ValueError(f"--pipeline {text!r}: {key}={value!r} must be a positive integer")
-        if kind is not None:
-            fields[key] = kind(value)
-        else:
-            axis.append((key, value))
-    if len(axis) != 1:
-        raise ValueError(f"--pipeline {text!r}: name the stage axis and its size once, e.g. stage=4 (a --mesh axis)")
-    (name, size), mesh = axis[0], ", ".join(f"{k}={v}" for k, v in axes.items())
-    if axes.get(name) != (int(size) if size.isdigit() else size):
-        raise ValueError(
-            f"--pipeline {name}={size}: --mesh {mesh} gives no axis {name} of size {size}; add {name}={size} to --mesh"
-        )
-    try:
-        return Pipeline(axis=name, **fields)
-    except ArgumentError as err:
-        raise ValueError(f"--pipeline {text!r}: {err}") from err
-
-
-def _figures(pipeline: Pipeline, trainer: Any) -> dict[str, Any]:
-    stages = trainer.mesh.shape[pipeline.axis]
-    return dataclasses.asdict(pipeline) | {
-        "stages": stages,
-        "microbatches": pipeline.microbatches or stages,
-        "bubble": trainer.pipeline_bubble,
-    }
-
-
-def _summary(pipe: dict[str, Any]) -> str:
-    return (
-        f", pipeline {pipe['schedule']} over {pipe['axis']}={pipe['stages']} × {pipe['microbatches']} "
-        f"micro-batches (bubble {pipe['bubble']:.3f})"
-    )
-
-
-def _searched(layout: SearchedLayout) -> Pipeline | None:
-    if layout.axes.get("stage", 1) == 1:
-        return None
-    return Pipeline(microbatches=layout.microbatches, schedule=layout.schedule or "gpipe")
-
-
-FLAG = Flag(
-    metavar="AXIS=S,...",
-    help="Trainer(pipeline=Pipeline(...)), e.g. stage=4,microbatches=8,schedule=1f1b (repeats=R, layers=REGEX; the "
-    "axis as in --mesh)",
-    parse=parse,
-    figures=_figures,
-    summary=_summary,
-)
-STRATEGY = Strategy(keyword="pipeline", option=Pipeline, bind=bind, lays_out=True, flag=FLAG, searched=_searched)
+STRATEGY = Strategy(keyword="pipeline", option=Pipeline, bind=bind, lays_out=True, flag=FLAG, searched=searched,
+                    axis=AXIS)  # fmt: skip

@@ -28,11 +28,11 @@ import jax.numpy as jnp
 
 from torchshard._strategies.pipeline import ticks as one_f_one_b
 from torchshard._strategies.pipeline.split_backward import Split, split
-from torchshard._strategies.pipeline.ticks import _Loop, _read, _write
+from torchshard._strategies.pipeline.ticks import TickLoop, read_slot, write_slot
 
 
 @dataclasses.dataclass(frozen=True)
-class ZeroBubble(_Loop):
+class ZeroBubble(TickLoop):
     """1F1B's loop with the weight gradients deferred: four phases of ticks, the stash in a second ring."""
 
     @functools.cached_property
@@ -90,17 +90,17 @@ class ZeroBubble(_Loop):
 
     def backward(self, carry: dict[str, Any], g: jax.Array, j: jax.Array) -> dict[str, Any]:
         """Stage s's input gradient of micro-batch ``j[s]``, handed back at once; its stash kept for the W."""
-        (cut, dims), kept = self.cut, [_read(r, j % self.slots) for r in carry["ring"]]
+        (cut, dims), kept = self.cut, [read_slot(r, j % self.slots) for r in carry["ring"]]
         d_h, stash = cut.first(self.res.leaves(self.fixed, kept), g)
         valid = (j >= 0) & (j < self.spec.microbatches)
-        carry["stash"] = [self.on_stages(_write(r, _to_front(x, d, self.spec.stages), j % self.depth, valid))
+        carry["stash"] = [self.on_stages(write_slot(r, _to_front(x, d, self.spec.stages), j % self.depth, valid))
                           for r, x, d in zip(carry["stash"], stash, dims, strict=True)]  # fmt: skip
         return self.handed_back(carry, j, d_h)
 
     def weight_gradients(self, carry: dict[str, Any], j: jax.Array) -> dict[str, Any]:
         """Every stage's weight (and call-argument) gradients of micro-batch ``j[s]``, added up."""
-        (cut, dims), kept = self.cut, [_read(r, j % self.slots) for r in carry["ring"]]
-        stash = [_from_front(_read(r, j % self.depth), d) for r, d in zip(carry["stash"], dims, strict=True)]
+        (cut, dims), kept = self.cut, [read_slot(r, j % self.slots) for r in carry["ring"]]
+        stash = [_from_front(read_slot(r, j % self.depth), d) for r, d in zip(carry["stash"], dims, strict=True)]
         d_w, _, dsplit, dwhole = cut.second(self.res.leaves(self.fixed, kept), stash)
         return self.accumulated(carry, j, d_w, dsplit, dwhole)
 

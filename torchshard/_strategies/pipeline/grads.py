@@ -22,17 +22,16 @@ from jax.sharding import NamedSharding, PartitionSpec
 from torchshard._base.errors import ShardingError
 from torchshard._base.specs import entry_axes
 from torchshard._bridge.module_call import PureForward
-from torchshard._strategies.pipeline import deferred as zero_bubble
 from torchshard._strategies.pipeline import ticks as one_f_one_b
-from torchshard._strategies.pipeline.loop import LayerFn, Stages, _batch_axes
+from torchshard._strategies.pipeline.loop import LayerFn, batch_axes
+from torchshard._strategies.pipeline.schedules import SCHEDULES
+from torchshard._strategies.pipeline.stages import Stages
 from torchshard._train.scan import ScanGroup
 from torchshard._train.state import Arrays
 from torchshard._train.step import Runtime, micro_batches
 
 # None: the stack runs as it is; a _Capture: it stops the loss at the stack; an array: the stack returns it
 _STACK: contextvars.ContextVar[Any] = contextvars.ContextVar("torchshard_1f1b_stack", default=None)
-# the schedules whose loop runs the backward (and the loss), by name: the step's gradient is this module's
-LOOPS: dict[str, Callable[..., one_f_one_b.Result]] = {"1f1b": one_f_one_b.run, "zero_bubble": zero_bubble.run}
 
 
 class _Stop(Exception):
@@ -102,7 +101,7 @@ def intercepted(
 
 @dataclasses.dataclass(frozen=True)
 class Gradient:
-    """``value_and_grad(runtime.loss, has_aux=True)`` for a step whose stack runs a schedule of `LOOPS`."""
+    """``value_and_grad(runtime.loss, has_aux=True)`` for a step whose schedule runs its own loop (`Schedule.loop`)."""
 
     runtime: Runtime
     stages: Stages
@@ -154,7 +153,9 @@ class Gradient:
         weights, cast_pull = jax.vjp(
             lambda w: self.runtime.cast_state(w, frozen, buffers, group), {k: params[k] for k in stacked if k in params}
         )
-        result = LOOPS[self.stages.schedule](self.stages, capture.layer_fn, weights, trainable, h, others, key, tail,
+        loop = SCHEDULES[self.stages.schedule].loop
+        assert loop is not None  # the binding asks for this gradient only then
+        result: one_f_one_b.Result = loop()(self.stages, capture.layer_fn, weights, trainable, h, others, key, tail,
                                  context=self.runtime.around_layers, policy=capture.policy)  # fmt: skip
         loss, aux, d_tail = result.sums
         d_prefix = prefix_pull((result.h, [d for d in result.others if d is not None]))[0]
@@ -166,7 +167,7 @@ class Gradient:
 def _gathered(arrays: Arrays, shardings: Mapping[str, NamedSharding], stages: Stages) -> Arrays:
     """``arrays`` gathered over the pipeline's batch axes once, before the loop: the tail runs in every tick, and
     FSDP-sharded head weights would be all-gathered in each (other axes, e.g. tensor parallelism, stay)."""
-    batch = _batch_axes(stages)
+    batch = batch_axes(stages)
     out = {}
     for k, v in arrays.items():
         sharding = shardings.get(k)

@@ -25,19 +25,19 @@ from torchshard._base.errors import ShardingError
 from torchshard._bridge.vmapped import vmapped_over
 from torchshard._strategies.pipeline.loop import (
     LayerFn,
-    Stages,
-    _batch_axes,
-    _by_batch,
-    _column,
-    _gathered,
-    _merge,
-    _per_stage,
-    _reordered,
-    _shards,
-    _split,
+    batch_axes,
+    column_mask,
+    copies_for,
+    from_microbatches,
+    gathered_copies,
     narrowed,
+    per_stage,
+    reordered,
+    split_with_rows,
+    to_microbatches,
 )
 from torchshard._strategies.pipeline.residuals import Residuals, residuals
+from torchshard._strategies.pipeline.stages import Stages
 
 # tail(micro-batch index, the stack's output for it) -> (what the step sums over micro-batches, d output)
 Tail = Callable[[jax.Array, jax.Array], tuple[Any, jax.Array]]
@@ -66,7 +66,7 @@ class _Kernel:
     split_float: tuple[bool, ...]
     whole_float: tuple[bool, ...]
     context: Callable[[], contextlib.AbstractContextManager[Any]]
-    shards: int = 1  # copies of a stage's weights, one per shard of the batch axes (`pipeline._gathered`)
+    shards: int = 1  # copies of a stage's weights, one per shard of the batch axes (`loop.gathered_copies`)
     policy: Any = None  # remat of the blocks: what each layer keeps, the rest recomputed in the backward
 
     def stage(self, diff: Any, rest: Any) -> jax.Array:
@@ -105,7 +105,7 @@ class _Kernel:
         gradient stays a partial sum per shard in the loop, reduced once after it."""
         if self.shards == 1:
             return jax.vmap(fn)(*args)
-        axes = _batch_axes(self.spec)
+        axes = batch_axes(self.spec)
         with contextlib.ExitStack() as inside:
             for axis in axes:
                 inside.enter_context(vmapped_over(axis))
@@ -162,10 +162,10 @@ def _joined(diff: Sequence[jax.Array], rest: Sequence[jax.Array], mask: Sequence
 
 
 def _masked(valid: jax.Array, new: jax.Array, old: jax.Array) -> jax.Array:
-    return jnp.where(_column(valid, new.ndim), new, old)
+    return jnp.where(column_mask(valid, new.ndim), new, old)
 
 
-def _write(ring: jax.Array, new: jax.Array, slot: jax.Array, valid: jax.Array) -> jax.Array:
+def write_slot(ring: jax.Array, new: jax.Array, slot: jax.Array, valid: jax.Array) -> jax.Array:
     """Each stage's ``new`` into its slot of ``ring`` ``[S, R, ...]`` where valid."""
 
     def one(r, n, i, v):
@@ -174,12 +174,12 @@ def _write(ring: jax.Array, new: jax.Array, slot: jax.Array, valid: jax.Array) -
     return jax.vmap(one)(ring, new, slot, valid)
 
 
-def _read(ring: jax.Array, slot: jax.Array) -> jax.Array:
+def read_slot(ring: jax.Array, slot: jax.Array) -> jax.Array:
     return jax.vmap(lambda r, i: jax.lax.dynamic_index_in_dim(r, i, 0, keepdims=False))(ring, slot)
 
 
 @dataclasses.dataclass(frozen=True)
-class _Loop:
+class TickLoop:
     """The loop's constant arrays and how a tick moves its carry."""
 
     kernel: _Kernel
@@ -199,7 +199,7 @@ class _Loop:
     @property
     def shard_dim(self) -> Any:
         """How the copies' dim (after the stage dim) is laid: over the batch axes, if there are copies."""
-        return _batch_axes(self.spec) if self.kernel.shards > 1 else None
+        return batch_axes(self.spec) if self.kernel.shards > 1 else None
 
     def on_stages(self, x: jax.Array, *dims: Any) -> jax.Array:
         spec = PartitionSpec(self.spec.axis, *dims, *([PartitionSpec.UNCONSTRAINED] * (x.ndim - 1 - len(dims))))
@@ -236,13 +236,13 @@ class _Loop:
         m, stage = self.spec.microbatches, jnp.arange(self.spec.stages)
         j = t - stage
         first = jax.lax.dynamic_index_in_dim(self.micro, jnp.clip(t, 0, m - 1), 0, keepdims=False)
-        h = self.on_stages(jnp.where(_column(stage == 0, carry["h"].ndim), first, carry["h"]), self.spec.batch)
-        split = tuple(_per_stage(x, jnp.clip(j, 0, m - 1)) for x in self.split)
+        h = self.on_stages(jnp.where(column_mask(stage == 0, carry["h"].ndim), first, carry["h"]), self.spec.batch)
+        split = tuple(per_stage(x, jnp.clip(j, 0, m - 1)) for x in self.split)
         whole = tuple(self.whole)
         fwd = lambda w, h, sp, k: self.kernel.stage_forward(self.res, w, h, sp, whole, k)  # noqa: E731
         out, kept = self.kernel.vmapped(fwd, self.weights, h, split, self.keys(t))
         valid = (j >= 0) & (j < m)
-        carry["ring"] = [self.on_stages(_write(r, k, j % self.slots, valid), None, self.shard_dim)
+        carry["ring"] = [self.on_stages(write_slot(r, k, j % self.slots, valid), None, self.shard_dim)
                          for r, k in zip(carry["ring"], kept, strict=True)]  # fmt: skip
         return carry, out
 
@@ -254,12 +254,12 @@ class _Loop:
             return carry, g
         sums, d_out = self.tail(t - (s - 1), out[s - 1])
         carry["sums"] = jax.tree.map(jnp.add, carry["sums"], sums)
-        last = _column(jnp.arange(s) == s - 1, g.ndim)
+        last = column_mask(jnp.arange(s) == s - 1, g.ndim)
         return carry, self.on_stages(jnp.where(last, d_out[None], g), self.spec.batch)
 
     def backward(self, carry: dict[str, Any], g: jax.Array, j: jax.Array) -> dict[str, Any]:
         """Stage s's whole backward of micro-batch ``j[s]``."""
-        kept = [_read(r, j % self.slots) for r in carry["ring"]]
+        kept = [read_slot(r, j % self.slots) for r in carry["ring"]]
         bwd = lambda fixed, kept, g: self.kernel.stage_backward(self.res, fixed, kept, g)  # noqa: E731
         d_w, d_h, dsplit, dwhole = self.kernel.vmapped(bwd, self.fixed, kept, g)
         return self.handed_back(self.accumulated(carry, j, d_w, dsplit, dwhole), j, d_h)
@@ -272,7 +272,7 @@ class _Loop:
         for k, d in d_w.items():
             carry["w"][k] = carry["w"][k] + _masked(valid, d, jnp.zeros_like(d))
         carry["split"] = [
-            _write(acc, d + _read(acc, at), at, valid) for acc, d in zip(carry["split"], dsplit, strict=True)
+            write_slot(acc, d + read_slot(acc, at), at, valid) for acc, d in zip(carry["split"], dsplit, strict=True)
         ]
         carry["whole"] = [
             acc + _masked(valid, d, jnp.zeros_like(d)) for acc, d in zip(carry["whole"], dwhole, strict=True)
@@ -283,7 +283,7 @@ class _Loop:
         """Each stage's input gradient to the previous stage; stage 0's is the stack input's, kept."""
         m = self.spec.microbatches
         first = (j >= 0) & (j < m) & (jnp.arange(self.spec.stages) == 0)
-        carry["dh"] = _write(carry["dh"], d_h, jnp.clip(j, 0, m - 1), first)
+        carry["dh"] = write_slot(carry["dh"], d_h, jnp.clip(j, 0, m - 1), first)
         carry["g"] = self.shift(d_h, -1)
         return carry
 
@@ -317,7 +317,7 @@ def run(
     *,
     context: Callable[[], contextlib.AbstractContextManager[Any]] = contextlib.nullcontext,
     policy: Any = None,
-    loop: type[_Loop] = _Loop,
+    loop: type[TickLoop] = TickLoop,
 ) -> Result:
     """The stack and the loss tail of every micro-batch of ``h`` as a 1F1B pipeline, forward and backward.
 
@@ -332,7 +332,7 @@ def run(
         tail: ``(i, stack output of micro-batch i) -> (sums, d output)``, at the last stage.
         context: entered around every trace of the layers (the torch environment).
         policy: a ``jax.checkpoint`` policy for each layer (remat), or None.
-        loop: the schedule of the ticks (`_Loop`'s is 1F1B's; `zero_bubble` defers the weight gradients).
+        loop: the schedule of the ticks (`TickLoop`'s is 1F1B's; `zero_bubble` defers the weight gradients).
     """
     m, rows = spec.microbatches, h.shape[0]
     others = narrowed(others, rows)
@@ -342,7 +342,7 @@ def run(
             f"microbatches={m} along dim 0; the model's code before the stack must keep the batch's rows (a multiple "
             f"of {m})"
         )
-    shards = _shards(spec, rows // m)
+    shards = copies_for(spec, rows // m)
     try:
         carry = _looped(spec, layer_fn, weights, trainable, h, others, key, tail, context, shards, policy,
                         loop)  # fmt: skip
@@ -353,27 +353,29 @@ def run(
         carry = _looped(spec, layer_fn, weights, trainable, h, others, key, tail, context, 1, policy, loop)
     d_split, d_whole = iter(carry["split"]), iter(carry["whole"])
     d_others = [
-        (_merge(next(d_split).sum(0)) if _by_batch(x, rows) else next(d_whole).sum((0, 1))) if floating(x) else None
+        (from_microbatches(next(d_split).sum(0)) if split_with_rows(x, rows) else next(d_whole).sum((0, 1)))
+        if floating(x)
+        else None
         for x in others
     ]
     # the copies' gradients summed once, here: the one reduction over the batch axes of the step
     d_weights = {k: w.sum(1).reshape(-1, *w.shape[3:]) for k, w in carry["w"].items()}
-    return Result(carry["sums"], d_weights, _merge(carry["dh"][0]), tuple(d_others))
+    return Result(carry["sums"], d_weights, from_microbatches(carry["dh"][0]), tuple(d_others))
 
 
 def _looped(spec: Stages, layer_fn: LayerFn, weights: Mapping[str, jax.Array], trainable: frozenset[str],
             h: jax.Array, others: Sequence[jax.Array], key: jax.Array, tail: Tail,
             context: Callable[[], contextlib.AbstractContextManager[Any]], shards: int,
-            policy: Any, kind: type[_Loop]) -> dict[str, Any]:  # fmt: skip
+            policy: Any, kind: type[TickLoop]) -> dict[str, Any]:  # fmt: skip
     """The phases of the loop with ``shards`` copies of each stage's weights: the final carry."""
     m, s, rows = spec.microbatches, spec.stages, h.shape[0]
-    split = tuple(_split(x, m) for x in others if _by_batch(x, rows))
-    whole = tuple(x for x in others if not _by_batch(x, rows))
-    kernel = _Kernel(spec, _reordered(layer_fn, others, rows), trainable, tuple(map(floating, split)),
+    split = tuple(to_microbatches(x, m) for x in others if split_with_rows(x, rows))
+    whole = tuple(x for x in others if not split_with_rows(x, rows))
+    kernel = _Kernel(spec, reordered(layer_fn, others, rows), trainable, tuple(map(floating, split)),
                      tuple(map(floating, whole)), context, shards, policy)  # fmt: skip
     blocks = {k: w.reshape(s, spec.chunk, *w.shape[1:]) for k, w in weights.items()}
-    blocks = _gathered(spec, blocks, shards, 2) if shards > 1 else {k: w[:, None] for k, w in blocks.items()}
-    micro = _split(h, m)
+    blocks = gathered_copies(spec, blocks, shards, 2) if shards > 1 else {k: w[:, None] for k, w in blocks.items()}
+    micro = to_microbatches(h, m)
     # every stage on a placeholder micro-batch: its weight-only residuals (the rest is dead code), and the
     # pullback's structure, traced under the vmaps the loop traces it under
     placeholder = (
@@ -392,7 +394,7 @@ def _looped(spec: Stages, layer_fn: LayerFn, weights: Mapping[str, jax.Array], t
     return loop.ticks(loop.initial())
 
 
-def _initial(loop: _Loop, *, slots: int) -> dict[str, Any]:
+def _initial(loop: TickLoop, *, slots: int) -> dict[str, Any]:
     """The loop's carry before the first tick: zeros, each array's dim 0 over the stages."""
     spec, s, micro, kernel, d = loop.spec, loop.spec.stages, loop.micro, loop.kernel, loop.kernel.shards
     zeros = lambda shape, dtype: jnp.zeros(shape, dtype)  # noqa: E731
