@@ -212,6 +212,20 @@ STRATEGIES = {
                                   {"expert_dispatch": ExpertDispatch(), "batch_spec": P(("data", "expert"))}),
 }  # fmt: skip
 FEATURES = ("remat", "scan", "MixedPrecision", "grad_accum", "checkpoint")
+# each registered parallel strategy's rows above; the keywords that are no parallel strategy are tested elsewhere
+ROWS = {"pipeline": ("gpipe", "circular"), "context": ("context ring", "context all_gather"),
+        "expert_dispatch": ("expert all_to_all",)}  # fmt: skip
+NOT_PARALLEL = {
+    "fused_loss": "tests/test_linear_cross_entropy.py",
+    "attention_kernel": "tests/test_attention_kernels.py",
+}
+
+
+def rowless_strategies() -> list[str]:
+    """The registered strategies (torchshard._strategies.STRATEGIES) this matrix has no row for."""
+    from torchshard._strategies import STRATEGIES as REGISTERED
+
+    return sorted(set(REGISTERED) - set(ROWS) - set(NOT_PARALLEL))
 
 
 def feature_kwargs(feature: str, family: Family) -> dict[str, Any]:
@@ -282,6 +296,11 @@ def _cells() -> list[Any]:
                      id=f"{strategy}-{feature}".replace(" ", "_"))
         for strategy in STRATEGIES for feature in FEATURES
     ]  # fmt: skip
+
+
+def test_every_registered_strategy_has_rows():
+    assert rowless_strategies() == [], "add a Strategy row (and its MATRIX line) for each, and name it in ROWS"
+    assert {row for rows in ROWS.values() for row in rows} == set(STRATEGIES)
 
 
 def test_the_matrix_has_every_pair():

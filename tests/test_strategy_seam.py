@@ -1,4 +1,7 @@
-"""The strategy seam: a strategy defined here plugs into Trainer, ``plan --compile`` and ``--search`` by one call.
+"""The strategy seam: a strategy that is one folder (tests/toy_strategy/) plugs in with one register line.
+
+It then shows up in the Trainer, AbstractTrainer, ``plan --compile``, ``plan --search``, the strategy
+matrix test and the API reference.
 
 And the modules that must not know strategies by name (the scan, fit, search, the command line)
 import none of their modules (read with ast, like test_layering).
@@ -11,84 +14,30 @@ import copy
 import dataclasses
 import json
 import pathlib
+import re
 
+import jax
+import numpy as np
 import optax
 import pytest
 import torch
 from helpers import torch_losses
+from toy_strategy import binding
+from toy_strategy.option import MARKS, Mark
 
 import torchshard as ts
 from torchshard.__main__ import EXIT_OK, EXIT_USAGE, main
-from torchshard._base.validate import instance_problems, raise_for_arguments
 from torchshard._search.search_compile import trainer_options
 from torchshard._search.space import SearchLayout
 from torchshard._strategies import STRATEGIES, register
-from torchshard._train.strategy import Bound, Flag, Strategy
 
 PACKAGE = pathlib.Path(ts.__file__).parent
-MARKS: list[str] = []  # what the toy's execution hook saw, "tag:stack"
-
-
-@dataclasses.dataclass(frozen=True)
-class Mark:
-    """The toy strategy's option: its execution hook logs ``tag`` each time the step runs the marked stack."""
-
-    tag: str = "marked"
-
-
-@dataclasses.dataclass(frozen=True)
-class MarkRunner:
-    """Runs the stack as the plain scan does, logging a marker first (the execution hook)."""
-
-    tag: str
-    count: int
-    axis: str | None = None
-
-    def order(self):
-        return tuple(range(self.count))
-
-    def run(self, scan, pure, h, others):
-        MARKS.append(f"{self.tag}:{scan.group.prefix}")
-        return scan.scanned(pure, h, others)
-
-
-@dataclasses.dataclass(frozen=True, kw_only=True)
-class Marked(Bound):
-    option: Mark
-
-    def rewrite(self, setting):
-        first, *rest = setting.groups
-        marked = dataclasses.replace(first, runner=MarkRunner(self.option.tag, first.count))
-        return dataclasses.replace(setting, groups=(marked, *rest))
-
-
-def bind(option, setting):
-    if option is None:
-        return Bound()
-    raise_for_arguments(instance_problems("mark", option, Mark, "None or a Mark"), header="invalid Trainer arguments")
-    if not setting.groups:
-        raise ts.ShardingError("Mark: no scanned stack to mark; pass scan_layers=True")
-    return Marked(option=option)
-
-
-TOY = Strategy(
-    keyword="mark",
-    option=Mark,
-    bind=bind,
-    flag=Flag(
-        metavar="TAG",
-        help="Trainer(mark=Mark(TAG))",
-        parse=lambda text, axes: Mark(text),
-        figures=lambda option, trainer: {"tag": option.tag},
-        summary=lambda figures: f", mark {figures['tag']}",
-    ),
-    searched=lambda layout: Mark("searched") if layout.axes.get("data", 1) > 1 else None,
-)
+TOY = binding.STRATEGY
 
 
 @pytest.fixture
 def toy():
-    register(TOY)  # the one call
+    register(binding.STRATEGY)  # the one line: the toy is the folder tests/toy_strategy/
     MARKS.clear()
     yield TOY
     STRATEGIES.pop(TOY.keyword)
@@ -216,3 +165,48 @@ def test_no_strategy_imports_another(folder):
     for path in sorted((PACKAGE / "_strategies" / folder).rglob("*.py")):
         named = sorted(_imported(path) & others)
         assert named == [], f"{path.relative_to(PACKAGE)} imports another strategy's {named}: share through _train"
+
+
+def test_an_abstract_trainer_takes_the_toy_and_compiles_its_hook(toy):
+    with torch.device("meta"):
+        meta = Stack()
+    plan = ts.plan(meta, ts.make_mesh({"data": 8}), ts.presets.fsdp(min_size=16))
+    abstract = ts.inspect.AbstractTrainer(meta, loss_fn, optax.sgd(0.1), plan, scan_layers=True, mark=Mark("abs"))
+    batch = (jax.ShapeDtypeStruct((16, 8), np.float32), jax.ShapeDtypeStruct((16, 2), np.float32))
+    assert abstract.lower(batch).compile().memory_analysis() is not None
+    assert set(MARKS) == {"abs:layers"} and abstract.strategies["mark"].option == Mark("abs")
+
+
+@pytest.mark.slow  # a search compiles a candidate in a child process
+def test_plan_search_gives_the_toy_its_option(toy):
+    from models import tiny_llama
+
+    best = ts.inspect.search(tiny_llama(meta=True), devices=2, batch=(4, 16), remat=(None,), scan=(True,),
+                             precision=("bf16",), microbatches=(1,), max_compiles=1)  # fmt: skip
+    marked = [c for c in best if c.mesh.get("data", 1) > 1]
+    assert marked and all(c.options["mark"] == {"tag": "searched"} for c in marked)
+    assert all(c.options["mark"] is None for c in best if c.mesh.get("data", 1) == 1)
+
+
+def test_the_strategy_matrix_test_names_the_toy_until_it_has_rows(toy):
+    import test_matrix
+
+    assert test_matrix.rowless_strategies() == ["mark"]
+
+
+def test_the_api_reference_lists_the_toy_from_its_register_line(tmp_path):
+    from tools import docs_hooks
+
+    registry = tmp_path / "registry.py"
+    registry.write_text(docs_hooks.REGISTRY.read_text() + "\nfrom toy_strategy import binding as marked\n"
+                        "register(marked.STRATEGY)\n")  # fmt: skip
+    table = docs_hooks.strategy_table(docs_hooks.registered(registry, (docs_hooks.ROOT, PACKAGE.parent / "tests")))
+    assert "| `mark=` | `Mark` | `--mark` | its option |" in table
+    assert "| `pipeline=` | `Pipeline` | `--pipeline` | a mesh axis and its option |" in table
+
+
+def test_the_writing_a_strategy_page_shows_the_toys_own_code():
+    page = (PACKAGE.parent / "docs" / "strategies" / "writing.md").read_text()
+    toy = "".join(p.read_text() for p in sorted((PACKAGE.parent / "tests" / "toy_strategy").glob("*.py")))
+    blocks = re.findall(r"```py\n(.*?)```", page, re.S)
+    assert len(blocks) >= 4 and all(block in toy or block.strip() == "register(binding.STRATEGY)" for block in blocks)

@@ -373,29 +373,3 @@ def layer_slices(group: ScanGroup, stacked: Mapping[str, jax.Array]) -> dict[str
         for position, block in enumerate(group.positions())
         if group.stacked(suffix) in stacked
     }
-
-
-@dataclasses.dataclass(frozen=True)
-class StateLayout:
-    """How a train state stores a module's tensors: under their torch names, or stacked per scanned group."""
-
-    groups: tuple[ScanGroup, ...] = ()
-
-    def _positions(self) -> dict[str, tuple[str, int]]:
-        return {name: (key, i) for g in self.groups for key, names in g.members() for i, name in enumerate(names)}
-
-    def position(self, name: str) -> tuple[str, int | None]:
-        """(train-state key, index in its stack or None) of a torch tensor name."""
-        return self._positions().get(name, (name, None))
-
-    def keys(self, names: Sequence[str]) -> list[str]:
-        """The train-state keys that hold ``names``, in order, each once."""
-        return list(dict.fromkeys(self.position(n)[0] for n in names))
-
-    def stacks(self) -> dict[str, list[str]]:
-        """Stacked key → the torch names of its layers, in stack order."""
-        return {key: names for g in self.groups for key, names in g.members()}
-
-    def axis(self, key: str) -> str | None:
-        """The mesh axis a stacked key's layer dim is split over (a pipeline's stages), or None."""
-        return next((g.axis for g in self.groups for k, _ in g.members() if k == key), None)

@@ -1,7 +1,10 @@
-"""The train state's layout: each key's shape, stored dtype and sharding, one source for Trainer and AbstractTrainer."""
+"""The train state and its layout, in one home: which key holds each tensor (stacked per scanned group), each key's
+shape, stored dtype and sharding, and the arrays a Trainer starts from; Trainer, AbstractTrainer and init_sharded
+read it."""
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Mapping, Sequence
 from typing import Any, NamedTuple
 
@@ -11,13 +14,41 @@ import optax
 import torch
 from jax.sharding import NamedSharding, PartitionSpec
 
+from torchshard._bridge.layer_view import StackedArray, view_stacks
 from torchshard._bridge.module_tensors import named_tensors
-from torchshard._bridge.tensors import jax_dtype
+from torchshard._bridge.tensors import jax_dtype, unwrap
+from torchshard._sharding.placement import put_stacked
 from torchshard._sharding.plan import ShardingPlan
-from torchshard._train.scan import ScanGroup, StateLayout
+from torchshard._train.scan import ScanGroup
 
 Arrays = dict[str, jax.Array]
 Structs = dict[str, jax.ShapeDtypeStruct]
+
+
+@dataclasses.dataclass(frozen=True)
+class StateLayout:
+    """How a train state stores a module's tensors: under their torch names, or stacked per scanned group."""
+
+    groups: tuple[ScanGroup, ...] = ()
+
+    def _positions(self) -> dict[str, tuple[str, int]]:
+        return {name: (key, i) for g in self.groups for key, names in g.members() for i, name in enumerate(names)}
+
+    def position(self, name: str) -> tuple[str, int | None]:
+        """(train-state key, index in its stack or None) of a torch tensor name."""
+        return self._positions().get(name, (name, None))
+
+    def keys(self, names: Sequence[str]) -> list[str]:
+        """The train-state keys that hold ``names``, in order, each once."""
+        return list(dict.fromkeys(self.position(n)[0] for n in names))
+
+    def stacks(self) -> dict[str, list[str]]:
+        """Stacked key → the torch names of its layers, in stack order."""
+        return {key: names for g in self.groups for key, names in g.members()}
+
+    def axis(self, key: str) -> str | None:
+        """The mesh axis a stacked key's layer dim is split over (a pipeline's stages), or None."""
+        return next((g.axis for g in self.groups for k, _ in g.members() if k == key), None)
 
 
 class TrainState(NamedTuple):
@@ -105,3 +136,43 @@ def train_state_structs(
 def shardings_of(structs: Any) -> Any:
     """The sharding of every leaf of a tree of ShapeDtypeStructs (or arrays)."""
     return jax.tree.map(lambda s: s.sharding, structs)
+
+
+def physical(layout: StateLayout, structs: Structs, tensors: Mapping[str, Any]) -> Arrays:
+    """Train-state key → array of ``structs``' keys: the module's ``tensors``, a scanned group's layers stacked."""
+    stacks = layout.stacks()
+    arrays = {}
+    for key, struct in structs.items():
+        if key in stacks:
+            layers = [tensors[n] for n in stacks[key]]
+            arrays[key] = put_stacked(layers, struct.sharding, dtype=struct.dtype, what=key)
+        else:
+            arrays[key] = unwrap(tensors[key])
+    return arrays
+
+
+def initial_state(
+    optimizer: optax.GradientTransformation,
+    params: Arrays,
+    buffers: Arrays,
+    params_structs: Structs,
+    replicated: NamedSharding,
+) -> TrainState:
+    """The state a Trainer starts from: ``params`` and ``buffers`` as placed, the optimizer's state sharded like its
+    params, step 0."""
+    structs = train_state_structs(optimizer, params_structs, {}, replicated)
+    opt_state = jax.jit(optimizer.init, out_shardings=shardings_of(structs.opt_state))(params)
+    step = jax.device_put(jnp.zeros((), jnp.int32), replicated)
+    return TrainState(params, buffers, opt_state, step)
+
+
+def layer_views(
+    model: torch.nn.Module, layout: StateLayout, arrays: Mapping[str, jax.Array]
+) -> dict[str, StackedArray]:
+    """Per-layer tensors of scanned blocks made views of the stacked state (no second copy): the stacks, by key."""
+    return view_stacks(model, {k: (names, arrays[k]) for k, names in layout.stacks().items()})
+
+
+def shardings_by_key(arrays: Mapping[str, jax.Array]) -> dict[str, NamedSharding]:
+    """Each array's NamedSharding by train-state key (arrays placed otherwise left out)."""
+    return {k: a.sharding for k, a in arrays.items() if isinstance(a.sharding, NamedSharding)}

@@ -15,8 +15,7 @@ from torchshard._sharding import init as sharded
 from torchshard._sharding.placement import assign
 from torchshard._sharding.rules import Rules
 from torchshard._strategies import STRATEGIES, bind_all
-from torchshard._train.scan import StateLayout
-from torchshard._train.state import tensor_structs
+from torchshard._train.state import StateLayout, tensor_structs
 from torchshard._train.strategy import Setting
 
 

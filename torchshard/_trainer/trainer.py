@@ -19,36 +19,33 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 from torchshard._base.errors import ShardingError, raise_if_any
 from torchshard._base.specs import SpecLike, parse_spec
 from torchshard._base.validate import describe_mesh, raise_for_arguments
-from torchshard._bridge.layer_view import LayerView, StackedArray, view_stacks
+from torchshard._bridge.layer_view import StackedArray
 from torchshard._bridge.module_tensors import named_tensors
-from torchshard._bridge.tensors import rebind, set_array, unwrap
+from torchshard._bridge.tensors import rebind, unwrap
 from torchshard._multihost.worker import heartbeat
-from torchshard._sharding.placement import put, put_stacked, shard
+from torchshard._sharding.placement import put, shard
 from torchshard._sharding.plan import ShardingPlan
 from torchshard._strategies import bind_all
 from torchshard._train.batching import BatchLayout
-from torchshard._train.precision import MixedPrecision, store_params, stored_dtypes
+from torchshard._train.precision import MixedPrecision, store_params
 from torchshard._train.remat import RematLike, as_remat, remat_targets, scan_remat
-from torchshard._train.scan import ScanLike, StateLayout, find_groups
+from torchshard._train.scan import ScanLike, find_groups
 from torchshard._train.state import (
-    Arrays,
-    Structs,
-    TrainState,
-    shardings_of,
+    StateLayout,
+    shardings_by_key,
     split_names,
     stack_problems,
-    tensor_structs,
-    train_state_structs,
 )
 from torchshard._train.step import LossFn, Runtime, Step
 from torchshard._train.strategy import Bound, Setting, gradient_of, leaf_problems, tracing_all
 from torchshard._trainer.checks import batch_type_problems, check_trainer_args
 from torchshard._trainer.evaluate import Compiled, evaluating, structure, structure_problems
 from torchshard._trainer.observed import Observed
+from torchshard._trainer.stateful import Stateful
 from torchshard._trainer.trackers import Tracker
 
 
-class Trainer(Observed):
+class Trainer(Observed, Stateful):
     """Trains a sharded torch module with one fused, jitted, donated step per call.
 
     Args:
@@ -123,9 +120,20 @@ class Trainer(Observed):
         peak_flops: float | None = None,
         **strategies: Any,
     ) -> None:
-        check_trainer_args(model, loss_fn, optimizer, plan, batch_spec, grad_accum_steps, max_in_flight, precision,
-                           donate=donate, seed=seed, skip_nonfinite=skip_nonfinite,
-                           observing=(log_every, trackers, peak_flops))  # fmt: skip
+        check_trainer_args(
+            model,
+            loss_fn,
+            optimizer,
+            plan,
+            batch_spec,
+            grad_accum_steps,
+            max_in_flight,
+            precision,
+            donate=donate,
+            seed=seed,
+            skip_nonfinite=skip_nonfinite,
+            observing=(log_every, trackers, peak_flops),
+        )
         remat_ = as_remat(remat)
         self.optimizer = optimizer
         self.precision = precision
@@ -154,8 +162,19 @@ class Trainer(Observed):
         self._state = self._initial_state()
         self._views()
         bound, policy = list(self._strategies.values()), remat_.jax_policy() if remat_ is not None else None
-        runtime = Runtime(self._model, loss_fn, precision, self._shardings(), setting.groups, tuple(targets), policy,
-                          body_policies, self._batch, tracing_all(bound))  # fmt: skip
+        shardings = shardings_by_key({**self._state.params, **self._frozen})
+        runtime = Runtime(
+            self._model,
+            loss_fn,
+            precision,
+            shardings,
+            setting.groups,
+            tuple(targets),
+            policy,
+            body_policies,
+            self._batch,
+            tracing_all(bound),
+        )
         step = Step(runtime, optimizer, grad_accum_steps, self._batch, skip_nonfinite, gradient_of(bound))
         self._step_fn = self._compile(step, donate)
         self._evaluations = Compiled(runtime)
@@ -213,67 +232,6 @@ class Trainer(Observed):
     def model(self) -> torch.nn.Module:
         """The module, bound to the latest parameters and buffers."""
         return self._model
-
-    @property
-    def state(self) -> TrainState:
-        return self._state
-
-    @property
-    def step_count(self) -> int:
-        return int(self._state.step)
-
-    @property
-    def rng_key(self) -> jax.Array:
-        """Raw key data (uint32) the per-step keys are folded from: part of a resumable state."""
-        return self._base_key
-
-    def _structs(self, names: list[str]) -> Structs:
-        return tensor_structs(self.plan, self.layout, names, self.tensor_dtypes())
-
-    def _physical(self, names: list[str]) -> Arrays:
-        """Train-state key → array for ``names``: per-layer tensors of scanned blocks stacked."""
-        stacks = self.layout.stacks()
-        arrays = {}
-        for key, struct in self._structs(names).items():
-            if key in stacks:
-                layers = [self._tensors[n] for n in stacks[key]]
-                arrays[key] = put_stacked(layers, struct.sharding, dtype=struct.dtype, what=key)
-            else:
-                arrays[key] = unwrap(self._tensors[key])
-        return arrays
-
-    def _views(self) -> None:
-        """Per-layer tensors of scanned blocks become views of the stacked state (no second copy)."""
-        arrays = {**self._state.params, **self._state.buffers, **self._frozen}
-        self._stacks = view_stacks(self._model, {k: (names, arrays[k]) for k, names in self.layout.stacks().items()})
-        self._tensors = named_tensors(self._model)
-
-    def _shardings(self) -> dict[str, NamedSharding]:
-        arrays = {**self._state.params, **self._frozen}
-        return {k: a.sharding for k, a in arrays.items() if isinstance(a.sharding, NamedSharding)}
-
-    def _initial_state(self) -> TrainState:
-        params_names, buffer_names, _ = self._names
-        params = self._physical(params_names)
-        structs = train_state_structs(self.optimizer, self._structs(params_names), {}, self._replicated)
-        opt_state = jax.jit(self.optimizer.init, out_shardings=shardings_of(structs.opt_state))(params)
-        step = jax.device_put(jnp.zeros((), jnp.int32), self._replicated)
-        return TrainState(params, self._physical(buffer_names), opt_state, step)
-
-    def state_shardings(self) -> TrainState:
-        """The pinned sharding of every leaf of `state` (the plan's for params and buffers)."""
-        return jax.tree.map(lambda x: x.sharding, self._state)
-
-    def physical_arrays(self) -> Arrays:
-        """Every tensor of the module by train-state key (scanned layers stacked): what a checkpoint stores."""
-        arrays = {k: unwrap(t) for k, t in self._tensors.items() if not isinstance(t, LayerView)}
-        canonical = {self.plan.canonical(n) for n in self.plan}
-        arrays = {k: v for k, v in arrays.items() if k in canonical}
-        return {**arrays, **self._state.params, **self._state.buffers, **self._frozen}
-
-    def tensor_dtypes(self) -> dict[str, torch.dtype]:
-        """The torch dtype each tensor is stored in (the master dtype under `MixedPrecision`)."""
-        return stored_dtypes(self.plan, self.precision)
 
     def _compile(self, step: Step, donate: bool) -> Callable[..., Any]:
         out = (self.state_shardings(), self._replicated)
@@ -408,12 +366,16 @@ class Trainer(Observed):
             ((), 0)
         """
         callable_ = fn is None or callable(fn)
-        raise_for_arguments([] if callable_ else [f"fn must be a function fn(model, batch), got {fn!r:.40}"],
-                            header="invalid evaluate arguments")  # fmt: skip
+        raise_for_arguments(
+            [] if callable_ else [f"fn must be a function fn(model, batch), got {fn!r:.40}"],
+            header="invalid evaluate arguments",
+        )
         with self._lock:
             self._check_owner()
-            raise_for_arguments(structure_problems(self._trained_on, jax.tree.map(unwrap, batch)),
-                                header="evaluate: the batch is not like the training batches")  # fmt: skip
+            raise_for_arguments(
+                structure_problems(self._trained_on, jax.tree.map(unwrap, batch)),
+                header="evaluate: the batch is not like the training batches",
+            )
             args = self._step_args(batch, local=local, steps=1)
             with jax.set_mesh(self.mesh), evaluating(self._model):
                 return self._evaluations(fn, *args)
@@ -426,32 +388,3 @@ class Trainer(Observed):
         self._in_flight.append(marker)
         while len(self._in_flight) > self.max_in_flight:
             self._in_flight.popleft().block_until_ready()
-
-    def _bind(self) -> None:
-        arrays = {**self._state.params, **self._state.buffers}
-        for key, array in arrays.items():
-            if key in self._stacks:
-                self._stacks[key].replace(array)
-            else:
-                set_array(self._tensors[key], array)
-
-    def load_state(self, state: TrainState, *, rng_key: jax.Array | None = None, frozen: Arrays | None = None) -> None:
-        """Replaces the training state (e.g. from a checkpoint); arrays must already be placed.
-
-        Args:
-            state: the new `TrainState`, sharded as `state_shardings` says.
-            rng_key: the `rng_key` to continue from (kept if None).
-            frozen: new arrays for frozen (``requires_grad=False``) parameters, by train-state key.
-        """
-        with self._lock:
-            self._state, self._window = state, None  # the step count may have changed: read it again
-            if rng_key is not None:
-                self._base_key = rng_key
-            if frozen:
-                self._frozen = {**self._frozen, **frozen}
-                for key, array in frozen.items():
-                    if key in self._stacks:
-                        self._stacks[key].replace(array)
-                    else:
-                        set_array(self._tensors[key], array)
-            self._bind()
