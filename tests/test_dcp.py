@@ -300,7 +300,10 @@ def test_not_a_dcp_checkpoint(placed, tmp_path):
 
 
 def test_bad_arguments(placed, tmp_path):
-    with pytest.raises(ArgumentError, match=r"(?s)target must be a Trainer .*strict must be True or False"):
+    with pytest.raises(
+        ArgumentError,
+        match=r"(?s)invalid load_dcp\(\) arguments.*target must be a Trainer .*strict must be True or False",
+    ):
         ts.load_dcp(tmp_path, object(), strict=1)
     with pytest.raises(ArgumentError, match=r"target must be a Trainer or a sharded module"):
         ts.save_dcp(tmp_path, object())

@@ -2,7 +2,7 @@
 
 * the pipeline loop (`pipeline.run`) against a sequential ``lax.scan`` over the same stacked layers;
 * ring and all-gather attention (`context_attention`) against torch's dense SDPA;
-* all-to-all expert dispatch (`experts._moved`) against every token through its top-k experts, weighted.
+* all-to-all expert dispatch (`all_to_all._moved`) against every token through its top-k experts, weighted.
 
 Tolerance: fp32 values and gradients within 1e-5 relative to scale (`helpers.assert_close`).
 """
@@ -26,7 +26,7 @@ from torchshard import ShardingError
 from torchshard._bridge.env import env
 from torchshard._strategies.context.ring_attention import context_attention
 from torchshard._strategies.context.ring_layout import SequenceLayout
-from torchshard._strategies.experts import experts
+from torchshard._strategies.experts import all_to_all, experts
 from torchshard._strategies.pipeline import loop as pipeline
 from torchshard._strategies.pipeline.schedules import SCHEDULES
 from torchshard._strategies.pipeline.stages import resolve
@@ -225,7 +225,7 @@ def test_all_to_all_dispatch_matches_a_dense_moe_and_drops_pairs_over_capacity(c
     readout = jnp.asarray(np.random.default_rng(1).normal(size=(TOKENS, Experts.dim)), jnp.float32)
 
     def moved(x, weights, up, down):
-        out, lost = experts._moved(where, dispatch, mesh, module.forward, x, index, weights, [up, down])
+        out, lost = all_to_all._moved(where, dispatch, mesh, module.forward, x, index, weights, [up, down])
         return (out * readout).sum(), lost
 
     def dense(x, weights, up, down):

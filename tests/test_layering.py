@@ -108,3 +108,54 @@ def test_no_import_circles():
 )
 def test_the_circle_finder_finds_circles(graph, expected):
     assert _cycle(graph) == expected
+
+
+MAX_LINES = 400  # a module past this is two jobs: split it by job, imports still pointing down
+MAX_FMT_SKIPS = 30  # hand layouts only where they are clearer than ruff's (tables); the rest is formatted
+
+
+def _private_imports(path: pathlib.Path) -> list[str]:
+    """Every private name (``_x``) ``path`` takes from another torchshard module: imported, or read off an import."""
+    tree = ast.parse(path.read_text())
+    found, modules = [], {}
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ImportFrom) and node.level == 0 and (node.module or "").startswith("torchshard"):
+            for alias in node.names:
+                if _exists(f"{node.module}.{alias.name}"):
+                    modules[alias.asname or alias.name] = f"{node.module}.{alias.name}"
+                elif alias.name.startswith("_") and not alias.name.startswith("__"):
+                    found.append(f"from {node.module} import {alias.name}")
+        elif isinstance(node, ast.Import):
+            modules |= {a.asname: a.name for a in node.names if a.asname and a.name.startswith("torchshard")}
+    for node in ast.walk(tree):
+        read = isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name) and node.value.id in modules
+        if read and node.attr.startswith("_") and not node.attr.startswith("__"):
+            found.append(f"{modules[node.value.id]}.{node.attr} (line {node.lineno})")
+    return [f"{path.relative_to(PACKAGE.parent)}: {f}" for f in found]
+
+
+def test_no_private_name_is_imported_across_modules():
+    found = [line for path in sorted(PACKAGE.rglob("*.py")) for line in _private_imports(path)]
+    assert found == [], (
+        "a name another module needs is public (no underscore, with a docstring) or moves to a module both import:\n"
+        + "\n".join(found)
+    )
+
+
+def test_no_module_is_over_the_line_limit():
+    long = {str(p.relative_to(PACKAGE.parent)): n for p in PACKAGE.rglob("*.py") if (n := _lines(p)) > MAX_LINES}
+    assert long == {}, f"modules over {MAX_LINES} lines; split each by job, imports still pointing down: {long}"
+
+
+def _lines(path: pathlib.Path) -> int:
+    return len(path.read_text().splitlines())
+
+
+def test_few_hand_layouts_in_the_package():
+    counts = {str(p.relative_to(PACKAGE.parent)): p.read_text().count("fmt: skip") for p in PACKAGE.rglob("*.py")}
+    total = sum(counts.values())
+    most = sorted(((n, p) for p, n in counts.items() if n), reverse=True)[:5]
+    assert total <= MAX_FMT_SKIPS, (
+        f"{total} `# fmt: skip` in torchshard/ (at most {MAX_FMT_SKIPS}): let ruff format the code where it reads "
+        f"fine, keep hand layouts for tables; most in {most}"
+    )

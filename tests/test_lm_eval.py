@@ -24,6 +24,7 @@ from lm_eval.models.huggingface import HFLM
 from lm_eval.tasks import TaskManager
 
 import torchshard as ts
+from torchshard.__main__ import EXIT_USAGE, main
 from torchshard.lm_eval import TorchshardLM, bucket
 
 ATOL = 1e-4  # float32 log-likelihoods, summed over a continuation: ours against HFLM's eager torch
@@ -260,8 +261,19 @@ def test_every_bad_argument_is_named_at_once(llama):
         TorchshardLM(_sharded(llama), _tokenizer(), mesh="data=8")
     with pytest.raises(ts.ArgumentError, match="pretrained= alone"):
         TorchshardLM(_sharded(llama), pretrained="somewhere")
-    with pytest.raises(ts.ArgumentError, match=r"mesh='data:8'.*name=size"):
+    with pytest.raises(ts.ArgumentError, match=r"mesh='data:8': write axis=size pairs"):
         TorchshardLM(pretrained="somewhere", mesh="data:8")
+
+
+@pytest.mark.parametrize(
+    "text",
+    ["data=4,,model=2", "data=8,", "", "data=x", "data=0", "data=-2", "data=+8", "data=1_0", "=8", "data=2,data=4"],
+)
+def test_mesh_strings_the_plan_cli_refuses_are_refused(text, capsys):
+    assert main(["plan", "models:MLP", "--mesh", text]) == EXIT_USAGE
+    assert f"--mesh {text!r}: write axis=size pairs" in capsys.readouterr().err
+    with pytest.raises(ts.ArgumentError, match=rf"mesh={re.escape(repr(text))}: write axis=size pairs"):
+        TorchshardLM(pretrained="somewhere", mesh=text)
 
 
 def test_a_stacked_trainer_is_refused(llama):
@@ -358,7 +370,7 @@ def test_a_tokenizer_whose_ids_pass_the_models_vocabulary_is_refused_not_scored_
       r"pretrained='/no/such/folder' is not a folder: pass the folder save_pretrained wrote"),
      ({"target": None, "tokenizer": None, "pretrained": "meta-llama/Llama-3.2-1B"},
       r"is not a folder: .*a Hub model: download it first"),
-     ({"target": None, "tokenizer": None, "pretrained": "x", "mesh": "data=two"}, r"mesh='data=two': write axes")],
+     ({"target": None, "tokenizer": None, "pretrained": "x", "mesh": "data=two"}, r"mesh='data=two': write axis=size")],
     ids=["batch_size_0", "batch_size_float", "max_length", "max_gen_toks", "tokenizer_none", "target_object",
          "pretrained_missing", "pretrained_hub_id", "mesh"],
 )  # fmt: skip

@@ -26,7 +26,10 @@ def _imported() -> set[str]:
                 found |= {alias.name.split(".")[0] for alias in node.names}
             elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
                 found.add(node.module.split(".")[0])
-    local = {p.stem for p in SOURCES} | {"torchshard", "tools"}
+    packages = {
+        p.parent.name for folder in ("tests", "examples", "benchmarks") for p in ROOT.glob(f"{folder}/*/__init__.py")
+    }
+    local = {p.stem for p in SOURCES} | packages | {"torchshard", "tools"}
     return {m for m in found if m not in sys.stdlib_module_names and m not in local}
 
 

@@ -4,7 +4,8 @@ from torchshard import collectives, distributed, presets, track
 from torchshard import inspect as inspect
 from torchshard._base.errors import ArgumentError, CheckpointError, ShardingError, TrackerError, UnusedRuleWarning
 from torchshard._bridge.ops.linear_cross_entropy import linear_cross_entropy
-from torchshard._ckpt.checkpoint import load, save
+from torchshard._ckpt.checkpoint import save
+from torchshard._ckpt.load import load
 from torchshard._ckpt.stepdir import checkpoint_steps
 from torchshard._generate.generate import generate
 from torchshard._interop.adapters import save_adapters
@@ -14,8 +15,10 @@ from torchshard._interop.export import from_torch_state_dict, to_torch_state_dic
 from torchshard._interop.pretrained import load_safetensors
 from torchshard._interop.safetensors import save_safetensors
 from torchshard._report.visualize import visualize, visualize_plan
+from torchshard._sharding.batch import shard_batch
+from torchshard._sharding.constrain import constrain
 from torchshard._sharding.mesh import make_mesh, use_cpu_devices
-from torchshard._sharding.placement import constrain, shard, shard_batch
+from torchshard._sharding.placement import shard
 from torchshard._sharding.plan import PlanEntry, ShardingPlan, plan
 from torchshard._sharding.rules import Rule, Rules, TensorInfo
 from torchshard._strategies.context.context import ContextParallel, ContextParallelWarning

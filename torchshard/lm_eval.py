@@ -31,7 +31,7 @@ from torchshard._base.errors import ArgumentError, ShardingError, raise_if_any
 from torchshard._generate import scoring
 from torchshard._generate.generate import generate
 from torchshard._generate.generate_checks import vocab_problems
-from torchshard._sharding.mesh import use_cpu_devices
+from torchshard._sharding.mesh import parse_axes, use_cpu_devices
 from torchshard._trainer.trainer import Trainer
 
 __all__ = ["TorchshardLM", "main"]
@@ -186,8 +186,11 @@ class TorchshardLM(TemplateLM):
             ids[row, : len(window)] = window
         name = getattr(self.tokenizer, "name_or_path", "") or type(self.tokenizer).__name__
         fix = f"the tokenizer {name!r} gives ids the model has no embedding for: pass the model's own tokenizer"
-        raise_if_any([f"{p}; {fix}" for p in vocab_problems(self.model, torch.from_numpy(ids))],
-                     header="loglikelihood", error=ArgumentError)  # fmt: skip
+        raise_if_any(
+            [f"{p}; {fix}" for p in vocab_problems(self.model, torch.from_numpy(ids))],
+            header="loglikelihood",
+            error=ArgumentError,
+        )
         return scoring.score(self.target, ids)  # type: ignore[arg-type]
 
     def loglikelihood_rolling(self, requests: list, disable_tqdm: bool = False) -> list[float]:
@@ -319,9 +322,9 @@ def _mesh_axes(mesh: str | dict[str, int] | None) -> dict[str, int]:
     if isinstance(mesh, dict):
         return mesh
     try:
-        return {k.strip(): int(v) for k, v in (part.split("=") for part in str(mesh).split(","))}
-    except ValueError as err:
-        raise ArgumentError(f"mesh={mesh!r}: write axes as name=size, comma-separated (data=4,model=2)") from err
+        return parse_axes(str(mesh))
+    except ArgumentError as err:
+        raise ArgumentError(f"mesh={mesh!r}: {err}") from None
 
 
 def _from_pretrained(path: str, target: Any, tokenizer: Any, mesh: Any, pad_token: str | None) -> tuple[Any, Any]:

@@ -60,8 +60,9 @@ def _known(names: list[str], libraries: list[Path]) -> list[str]:
     return [n for n in names if defining and all(n in d for d in defining)]
 
 
-def gpu_flags_for(environ: dict[str, str] | os._Environ[str], *, gpu: bool, started: bool,
-                  libraries: list[Path]) -> list[str]:  # fmt: skip
+def gpu_flags_for(
+    environ: dict[str, str] | os._Environ[str], *, gpu: bool, started: bool, libraries: list[Path]
+) -> list[str]:
     """The ``--name=value`` flags to add to ``environ``'s XLA_FLAGS (none: the user set it, no GPU, too late).
 
     Examples:

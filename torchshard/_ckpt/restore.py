@@ -14,11 +14,12 @@ from jax.sharding import NamedSharding, PartitionSpec
 
 from torchshard._base.errors import raise_if_any
 from torchshard._base.validate import mismatch_problems
-from torchshard._bridge.module_tensors import canonical_names
-from torchshard._bridge.tensors import jax_dtype
+from torchshard._bridge.module_tensors import canonical_names, named_tensors
+from torchshard._bridge.tensors import jax_dtype, rebind
 from torchshard._ckpt.layout import Recipe, Slot, build, param_key, read_sharding, rekey, slot_of, slots, stacked
 from torchshard._ckpt.meta import flat
-from torchshard._ckpt.state import placed_arrays, trainer_tree
+from torchshard._ckpt.state import Target, placed_arrays, trainer_tree
+from torchshard._sharding.placement import assign
 from torchshard._sharding.plan import ShardingPlan
 from torchshard._train.state import TrainState
 from torchshard._trainer.trainer import Trainer
@@ -72,6 +73,21 @@ def placed_destination(model: torch.nn.Module) -> Destination:
     arrays = placed_arrays(model, doing="load() without plan=")
     abstract = {n: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=a.sharding) for n, a in arrays.items()}
     return Destination(canonical_names(model), abstract)
+
+
+def destination(target: Target, plan: ShardingPlan | None) -> Destination:
+    """Where a load puts the arrays: a Trainer's state, ``plan``'s shardings, or where the module's tensors sit."""
+    if isinstance(target, Trainer):
+        return trainer_destination(target)
+    return plan_destination(target, plan) if plan is not None else placed_destination(target)
+
+
+def bind_module(model: torch.nn.Module, arrays: dict[str, jax.Array], plan: ShardingPlan | None) -> None:
+    """Binds loaded arrays to a module's tensors: placed per ``plan``, else onto the shardings they have."""
+    if plan is not None:
+        assign(model, arrays, plan)
+    else:
+        rebind(named_tensors(model), arrays)
 
 
 def _stacks(meta: Meta) -> dict[str, list[str]]:

@@ -9,6 +9,7 @@ import jax
 import torch
 
 from torchshard._base.errors import raise_if_any
+from torchshard._base.validate import instance_problems
 from torchshard._bridge.module_tensors import canonical_names, model_tensors, named_tensors
 from torchshard._bridge.tensors import is_jax_tensor, unwrap
 from torchshard._trainer.trainer import Trainer
@@ -19,6 +20,11 @@ Target = Trainer | torch.nn.Module
 def model_of(target: Target) -> torch.nn.Module:
     """The module of a Trainer, or the module itself."""
     return target.model if isinstance(target, Trainer) else target
+
+
+def target_problems(target: Any) -> list[str]:
+    """What is wrong with the ``target`` of a save or an export: neither a Trainer nor a module."""
+    return instance_problems("target", target, (Trainer, torch.nn.Module), "a Trainer or a sharded module")
 
 
 def placed_arrays(model: torch.nn.Module, *, doing: str) -> dict[str, jax.Array]:

@@ -29,6 +29,7 @@ from typing import Any
 from torchshard._base.errors import ArgumentError, CheckpointError, raise_if_any
 from torchshard._ckpt import pending
 
+PathLike = str | os.PathLike[str]  # what every save, load, export and import takes as its path
 META = "torchshard.json"  # written last: a step directory without it is not a checkpoint
 STATE = "state"  # the orbax PyTree checkpoint inside a step directory
 TMP = ".torchshard-tmp-"

@@ -43,7 +43,7 @@ def max_positions(model: torch.nn.Module) -> int | None:
 
 
 @contextlib.contextmanager
-def _traced(model: torch.nn.Module, arrays: Mapping[str, jax.Array]) -> Iterator[None]:
+def traced(model: torch.nn.Module, arrays: Mapping[str, jax.Array]) -> Iterator[None]:
     """Inside the block, ``model`` reads ``arrays`` (traced) and torch ops make jax tensors, in eval mode."""
     modes = {m: m.training for m in model.modules()}
     model.eval()  # dropout off: decoding is inference
@@ -55,7 +55,12 @@ def _traced(model: torch.nn.Module, arrays: Mapping[str, jax.Array]) -> Iterator
             module.training = training
 
 
-def _logits(out: Any) -> jax.Array:
+def logits_of(out: Any) -> jax.Array:
+    """A model output's logits [batch, seq, vocab] as a jax array (``out`` itself, or its ``.logits``).
+
+    Raises:
+        TypeError: the output holds no such tensor (the caller names the model).
+    """
     logits = getattr(out, "logits", out)
     if not isinstance(logits, torch.Tensor) or logits.ndim != 3:
         raise TypeError(
@@ -76,8 +81,8 @@ class Window:
     prompt: int
 
     def _at(self, arrays: Arrays, tokens: jax.Array, at: jax.Array | int) -> jax.Array:
-        with _traced(self.model, arrays):
-            logits = _logits(self.model(wrap(tokens)))
+        with traced(self.model, arrays):
+            logits = logits_of(self.model(wrap(tokens)))
         return jax.lax.dynamic_index_in_dim(logits, at, axis=1, keepdims=False)
 
     def prefill(self, arrays: Arrays, tokens: jax.Array, mask: jax.Array) -> tuple[jax.Array, Any]:
@@ -127,19 +132,19 @@ class Cached:
         """Logits that choose the first new token, and the carry: (keys and values, last prompt positions)."""
         prompt = mask[:, : self.prompt]
         positions = jnp.where(prompt == 0, 0, jnp.cumsum(prompt, axis=-1) - 1)
-        with _traced(self.model, arrays):
+        with traced(self.model, arrays):
             cache = array_cache(self.kinds, self.length, jnp.int32(0))
             out = self._forward(cache, tokens[:, : self.prompt], mask, positions)
             kv = self._kv(cache)
-        return _logits(out)[:, -1], (kv, positions[:, -1])
+        return logits_of(out)[:, -1], (kv, positions[:, -1])
 
     def step(self, arrays: Arrays, carry: Any, tokens: jax.Array, mask: jax.Array, at: jax.Array):
         """Logits that choose the token after position ``at`` (the cache holds positions before it)."""
         kv, last = carry
         token = jax.lax.dynamic_slice_in_dim(tokens, at, 1, axis=1)
         position = (last + (at - self.prompt + 1))[:, None]
-        with _traced(self.model, arrays):
+        with traced(self.model, arrays):
             cache = array_cache(self.kinds, self.length, jnp.asarray(at, jnp.int32), kv)
             out = self._forward(cache, token, mask, position)
             kv = self._kv(cache)
-        return _logits(out)[:, -1], (kv, last)
+        return logits_of(out)[:, -1], (kv, last)

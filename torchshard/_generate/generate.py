@@ -78,7 +78,7 @@ class Program:
         return tokens, made
 
 
-def _compiled_for(model: torch.nn.Module, key: Any, build: Callable[[], Any]) -> Any:
+def compiled_for(model: torch.nn.Module, key: Any, build: Callable[[], Any]) -> Any:
     """``build()``'s programs for ``model`` and ``key``, reused while at most `_CACHE_SIZE` others are newer."""
     # kept on the module: the programs hold the module, so a table keyed by it would keep it alive
     programs = model.__dict__.setdefault("_torchshard_generate", collections.OrderedDict())
@@ -112,15 +112,22 @@ def _run(jitted: dict[str, Any], program: Program, loop: Loop, *args: Any) -> tu
 
 
 @dataclasses.dataclass(frozen=True)
-class _Target:
+class ResolvedTarget:
+    """What `generate` and `score` run on: the module, the mesh its tensors are on, and the lock a Trainer holds."""
+
     model: torch.nn.Module
     mesh: Mesh | None
     lock: contextlib.AbstractContextManager[Any]
 
 
-def _target(target: Any) -> _Target:
+def resolve_target(target: Any) -> ResolvedTarget:
+    """A Trainer's or a placed module's `ResolvedTarget`.
+
+    Raises:
+        ArgumentError: ``target`` is neither, or some of its tensors are not on the mesh (named).
+    """
     if isinstance(target, Trainer):
-        return _Target(target.model, target.mesh, target.lock)
+        return ResolvedTarget(target.model, target.mesh, target.lock)
     if not isinstance(target, torch.nn.Module):
         raise ArgumentError(f"target is a {type(target).__name__}; pass a ts.Trainer or a module placed by ts.shard")
     tensors = named_tensors(target)
@@ -132,7 +139,7 @@ def _target(target: Any) -> _Target:
         )
     meshes = [s.mesh for t in tensors.values() if isinstance(s := unwrap(t).sharding, NamedSharding)]
     mesh = meshes[0] if meshes and isinstance(meshes[0], Mesh) else None
-    return _Target(target, mesh, contextlib.nullcontext())
+    return ResolvedTarget(target, mesh, contextlib.nullcontext())
 
 
 def _eos(model: torch.nn.Module, eos_token_id: Any) -> tuple[int, ...]:
@@ -272,7 +279,7 @@ def generate(
         arrays = {n: unwrap(t) for n, t in tensors.items() if canonical[n] == n}
         decoder = _decoder(model, found.mesh, kinds, rows, prompt, length)
         program = Program(decoder, prompt, max_new_tokens, sampling)
-        jitted = _compiled_for(model, (program, attention_kernel), lambda: _jitted(program))
+        jitted = compiled_for(model, (program, attention_kernel), lambda: _jitted(program))
         inputs = _placed(found.mesh, input_ids.detach().cpu().to(torch.int32).numpy(), mask.numpy(), seed)
         with kernels.choosing(_kernel_policy(attention_kernel, found.mesh)):
             tokens, made = _traced_run(model, not kinds, lambda: _run(jitted, program, loop, arrays, *inputs))
@@ -291,7 +298,7 @@ def _checked(target: Any, input_ids: Any, new: Any, attention_mask: Any):
     with it and its inputs."""
     problems = id_problems(input_ids, attention_mask)
     try:
-        found = _target(target)
+        found = resolve_target(target)
     except ArgumentError as err:
         return None, (), [*problems, *err.problems]
     model = found.model

@@ -17,8 +17,8 @@ from torchshard._base.errors import ArgumentError
 from torchshard._bridge.layer_view import LayerView
 from torchshard._bridge.module_tensors import canonical_names, named_tensors
 from torchshard._bridge.tensors import unwrap, wrap
-from torchshard._generate.decoders import _logits, _traced
-from torchshard._generate.generate import _compiled_for, _target, kv_sharding
+from torchshard._generate.decoders import logits_of, traced
+from torchshard._generate.generate import compiled_for, kv_sharding, resolve_target
 from torchshard._trainer.trainer import Trainer
 
 
@@ -30,8 +30,8 @@ class Scoring:
 
     def __call__(self, arrays: dict[str, jax.Array], ids: jax.Array) -> tuple[jax.Array, jax.Array]:
         inputs, targets = ids[:, :-1], ids[:, 1:]
-        with _traced(self.model, arrays):
-            logits = _logits(self.model(wrap(inputs))).astype(jnp.float32)
+        with traced(self.model, arrays):
+            logits = logits_of(self.model(wrap(inputs))).astype(jnp.float32)
         picked = jnp.take_along_axis(jax.nn.log_softmax(logits, axis=-1), targets[..., None], axis=-1)[..., 0]
         return picked, jnp.argmax(logits, axis=-1) == targets
 
@@ -47,12 +47,12 @@ def batch_axes(model: torch.nn.Module, mesh: Mesh | None) -> tuple[str, ...]:
 
 def stacked(target: Trainer | torch.nn.Module) -> list[str]:
     """Names of tensors a Trainer built with ``scan_layers=`` or ``pipeline=`` keeps stacked (`score` refuses them)."""
-    return [n for n, t in named_tensors(_target(target).model).items() if isinstance(t, LayerView)]
+    return [n for n, t in named_tensors(resolve_target(target).model).items() if isinstance(t, LayerView)]
 
 
 def row_multiple(target: Trainer | torch.nn.Module) -> int:
     """How many rows a batch of `score` must be a multiple of (the size of its `batch_axes`)."""
-    found = _target(target)
+    found = resolve_target(target)
     axes = batch_axes(found.model, found.mesh)
     return math.prod(found.mesh.shape[a] for a in axes) if found.mesh is not None else 1
 
@@ -63,7 +63,7 @@ def score(target: Trainer | torch.nn.Module, ids: np.ndarray) -> tuple[np.ndarra
     ``ids`` is [B, T + 1] with B a multiple of `row_multiple`; the rows are split over `batch_axes`.
     A causal model's scores at a position do not depend on the ids after it, so rows may be right-padded.
     """
-    found = _target(target)
+    found = resolve_target(target)
     model = found.model
     with found.lock, jax.set_mesh(found.mesh) if found.mesh is not None else contextlib.nullcontext():
         tensors = named_tensors(model)
@@ -71,7 +71,7 @@ def score(target: Trainer | torch.nn.Module, ids: np.ndarray) -> tuple[np.ndarra
         arrays = {n: unwrap(t) for n, t in tensors.items() if canonical[n] == n}
         placed = _placed(model, found.mesh, np.asarray(ids, np.int32))
         scoring = Scoring(model)
-        jitted = _compiled_for(model, scoring, lambda: jax.jit(scoring))
+        jitted = compiled_for(model, scoring, lambda: jax.jit(scoring))
         try:
             picked, greedy = jitted(arrays, placed)
         except TypeError as err:

@@ -8,14 +8,13 @@ import re
 from collections.abc import Iterator
 
 from torchshard._bridge.ops.flash import RECOMPUTE_SCOPE, TILE_SCOPE
-from torchshard._hlo.hlo import _BITS, Collective, parse_hlo
+from torchshard._hlo.hlo import Collective, array_bytes, array_dims, parse_hlo
 
 _HEADER = re.compile(r"^(?P<entry>ENTRY\s+)?%?(?P<name>[\w.\-]+)\s*\((?P<params>.*)\)\s*->.*\{\s*$")
 _PARAM = re.compile(r"(?P<name>[\w.\-]+):\s*(?P<type>[a-z]\w*\[[\d,]*\])")
 _INSTRUCTION = re.compile(
     r"^\s*(?:ROOT\s+)?%(?P<name>[\w.\-]+)\s*=\s*(?P<type>\(.*?\)|\S+)\s+(?P<op>[\w\-]+)\((?P<args>[^)]*)\)"
 )
-_ARRAY = re.compile(r"(?P<dtype>[a-z]\w*)\[(?P<dims>[\d,]*)\]")
 _CALLED = re.compile(
     r"\b(?P<how>body|condition|calls|to_apply|branch_computations)=\{?(?P<names>%[\w.\-]+(?:,\s*%[\w.\-]+)*)"
 )
@@ -63,10 +62,13 @@ class StepCosts:
     def scaled(self, other: StepCosts, factor: float) -> StepCosts:
         """``self + factor * (other - self)``: a cost at another depth, from two compiled depths."""
         mix = lambda a, b: a + factor * (b - a)  # noqa: E731
-        return StepCosts(mix(self.flops, other.flops), mix(self.bytes_accessed, other.bytes_accessed),
-                         _mix_collectives(self.collectives, other.collectives, factor),
-                         mix(self.tile_bytes, other.tile_bytes),
-                         mix(self.recompute_flops, other.recompute_flops))  # fmt: skip
+        return StepCosts(
+            mix(self.flops, other.flops),
+            mix(self.bytes_accessed, other.bytes_accessed),
+            _mix_collectives(self.collectives, other.collectives, factor),
+            mix(self.tile_bytes, other.tile_bytes),
+            mix(self.recompute_flops, other.recompute_flops),
+        )
 
 
 def _mix_collectives(
@@ -84,16 +86,6 @@ def _mix_collectives(
             totals.setdefault((op.kind, op.axes), [0.0, 0.0])[which] += n * op.bytes
     scale = {key: (b1 + factor * (b2 - b1)) / b2 for key, (b1, b2) in totals.items() if b2 > 0}
     return tuple((op, n * scale[key]) for op, n in b if scale.get(key := (op.kind, op.axes), 0.0) > 0)
-
-
-def _array_bytes(text: str) -> int:
-    arrays = ((m.group("dtype"), m.group("dims")) for m in _ARRAY.finditer(text))
-    return sum(math.ceil(_BITS.get(d, 0) * math.prod(int(x) for x in dims.split(",") if x) / 8) for d, dims in arrays)
-
-
-def _dims(text: str) -> list[int]:
-    m = _ARRAY.search(text)
-    return [int(x) for x in m.group("dims").split(",") if x] if m else []
 
 
 @dataclasses.dataclass
@@ -173,9 +165,9 @@ def _dot_flops(line: str, op: str, args: str, result: str, types: dict[str, str]
         return 0.0
     lhs = types.get(args.split(",")[0].strip().lstrip("%"), "")
     contracting = _CONTRACTING.search(line)
-    dims = _dims(lhs)
+    dims = array_dims(lhs)
     size = math.prod(dims[int(i)] for i in contracting.group(1).split(",") if i) if contracting and dims else 1
-    return 2.0 * math.prod(_dims(result)) * size
+    return 2.0 * math.prod(array_dims(result)) * size
 
 
 def step_costs(text: str) -> StepCosts:
@@ -276,8 +268,9 @@ def _operands(args: str) -> list[str]:
     return [a.strip().lstrip("%") for a in _COMMENT.sub("", args).split(",") if a.strip()]
 
 
-def _moved(comps: dict[str, _Computation], comp: _Computation, line: str, op: str, operands: list[str],
-           result: str) -> tuple[list[int], int]:  # fmt: skip
+def _moved(
+    comps: dict[str, _Computation], comp: _Computation, line: str, op: str, operands: list[str], result: str
+) -> tuple[list[int], int]:
     """Bytes a top-level instruction reads (per operand) and writes; a dynamic slice moves its slice.
 
     As XLA's own cost analysis counts them: a ``dynamic-slice`` reads and writes its result, a
@@ -288,25 +281,28 @@ def _moved(comps: dict[str, _Computation], comp: _Computation, line: str, op: st
     """
     types = [comp.types.get(o, "") for o in operands]
     if op == "dynamic-slice":
-        return [_array_bytes(result)] + [0] * (len(types) - 1), _array_bytes(result)
+        return [array_bytes(result)] + [0] * (len(types) - 1), array_bytes(result)
     if op == "dynamic-update-slice":
-        update = _array_bytes(types[1])
+        update = array_bytes(types[1])
         return [0, update] + [0] * (len(types) - 2), update
     called = _CALLED.search(line) if op == "fusion" else None
     fused = comps.get(called.group("names").split(",")[0].strip().lstrip("%")) if called else None
     if fused is None:
-        return [_array_bytes(t) for t in types], _array_bytes(result)
+        return [array_bytes(t) for t in types], array_bytes(result)
     return _fusion_moved(fused, types, result)
 
 
 def _fusion_moved(fused: _Computation, operand_types: list[str], result: str) -> tuple[list[int], int]:
-    instructions = [(m.group("name"), m.group("op"), _operands(m.group("args")), line.lstrip().startswith("ROOT"))
-                    for line in fused.lines if (m := _INSTRUCTION.match(line))]  # fmt: skip
+    instructions = [
+        (m.group("name"), m.group("op"), _operands(m.group("args")), line.lstrip().startswith("ROOT"))
+        for line in fused.lines
+        if (m := _INSTRUCTION.match(line))
+    ]
     uses: dict[str, list[tuple[str, int, str]]] = {}
     for name, op, operands, _ in instructions:
         for position, operand in enumerate(operands):
             uses.setdefault(operand, []).append((op, position, name))
-    reads = [_array_bytes(t) for t in operand_types]
+    reads = [array_bytes(t) for t in operand_types]
     for name, op, operands, _ in instructions:
         if op != "parameter" or not operands[0].isdigit() or int(operands[0]) >= len(operand_types):
             continue
@@ -314,7 +310,7 @@ def _fusion_moved(fused: _Computation, operand_types: list[str], result: str) ->
         sliced = [user for kind, pos, user in users if kind == "dynamic-slice" and pos == 0]
         in_place = [user for kind, pos, user in users if kind == "dynamic-update-slice" and pos == 0]
         if users and len(sliced) + len(in_place) == len(users):
-            reads[int(operands[0])] = sum(_array_bytes(fused.types[u]) for u in sliced)
+            reads[int(operands[0])] = sum(array_bytes(fused.types[u]) for u in sliced)
     return reads, _written(instructions, fused.types, result)
 
 
@@ -323,13 +319,13 @@ def _written(instructions: list[tuple[str, str, list[str], bool]], types: dict[s
     by_name = {name: (op, operands) for name, op, operands, _ in instructions}
     root = next((name for name, _, _, is_root in instructions if is_root), None)
     if root is None:
-        return _array_bytes(result)
+        return array_bytes(result)
     op, operands = by_name[root]
     outputs = operands if op == "tuple" else [root]
     total = 0
     for out in outputs:
         kind, args = by_name.get(out, ("", []))
-        total += _array_bytes(types.get(args[1], "") if kind == "dynamic-update-slice" else types.get(out, ""))
+        total += array_bytes(types.get(args[1], "") if kind == "dynamic-update-slice" else types.get(out, ""))
     return total
 
 

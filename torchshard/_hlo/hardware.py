@@ -101,8 +101,11 @@ def load_profiles(path: str | Path) -> dict[str, Hardware]:
 
 
 def _profile(row: Mapping[str, Any]) -> Hardware:
-    numbers = {f.name: (int if f.type in ("int", int) else float)(row[f.name])
-               for f in dataclasses.fields(Hardware) if f.name not in ("name", "source")}  # fmt: skip
+    numbers = {
+        f.name: (int if f.type in ("int", int) else float)(row[f.name])
+        for f in dataclasses.fields(Hardware)
+        if f.name not in ("name", "source")
+    }
     return Hardware(name=str(row["name"]), source=str(row.get("source", "user file")), **numbers)  # type: ignore[arg-type]
 
 

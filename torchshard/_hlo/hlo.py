@@ -19,7 +19,7 @@ _BITS = {"pred": 8, "s4": 4, "u4": 4, "s8": 8, "u8": 8, "s16": 16, "u16": 16, "f
 _BITS |= {"s32": 32, "u32": 32, "f32": 32, "s64": 64, "u64": 64, "f64": 64, "c64": 64, "c128": 128}
 _INSTRUCTION = re.compile(r"^\s*(?:ROOT\s+)?%?(?P<name>[\w.\-]+)\s*=\s*(?P<rest>.*)$")
 _OPCODE = re.compile(r"\s*(?P<op>(?:" + "|".join(KINDS) + r")(?:-start|-done)?)\(")
-_ARRAY = re.compile(r"(?P<dtype>[a-z]\w*)\[(?P<dims>[\d,]*)\]")
+_ARRAY = re.compile(r"(?P<dtype>[a-z]\w*)\[(?P<dims>[\d,]*)\]")  # one HLO array type: f32[8,128]
 _COMMENT = re.compile(r"/\*.*?\*/")
 _LIST_GROUPS = re.compile(r"replica_groups=\{(?P<body>(?:\{[\d,]*\},?)*)\}")
 _IOTA_GROUPS = re.compile(r"replica_groups=\[(?P<shape>[\d,]+)\]<=\[(?P<dims>[\d,]+)\](?:T\((?P<perm>[\d,]+)\))?")
@@ -66,10 +66,25 @@ def _ints(text: str) -> list[int]:
     return [int(x) for x in text.split(",") if x]
 
 
+def array_bytes(text: str) -> int:
+    """Bytes of every array type in HLO ``text`` on one device; a dtype not in the table counts 0.
+
+    Examples:
+        >>> array_bytes("(f32[2,4], bf16[8], pred[])")
+        49
+    """
+    arrays = ((m.group("dtype"), _ints(m.group("dims"))) for m in _ARRAY.finditer(text))
+    return sum(math.ceil(_BITS.get(dtype, 0) * math.prod(dims) / 8) for dtype, dims in arrays)
+
+
+def array_dims(text: str) -> list[int]:
+    """The dims of the first array type in HLO ``text`` (``"f32[2,4]"`` → ``[2, 4]``); none: ``[]``."""
+    m = _ARRAY.search(text)
+    return _ints(m.group("dims")) if m else []
+
+
 def _shape_bytes(shape: str) -> tuple[tuple[str, ...], int]:
-    arrays = [(m.group(0), m.group("dtype"), _ints(m.group("dims"))) for m in _ARRAY.finditer(shape)]
-    total = sum(math.ceil(_BITS.get(dtype, 0) * math.prod(dims) / 8) for _, dtype, dims in arrays)
-    return tuple(text for text, _, _ in arrays), total
+    return tuple(m.group(0) for m in _ARRAY.finditer(shape)), array_bytes(shape)
 
 
 def _split_shape(rest: str) -> tuple[str, str]:

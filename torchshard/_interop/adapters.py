@@ -9,18 +9,16 @@ from typing import Any
 import jax
 import torch
 
-from torchshard._base.validate import instance_problems, int_problems, raise_for_arguments
+from torchshard._base.validate import int_problems, raise_for_arguments
 from torchshard._bridge.env import env
 from torchshard._bridge.module_tensors import canonical_names, state_dict_names
 from torchshard._bridge.tensors import unwrap
-from torchshard._ckpt.checkpoint import together
-from torchshard._ckpt.state import Target, export_arrays, model_of, torch_dtypes
-from torchshard._ckpt.stepdir import path_problems
+from torchshard._ckpt.processes import together
+from torchshard._ckpt.state import Target, export_arrays, model_of, target_problems, torch_dtypes
+from torchshard._ckpt.stepdir import PathLike, path_problems
 from torchshard._interop.export import torch_tensor
 from torchshard._interop.safetensors import export_arrays_as, staged_write
-from torchshard._trainer.trainer import Trainer
 
-PathLike = str | os.PathLike[str]
 _PEFT_PREFIX = "base_model.model."
 
 
@@ -28,7 +26,7 @@ def _check_args(path: Any, target: Any, merged: Any, max_shard_bytes: Any) -> to
     problems = path_problems("path", path) + int_problems("max_shard_bytes", max_shard_bytes, minimum=1)
     if not isinstance(merged, bool):  # a string such as "no" would count as true
         problems.append(f"merged must be True or False, got {type(merged).__name__} {merged!r:.40}")
-    problems += instance_problems("target", target, (Trainer, torch.nn.Module), "a Trainer or a sharded module")
+    problems += target_problems(target)
     model = model_of(target) if not problems else None
     if model is not None and not (hasattr(model, "peft_config") and hasattr(model, "save_pretrained")):
         problems.append(

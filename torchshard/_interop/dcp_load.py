@@ -14,14 +14,19 @@ import numpy as np
 import torch
 
 from torchshard._base.errors import CheckpointError, raise_if_any
-from torchshard._base.validate import instance_problems, raise_for_arguments
 from torchshard._bridge.module_tensors import state_dict_names
-from torchshard._ckpt.restore import Destination, load_trainer
+from torchshard._ckpt.restore import Destination, destination, load_trainer
 from torchshard._ckpt.state import Target, model_of, torch_dtypes
-from torchshard._ckpt.stepdir import path_problems
+from torchshard._ckpt.stepdir import PathLike
 from torchshard._interop import dcp_names
-from torchshard._interop.pretrained import _arrays, _Build, _destination, _place, _problems
-from torchshard._interop.renames import Rename, model_names, rename_problems, renamer
+from torchshard._interop.loading import (
+    SliceBuilder,
+    bind,
+    check_load_args,
+    destination_arrays,
+    name_problems,
+)
+from torchshard._interop.renames import Rename, model_names, renamer
 from torchshard._sharding.plan import ShardingPlan
 from torchshard._trainer.trainer import Trainer
 
@@ -29,18 +34,6 @@ if TYPE_CHECKING:  # dcp_io imports torch.distributed.checkpoint: see _read
     from torchshard._interop.dcp_io import BoxReader
 
 _log = logging.getLogger("torchshard")
-PathLike = str | os.PathLike[str]
-
-
-def _check_args(path: Any, target: Any, plan: Any, rename: Any, strict: Any) -> None:
-    problems = path_problems("path", path) + rename_problems(rename)
-    problems += instance_problems("target", target, (Trainer, torch.nn.Module), "a Trainer or a torch.nn.Module")
-    if plan is not None:
-        problems += instance_problems("plan", plan, ShardingPlan, "a ShardingPlan from torchshard.plan()")
-    if plan is not None and isinstance(target, Trainer):
-        problems.append("plan= is for modules; a Trainer loads onto its own plan")
-    problems += instance_problems("strict", strict, bool, "True or False")
-    raise_for_arguments(problems, header="invalid load_dcp() arguments")
 
 
 def _sources(entries: list[str], expected: list[str], rename: Rename | None) -> tuple[dict[str, str], list[str]]:
@@ -156,7 +149,7 @@ class _Optimizer:
         if any((n, field) not in self.entries for n in layers):
             return None  # strict=False: it keeps optimizer.init's values
         names = {n: self.entries[(n, field)] for n in layers}
-        build = _Build(reader, names, {n: dtypes[n] for n in layers})  # type: ignore[arg-type]
+        build = SliceBuilder(reader, names, {n: dtypes[n] for n in layers})  # type: ignore[arg-type]
         indices: list[Any] = list(like.sharding.addressable_devices_indices_map(tuple(like.shape)).values())
         stacked = slot.param in self.dest.stacks
         for name in names.values():
@@ -193,7 +186,7 @@ def _read(root: pathlib.Path, target: Target, dest: Destination, *, rename: Rena
     reader = BoxReader(root, metadata, stored_tensors(root, metadata))
     entries = dcp_names.split(reader.tensors)
     sources, problems = _sources(entries.model, expected, rename)
-    chosen, found = _problems(expected, dest, sources, reader, dtypes, strict=strict)  # type: ignore[arg-type]
+    chosen, found = name_problems(expected, dest, sources, reader, dtypes, strict=strict)  # type: ignore[arg-type]
     optimizer = _Optimizer(target, dest, entries.optimizer, rename) if isinstance(target, Trainer) else None
     if optimizer is not None and entries.optimizer:
         found += optimizer.problems(reader, strict=strict)
@@ -205,8 +198,8 @@ def _read(root: pathlib.Path, target: Target, dest: Destination, *, rename: Rena
     )
     _log_skipped(entries, [n for n in metadata.state_dict_metadata if n not in reader.tensors], target, root)
     _plan_reads(reader, dest, chosen, sources)
-    build = _Build(reader, sources, dtypes)  # type: ignore[arg-type]
-    arrays = _arrays(target, dest, chosen, build)
+    build = SliceBuilder(reader, sources, dtypes)  # type: ignore[arg-type]
+    arrays = destination_arrays(target, dest, chosen, build)
     raise_if_any(build.problems, header="checkpoint values JAX cannot hold")
     return arrays, optimizer if entries.optimizer else None, reader, dtypes
 
@@ -263,12 +256,12 @@ def load_dcp(
         >>> torch.equal(ts.to_torch_state_dict(model)["weight"], source.weight.detach())
         True
     """
-    _check_args(path, target, plan, rename, strict)
+    check_load_args("load_dcp", path, target, plan, rename, strict)
     root = pathlib.Path(os.path.abspath(path))
-    dest = _destination(target, plan)
+    dest = destination(target, plan)
     arrays, optimizer, reader, dtypes = _read(root, target, dest, rename=rename, strict=strict)
     if optimizer is None:
-        _place(target, dest, arrays, plan)
+        bind(target, dest, arrays, plan)
     else:
         assert isinstance(target, Trainer)
         params = {k: arrays[k] for k in target.state.params}

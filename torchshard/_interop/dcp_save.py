@@ -12,12 +12,12 @@ import numpy as np
 import torch
 
 from torchshard._base.errors import CheckpointError
-from torchshard._base.validate import instance_problems, raise_for_arguments
+from torchshard._base.validate import raise_for_arguments
 from torchshard._bridge.module_tensors import canonical_names, custom_state_dict, state_dict_names
 from torchshard._bridge.tensors import to_torch
-from torchshard._ckpt.checkpoint import primary, together
-from torchshard._ckpt.state import Target, export_arrays, model_of, torch_dtypes
-from torchshard._ckpt.stepdir import TMP, commit, discard, path_problems, settle, write_failure
+from torchshard._ckpt.processes import primary, together
+from torchshard._ckpt.state import Target, export_arrays, model_of, target_problems, torch_dtypes
+from torchshard._ckpt.stepdir import TMP, PathLike, commit, discard, path_problems, settle, write_failure
 from torchshard._interop import dcp_names
 from torchshard._interop.safetensors_files import normalized
 from torchshard._multihost.agree import gathered
@@ -26,12 +26,10 @@ from torchshard._trainer.trainer import Trainer
 if TYPE_CHECKING:  # dcp_io imports torch.distributed.checkpoint: see _write
     from torchshard._interop.dcp_io import Chunk
 
-PathLike = str | os.PathLike[str]
-
 
 def _check_args(path: Any, target: Any) -> None:
     problems = path_problems("path", path)
-    problems += instance_problems("target", target, (Trainer, torch.nn.Module), "a Trainer or a sharded module")
+    problems += target_problems(target)
     if isinstance(target, torch.nn.Module) and custom_state_dict(target):
         problems.append(
             f"{type(target).__name__} changes its state_dict with hooks; save_dcp writes the tensors "

@@ -16,7 +16,7 @@ from torchshard._base.validate import instance_problems, mismatch_problems, rais
 from torchshard._bridge.module_tensors import canonical_names, custom_state_dict, named_tensors, state_dict_names
 from torchshard._bridge.tensors import bound, to_torch
 from torchshard._ckpt.restore import Destination, plan_destination
-from torchshard._ckpt.state import Target, export_arrays, model_of, torch_dtypes
+from torchshard._ckpt.state import Target, export_arrays, model_of, target_problems, torch_dtypes
 from torchshard._sharding.placement import assign, put, range_problems
 from torchshard._sharding.plan import ShardingPlan
 from torchshard._trainer.trainer import Trainer
@@ -78,7 +78,7 @@ def to_torch_state_dict(target: Target) -> dict[str, torch.Tensor]:
         >>> all(torch.equal(state[k], expected[k]) for k in expected)
         True
     """
-    problems = instance_problems("target", target, (Trainer, torch.nn.Module), "a Trainer or a sharded module")
+    problems = target_problems(target)
     raise_for_arguments(problems, header="invalid to_torch_state_dict() arguments")
     return torch_state_dict(target, doing="to_torch_state_dict()")
 

@@ -78,8 +78,10 @@ def _at(index: tuple[slice, ...], dim: int, span: slice) -> tuple[slice, ...]:
 
 
 Node = Leaf | Stack | Cat
-_UNKNOWN = ("transformers converts it with {op!r}, which load_safetensors does not implement; load it with "
-            "from_pretrained, or save it in the model's own names (save_safetensors) and load that")  # fmt: skip
+_UNKNOWN = (
+    "transformers converts it with {op!r}, which load_safetensors does not implement; load it with "
+    "from_pretrained, or save it in the model's own names (save_safetensors) and load that"
+)
 
 
 @dataclasses.dataclass(frozen=True)

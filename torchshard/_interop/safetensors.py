@@ -14,17 +14,15 @@ from typing import Any
 
 import torch
 
-from torchshard._base.validate import instance_problems, int_problems, raise_for_arguments
+from torchshard._base.validate import int_problems, raise_for_arguments
 from torchshard._bridge.module_tensors import canonical_names, custom_state_dict, state_dict_names
-from torchshard._ckpt.checkpoint import primary, together
-from torchshard._ckpt.state import Target, export_arrays, model_of, torch_dtypes
-from torchshard._ckpt.stepdir import TMP, commit, discard, path_problems, settle, write_failure
+from torchshard._ckpt.processes import primary, together
+from torchshard._ckpt.state import Target, export_arrays, model_of, target_problems, torch_dtypes
+from torchshard._ckpt.stepdir import TMP, PathLike, commit, discard, path_problems, settle, write_failure
 from torchshard._interop.export import torch_state_dict, torch_tensor
-from torchshard._trainer.trainer import Trainer
 
 _INDEX = "model.safetensors.index.json"
 _SHARD_FILE = re.compile(r"model-\d{5}-of-\d{5}\.safetensors")
-PathLike = str | os.PathLike[str]
 
 
 def _shards(sizes: Mapping[str, int], max_bytes: int) -> list[list[str]]:
@@ -46,7 +44,7 @@ def _shard_name(index: int, count: int) -> str:
 
 def _check_args(path: Any, target: Any, max_shard_bytes: Any) -> None:
     problems = path_problems("path", path)
-    problems += instance_problems("target", target, (Trainer, torch.nn.Module), "a Trainer or a sharded module")
+    problems += target_problems(target)
     problems += int_problems("max_shard_bytes", max_shard_bytes, minimum=1)
     raise_for_arguments(problems, header="invalid save_safetensors() arguments")
 

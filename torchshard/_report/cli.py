@@ -15,7 +15,7 @@ from typing import Any
 
 import torch
 
-from torchshard._base.errors import ShardingError, UnusedRuleWarning
+from torchshard._base.errors import ArgumentError, ShardingError, UnusedRuleWarning
 from torchshard._base.format import columns, fmt_bytes, fmt_shape
 from torchshard._presets.hf import hf_rules
 from torchshard._presets.hf_plan import from_hf_tp_plan
@@ -33,7 +33,7 @@ from torchshard._report.fit import (
 from torchshard._report.memory import training_memory
 from torchshard._report.usage import UsageError
 from torchshard._report.visualize import replicated_over, visualize_plan
-from torchshard._sharding.mesh import make_mesh
+from torchshard._sharding.mesh import make_mesh, parse_axes
 from torchshard._sharding.plan import ShardingPlan, plan
 from torchshard._sharding.rules import Rules
 
@@ -52,16 +52,11 @@ PRESETS = tuple(PRESET_HELP)
 
 
 def parse_mesh(text: str) -> dict[str, int]:
-    """``"data=8,model=8"`` → ``{"data": 8, "model": 8}`` (order kept; ``-1`` allowed)."""
-    axes: dict[str, int] = {}
-    for part in filter(None, text.split(",")):
-        name, sep, size = part.partition("=")
-        if not sep or not name.strip() or not size.strip().lstrip("-").isdigit() or name.strip() in axes:
-            raise UsageError(f"--mesh {text!r}: write axis=size pairs with distinct names, e.g. data=8,model=8")
-        axes[name.strip()] = int(size)
-    if not axes:
-        raise UsageError("--mesh is empty; write e.g. data=8,model=8")
-    return axes
+    """``--mesh``: ``"data=8,model=8"`` → ``{"data": 8, "model": 8}`` (order kept; ``-1`` allowed), as `parse_axes`."""
+    try:
+        return parse_axes(text)
+    except ArgumentError as err:
+        raise UsageError(f"--mesh {text!r}: {err}") from None
 
 
 def load_factory(target: str) -> Callable[[], torch.nn.Module]:
@@ -99,9 +94,6 @@ def build_mesh(axes: dict[str, int]) -> tuple[Any, bool]:
     if -1 in axes.values() or 0 < size <= jax.device_count():
         devices = None if -1 in axes.values() else jax.devices()[:size]
         return make_mesh(axes, devices=devices), False
-    bad = [f"{name}={n}" for name, n in axes.items() if n < 1]
-    if bad:
-        raise ShardingError(f"mesh {axes}: sizes must be positive, got {', '.join(bad)}")
     return AbstractMesh(tuple(axes.values()), tuple(axes), axis_types=(AxisType.Auto,) * len(axes)), True
 
 

@@ -89,11 +89,22 @@ class CollectiveStats:
         for op, n in sorted(self._select_runs(None, None), key=lambda o: KINDS.index(o[0].kind)):
             rows.setdefault((op.kind, op.over), []).append((op, n))
         head = ("collective", "over", "count", "bytes/device", "runs/step", "bytes/step")
-        body = [(k, over, str(len(ops)), fmt_bytes(sum(o.bytes for o, _ in ops)), str(sum(n for _, n in ops)),
-                 fmt_bytes(sum(o.bytes * n for o, n in ops))) for (k, over), ops in rows.items()]  # fmt: skip
+        body = [
+            (
+                k,
+                over,
+                str(len(ops)),
+                fmt_bytes(sum(o.bytes for o, _ in ops)),
+                str(sum(n for _, n in ops)),
+                fmt_bytes(sum(o.bytes * n for o, n in ops)),
+            )
+            for (k, over), ops in rows.items()
+        ]
         where = f" on {describe_mesh(self.mesh)}" if self.mesh is not None else ""
-        foot = (f"{len(self.ops)} collective(s){where}, {fmt_bytes(self.nbytes())} per device, "
-                f"{fmt_bytes(self.step_bytes())} per step")  # fmt: skip
+        foot = (
+            f"{len(self.ops)} collective(s){where}, {fmt_bytes(self.nbytes())} per device, "
+            f"{fmt_bytes(self.step_bytes())} per step"
+        )
         return table(head, body, foot)
 
     def __str__(self) -> str:

@@ -4,11 +4,10 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from collections.abc import Iterable, Mapping
 
 import torch
 
-from torchshard._sharding.plan import PlanEntry, ShardingPlan
+from torchshard._sharding.plan import PlanEntry, ShardingPlan, fullest_device_bytes
 
 
 @dataclasses.dataclass(frozen=True)
@@ -42,14 +41,6 @@ def _stored(entry: PlanEntry, param_dtype: torch.dtype | None) -> torch.dtype:
     return param_dtype
 
 
-def _fullest(entries: Iterable[PlanEntry], sizes: Mapping[str, int]) -> int:
-    """``sizes`` summed as a device holds ``entries``: those on every device plus the fullest pipeline stage's."""
-    per_stage: dict[int | None, int] = {}
-    for e in entries:
-        per_stage[e.stage] = per_stage.get(e.stage, 0) + sizes[e.name]
-    return per_stage.pop(None, 0) + max(per_stage.values(), default=0)
-
-
 def training_memory(plan: ShardingPlan, model: torch.nn.Module, *, param_dtype: torch.dtype | None = None) -> Memory:
     """Per-device training memory implied by ``plan`` (activations not included).
 
@@ -70,7 +61,9 @@ def training_memory(plan: ShardingPlan, model: torch.nn.Module, *, param_dtype: 
     size = lambda e, n: n * _stored(e, param_dtype).itemsize  # noqa: E731
     per_device = {e.name: size(e, math.prod(e.shard_shape)) for e in entries}
     whole = {e.name: size(e, math.prod(e.shape)) for e in entries}
-    params = _fullest((e for e in entries if e.kind == "param"), per_device)
-    grads = _fullest((e for e in entries if e.kind == "param" and e.name in trainable), per_device)
-    unsharded_grads = sum(whole[e.name] for e in entries if e.kind == "param" and e.name in trainable)
-    return Memory(params, grads, 2 * grads, plan.bytes_per_device("buffer"), sum(whole.values()) + 3 * unsharded_grads)
+    params = [e for e in entries if e.kind == "param"]
+    trained = [e for e in params if e.name in trainable]
+    held = lambda e: per_device[e.name]  # noqa: E731
+    grads, unsharded_grads = fullest_device_bytes(trained, held), sum(whole[e.name] for e in trained)
+    unsharded = sum(whole.values()) + 3 * unsharded_grads
+    return Memory(fullest_device_bytes(params, held), grads, 2 * grads, plan.bytes_per_device("buffer"), unsharded)

@@ -165,8 +165,13 @@ def _base(group: list[SearchLayout], options: dict[str, Any]) -> SearchLayout:
     remat, precision = _first(options["remat"], "nothing_saveable"), _first(options["precision"], "bf16")
 
     def prefer(lay: SearchLayout) -> tuple[bool, bool, bool, int, bool]:
-        return (lay.remat != remat, not lay.scan, lay.precision != precision, lay.microbatches,
-                lay.schedule != leanest(lay, options.get("schedules", ())))  # fmt: skip
+        return (
+            lay.remat != remat,
+            not lay.scan,
+            lay.precision != precision,
+            lay.microbatches,
+            lay.schedule != leanest(lay, options.get("schedules", ())),
+        )
 
     return min(group, key=prefer)
 
@@ -351,8 +356,13 @@ def search(
     bad = [s for s in schedules if s not in allowed]
     if bad or not schedules:
         raise ArgumentError(f"search: schedules={list(schedules)!r}: choose one or more of {list(allowed)}")
-    options = {"microbatches": microbatches, "remat": remat, "scan": scan, "precision": precision,
-               "schedules": tuple(schedules)}  # fmt: skip
+    options = {
+        "microbatches": microbatches,
+        "remat": remat,
+        "scan": scan,
+        "precision": precision,
+        "schedules": tuple(schedules),
+    }
     return run_search(problem, options, max_compiles=max_compiles, refine_meshes=refine_meshes, progress=progress)
 
 

@@ -85,8 +85,9 @@ def at_depth(model: torch.nn.Module, layers: int) -> torch.nn.Module:
 def _rules(model: torch.nn.Module, layout: SearchLayout) -> Any:
     tp = MODEL if layout.degree(MODEL) > 1 else None
     if getattr(model, "config", None) is not None:
-        placed: dict[str, Any] = {a.plan_keyword: a.name for a in strategy_axes()
-                                  if a.plan_keyword and layout.degree(a.name) > 1}  # fmt: skip
+        placed: dict[str, Any] = {
+            a.plan_keyword: a.name for a in strategy_axes() if a.plan_keyword and layout.degree(a.name) > 1
+        }
         return hf_rules(model, axis=tp, fsdp_axis=DATA, **placed)
     return (common_tensor_parallel(axis=MODEL) + fsdp(DATA)) if tp else fsdp(DATA)
 

@@ -54,8 +54,13 @@ def leanest(layout: SearchLayout, choices: Sequence[str]) -> str | None:
     """Of ``choices``, the variant holding the fewest micro-batches' activations on ``layout`` (`SearchAxis.holds`)."""
     if layout.schedule is None:
         return None
-    held = [(a.holds(v, layout.degree(a.name), layout.microbatches), v) for a in strategy_axes() if a.holds
-            for v in choices if layout.degree(a.name) > 1]  # fmt: skip
+    held = [
+        (a.holds(v, layout.degree(a.name), layout.microbatches), v)
+        for a in strategy_axes()
+        if a.holds
+        for v in choices
+        if layout.degree(a.name) > 1
+    ]
     return min(held)[1] if held else layout.schedule
 
 
@@ -208,8 +213,13 @@ def layouts(
             m = k * stages if stages > 1 else k
             if batch_problem(axes, rows, m):
                 continue
-            for r, sc, p, s in ((r, sc, p, s) for r in remat for sc in scan for p in precision
-                                for s in (schedules if varied else (None,))):  # fmt: skip
+            for r, sc, p, s in (
+                (r, sc, p, s)
+                for r in remat
+                for sc in scan
+                for p in precision
+                for s in (schedules if varied else (None,))
+            ):
                 if scanned and not sc:
                     continue  # a pipeline stacks its layers: its program is the scanned one
                 result.append(SearchLayout(tuple((a, axes[a]) for a in mesh_axes()), m, r, sc, p, s))
@@ -244,9 +254,12 @@ def _other_devices(devices: int, dims: ModelDims, batch: tuple[int, int], microb
 
 def _no_batch(rows: int, found: list[dict[str, int]], microbatches: Sequence[int]) -> str:
     splits = sorted(
-        {math.prod(a[r] for r in row_axes(a)) * (k * micro_degree(a) if micro_degree(a) > 1 else k)
-         for a in found for k in microbatches}
-    )  # fmt: skip
+        {
+            math.prod(a[r] for r in row_axes(a)) * (k * micro_degree(a) if micro_degree(a) > 1 else k)
+            for a in found
+            for k in microbatches
+        }
+    )
     near = sorted({math.ceil(rows / s) * s for s in splits} | {rows // s * s for s in splits if rows >= s} - {0})
     closest = sorted(near, key=lambda n: (abs(n - rows), n))[:4]
     return (
@@ -263,8 +276,9 @@ def analytic_seconds(
     traffic (`SearchAxis.traffic`: the context ring's keys, a pipeline's hops)."""
     tokens = batch[0] * batch[1]
     recompute = {None: 1.0, "nothing_saveable": 4 / 3}.get(layout.remat, 1.1)
-    if layout.remat is None and any(a.recomputes and layout.schedule and a.recomputes(layout.schedule)
-                                    for a in strategy_axes()):  # fmt: skip
+    if layout.remat is None and any(
+        a.recomputes and layout.schedule and a.recomputes(layout.schedule) for a in strategy_axes()
+    ):
         recompute = 4 / 3  # a schedule that replays each layer's forward in its backward (1f1b_remat)
     flops = 6 * params * tokens * recompute / math.prod(layout.axes.values())
     axes = strategy_axes()
@@ -272,8 +286,12 @@ def analytic_seconds(
     width = precision_width(layout.precision)
     local = width * tokens / math.prod(layout.degree(a) for a in _split_batch(layout))
     layers = (dims.layers or 1) / micro_degree(layout.axes)
-    weights = 3 * width * params / math.prod([layout.degree(MODEL), *(layout.degree(a.name) for a in axes
-                                                                       if a.splits_weights)])  # fmt: skip
+    weights = (
+        3
+        * width
+        * params
+        / math.prod([layout.degree(MODEL), *(layout.degree(a.name) for a in axes if a.splits_weights)])
+    )
     fsdp = weights * (layout.degree(DATA) - 1) / layout.degree(DATA)
     tp = 8 * layers * local * (dims.hidden or 0) * (layout.degree(MODEL) - 1) / layout.degree(MODEL)
     own = sum(a.traffic(layout, dims, local, layers) for a in axes)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 import os
+import re
 from collections.abc import Mapping, Sequence
 
 import jax
@@ -112,6 +113,41 @@ def _checked_devices(devices: Sequence[jax.Device]) -> list[jax.Device]:
         problems.append(f"devices {twice} are listed more than once; each device may appear once in a mesh")
     raise_for_arguments(problems, header="invalid make_mesh(devices=...)")
     return flat
+
+
+AXES_FIX = "write axis=size pairs with distinct names, each size a positive int or -1, e.g. data=8,model=8"
+
+
+def parse_axes(text: str) -> dict[str, int]:
+    """Mesh axes written as text, as ``--mesh`` and lm_eval's ``mesh=`` take them, in mesh order.
+
+    Every comma-separated part is ``name=size`` with a distinct, non-empty name and a size that is
+    a positive int or ``-1`` (the devices left); an empty part is a mistake, not skipped.
+
+    Args:
+        text: e.g. ``"data=4,model=2"``.
+
+    Returns:
+        Axis name → size, the ``axes`` of `make_mesh`.
+
+    Raises:
+        ArgumentError: the text is not such a list; the message is `AXES_FIX` (the caller names its argument).
+
+    Examples:
+        >>> parse_axes("data=-1, model=2")
+        {'data': -1, 'model': 2}
+        >>> parse_axes("data=4,,model=2")
+        Traceback (most recent call last):
+        ...
+        torchshard._base.errors.ArgumentError: write axis=size pairs with distinct names, each size a positive ...
+    """
+    axes: dict[str, int] = {}
+    for part in text.split(","):
+        name, sep, size = (x.strip() for x in part.partition("="))
+        if not sep or not name or name in axes or not re.fullmatch(r"-1|0*[1-9][0-9]*", size):
+            raise ArgumentError(AXES_FIX)
+        axes[name] = int(size)
+    return axes
 
 
 def make_mesh(axes: Mapping[str, int], devices: Sequence[jax.Device] | None = None) -> Mesh:

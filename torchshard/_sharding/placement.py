@@ -10,16 +10,13 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import torch
-from jax.sharding import AbstractMesh, Mesh, NamedSharding, PartitionSpec
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from torchshard._base.errors import ShardingError, raise_if_any
-from torchshard._base.specs import SPEC_HINT, SpecLike, parse_spec
+from torchshard._base.errors import raise_if_any
 from torchshard._base.validate import (
-    describe_mesh,
     instance_problems,
     mismatch_problems,
     raise_for_arguments,
-    spec_problems,
 )
 from torchshard._bridge.layer_view import LayerView
 from torchshard._bridge.module_tensors import model_tensors, named_tensors, set_tensor
@@ -279,127 +276,3 @@ def check_model_and_plan(model: Any, plan: Any, *, doing: str) -> None:
     raise_for_arguments(problems, header=f"invalid {doing} arguments")
     header = f"plan does not fit {type(model).__name__}; re-run plan() on this model after changing it"
     raise_if_any(match_problems(model, plan), header=header)
-
-
-def batch_leaf_spec(leaf: Any, spec: PartitionSpec) -> PartitionSpec:
-    """``spec`` for batch leaves of at least its rank; lower-rank leaves (scalars) are replicated."""
-    return spec if len(getattr(leaf, "shape", ())) >= len(spec) else PartitionSpec()
-
-
-def shard_batch(batch: Any, mesh: Mesh, spec: SpecLike = ("data",)) -> Any:
-    """Places every tensor of ``batch`` on ``mesh`` (leading dim over ``"data"`` by default), for inference.
-
-    Args:
-        batch: a pytree (tensor, tuple, dict...) of CPU torch tensors, torchax tensors or arrays.
-        mesh: the device mesh.
-        spec: the spec of each leaf; leaves of lower rank are replicated.
-
-    Returns:
-        The same pytree of torchax tensors, ready for ``model(...)`` inside ``torchax.default_env()``.
-
-    Raises:
-        ArgumentError: ``spec`` is not a spec, ``mesh`` not a mesh, or a leaf is not an array
-            with values (a str, a Python number, a meta tensor).
-        ShardingError: every leaf whose sharded dims do not divide by the mesh axes, or whose
-            int64 values 32 bits cannot hold.
-
-    Examples:
-        >>> mesh = ts.make_mesh({"data": 8})
-        >>> model = ts.shard(torch.nn.Linear(16, 4), ts.plan(torch.nn.Linear(16, 4), mesh))
-        >>> x = shard_batch(torch.randn(64, 16), mesh)
-        >>> import torchax
-        >>> with torchax.default_env():
-        ...     logits = model(x)
-        >>> logits.shape, logits.jax().sharding.spec
-        (torch.Size([64, 4]), P('data',))
-    """
-    problems = instance_problems("mesh", mesh, Mesh, "a jax Mesh, e.g. make_mesh({'data': 8})")
-    made = parse_spec(spec)
-    problems += [] if made is not None else [f"spec={spec!r} is not {SPEC_HINT}"]
-    leaves = jax.tree.leaves(batch)
-    problems += [p for i, leaf in enumerate(leaves) for p in leaf_problems(f"batch leaf #{i}", leaf)]
-    raise_for_arguments(problems, header="invalid shard_batch() arguments")
-    assert made is not None
-    problems = [
-        p
-        for i, leaf in enumerate(leaves)
-        for p in spec_problems(f"batch leaf #{i}", leaf.shape, batch_leaf_spec(leaf, made), mesh)
-    ]
-    problems += [p for i, leaf in enumerate(leaves) for p in range_problems(f"batch leaf #{i}", leaf)]
-    raise_if_any(problems, header=f"batch does not fit {made} on {describe_mesh(mesh)}")
-    return jax.tree.map(lambda x: wrap(put(x, NamedSharding(mesh, batch_leaf_spec(x, made)))), batch)
-
-
-def leaf_problems(name: str, leaf: Any) -> list[str]:
-    """A batch leaf must be an array with values: a torch tensor (not on meta), a numpy or a jax array.
-
-    Examples:
-        >>> leaf_problems("batch leaf #0", "abc")
-        ['batch leaf #0 is a str; pass torch tensors, numpy or jax arrays (e.g. torch.tensor(...))']
-    """
-    if isinstance(leaf, torch.Tensor) and leaf.device.type == "meta":
-        return [f"{name} {tuple(leaf.shape)} is on the meta device (no values); pass a tensor with data"]
-    if isinstance(leaf, torch.Tensor | np.ndarray | jax.Array):
-        return []
-    return [f"{name} is a {type(leaf).__name__}; pass torch tensors, numpy or jax arrays (e.g. torch.tensor(...))"]
-
-
-def _ambient_mesh(mesh: Mesh | None, *, tracing: bool) -> Mesh | AbstractMesh:
-    if mesh is not None:
-        return mesh
-    # under jit only the abstract mesh may be read (it is all with_sharding_constraint needs);
-    # an eager transfer needs the concrete one
-    found = jax.sharding.get_abstract_mesh() if tracing else jax.sharding.get_mesh()
-    if found is None or not found.shape:
-        raise ShardingError(
-            "constrain() needs a mesh: pass mesh=, or call it inside Trainer.step / `with jax.set_mesh(mesh):`."
-        )
-    return found
-
-
-def constrain(tensor: torch.Tensor, spec: SpecLike, mesh: Mesh | None = None) -> torch.Tensor:
-    """Constrains an activation's sharding inside ``forward`` (a constraint under jit, a transfer eagerly).
-
-    Args:
-        tensor: a torchax tensor; a plain torch tensor is returned unchanged, so the same
-            ``forward`` still runs in eager, unsharded torch.
-        spec: ``PartitionSpec`` or tuple of axis names / None, e.g. ``("data", None)``.
-        mesh: defaults to the mesh the Trainer traces under or ``jax.set_mesh``'s.
-
-    Returns:
-        The tensor with the requested sharding.
-
-    Raises:
-        ArgumentError: ``mesh`` is not a mesh.
-        ShardingError: no mesh is known, or the spec does not fit the tensor.
-
-    Examples:
-        >>> h = torch.ones(8, 4)
-        >>> constrain(h, ("data", None)) is h  # plain torch: unchanged, so forward still runs eagerly
-        True
-    """
-    if mesh is not None:
-        problems = instance_problems("mesh", mesh, (Mesh, AbstractMesh), "a jax Mesh, e.g. make_mesh({'data': 8})")
-        raise_for_arguments(problems, header="invalid constrain() arguments")
-    if not is_jax_tensor(tensor):
-        return tensor
-    where = _ambient_mesh(mesh, tracing=isinstance(unwrap(tensor), jax.core.Tracer))
-    made = parse_spec(spec)
-    if made is None:
-        raise ShardingError(
-            f"constrain(): spec {spec!r} for activation {tuple(tensor.shape)} on {describe_mesh(where)} is not a "
-            f"PartitionSpec or a tuple of axis names / None; write e.g. ('data', None)"
-        )
-    raise_if_any(spec_problems("activation", tuple(tensor.shape), made, where), header="constrain()")
-    return wrap(put(tensor, NamedSharding(where, made)))
-
-
-def spec_of(tensor: torch.Tensor) -> PartitionSpec | None:
-    """The ``PartitionSpec`` of a placed tensor (None if it is not a NamedSharding).
-
-    Examples:
-        >>> spec_of(torch.zeros(2)) is None
-        True
-    """
-    sharding = unwrap(tensor).sharding if is_jax_tensor(tensor) else None
-    return sharding.spec if isinstance(sharding, NamedSharding) else None

@@ -5,7 +5,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import warnings
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from typing import Any, Literal
 
 import torch
@@ -50,6 +50,18 @@ class PlanEntry:
     @property
     def total_bytes(self) -> int:
         return math.prod(self.shape) * self.dtype.itemsize
+
+
+def fullest_device_bytes(entries: Iterable[PlanEntry], size: Callable[[PlanEntry], int]) -> int:
+    """``size`` summed as the fullest device holds ``entries``: those on every device plus the fullest stage's.
+
+    A pipelined Trainer's layers live on their stage's devices alone (`PlanEntry.stage`), so a device holds the
+    tensors without a stage and those of one stage; the largest such sum is what must fit.
+    """
+    per_stage: dict[int | None, int] = {}
+    for e in entries:
+        per_stage[e.stage] = per_stage.get(e.stage, 0) + size(e)
+    return per_stage.pop(None, 0) + max(per_stage.values(), default=0)
 
 
 class ShardingPlan(Mapping[str, NamedSharding]):
@@ -104,11 +116,7 @@ class ShardingPlan(Mapping[str, NamedSharding]):
     def bytes_per_device(self, kind: Kind | None = None) -> int:
         """Bytes each device holds for this plan's tensors (tied tensors counted once; the fullest pipeline stage's)."""
         entries = [e for e in self.unique_entries() if kind in (None, e.kind)]
-        per_stage: dict[int | None, int] = {}
-        for e in entries:
-            per_stage[e.stage] = per_stage.get(e.stage, 0) + e.bytes_per_device
-        everywhere = per_stage.pop(None, 0)
-        return everywhere + max(per_stage.values(), default=0)
+        return fullest_device_bytes(entries, lambda e: e.bytes_per_device)
 
     def with_stages(self, stages: Mapping[str, int]) -> ShardingPlan:
         """This plan with the pipeline stage that holds each named tensor (a pipelined Trainer's ``plan``)."""

@@ -9,7 +9,8 @@ from typing import Any
 import jax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from torchshard._sharding.placement import batch_leaf_spec, put
+from torchshard._sharding.batch import batch_leaf_spec
+from torchshard._sharding.placement import put
 
 
 @dataclasses.dataclass(frozen=True)

@@ -99,8 +99,9 @@ def causal_lm_loss(
         hidden, shift = hidden.reshape(-1, hidden.shape[-1]), shift.reshape(-1)
     # the head's own operands: under autocast (or mixed dtypes, which torchax promotes) F.linear cast them so
     hidden, weight = hidden.to(logits_dtype), weight.to(logits_dtype)
-    loss = head_loss(hidden, weight, shift, ignore_index=ignore_index,
-                     reduction="mean" if items is None else "sum", float32_out=True)  # fmt: skip
+    loss = head_loss(
+        hidden, weight, shift, ignore_index=ignore_index, reduction="mean" if items is None else "sum", float32_out=True
+    )
     return loss if items is None else loss / items
 
 
@@ -185,8 +186,9 @@ def bind(fused: Any, setting: Setting) -> Bound:
         ArgumentError: ``fused`` is not a bool.
     """
     if fused is not None and not isinstance(fused, bool):
-        raise_for_arguments([f"fused_loss must be True or False, got {fused!r:.40}"],
-                            header="invalid Trainer arguments")  # fmt: skip
+        raise_for_arguments(
+            [f"fused_loss must be True or False, got {fused!r:.40}"], header="invalid Trainer arguments"
+        )
     if fused is False:
         return Bound(option=False)
     return FusedLoss(option=True, model=setting.model)

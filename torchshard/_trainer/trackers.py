@@ -290,5 +290,6 @@ def tracker_problems(trackers: Any) -> list[str]:
         if not (callable(getattr(tracker, "log", None)) and callable(getattr(tracker, "close", None)))
     ]
     # their keywords again, as they stand now: a run that would fail at the first logged step fails here
-    return problems + [f"trackers[{i}]: {p}" for i, t in enumerate(trackers) if isinstance(t, WandB | Trackio)
-                       for p in t.problems()]  # fmt: skip
+    return problems + [
+        f"trackers[{i}]: {p}" for i, t in enumerate(trackers) if isinstance(t, WandB | Trackio) for p in t.problems()
+    ]

@@ -27,8 +27,9 @@ def _ints(dims: Any) -> Any:
     return int(dims)
 
 
-def _impl(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array, *, ragged_dot_dimension_numbers: Any,
-          **params: Any) -> jax.Array:  # fmt: skip
+def _impl(
+    lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array, *, ragged_dot_dimension_numbers: Any, **params: Any
+) -> jax.Array:
     numbers = ragged_dot_dimension_numbers
     fixed = jax.lax.RaggedDotDimensionNumbers(
         dot_dimension_numbers=_ints(numbers.dot_dimension_numbers),

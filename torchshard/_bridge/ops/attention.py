@@ -75,8 +75,16 @@ ATTENTION_OPS = (torch.nn.functional.scaled_dot_product_attention, torch.ops.ate
 
 def _call(query, key, value, attn_mask, dropout_p, is_causal) -> kernels.Call:
     mask = None if attn_mask is None else "bool" if attn_mask.dtype == torch.bool else "float"
-    return kernels.Call(current_module(), tuple(query.shape), tuple(key.shape), tuple(value.shape),
-                        np.dtype(_jax_dtype(query.dtype)), mask, bool(is_causal), dropout_p > 0)  # fmt: skip
+    return kernels.Call(
+        current_module(),
+        tuple(query.shape),
+        tuple(key.shape),
+        tuple(value.shape),
+        np.dtype(_jax_dtype(query.dtype)),
+        mask,
+        bool(is_causal),
+        dropout_p > 0,
+    )
 
 
 _DTYPES = {torch.bfloat16: jnp.bfloat16, torch.float16: jnp.float16, torch.float32: jnp.float32}

@@ -202,8 +202,11 @@ def _on_jax(t: torch.Tensor) -> bool:
 
 def _problems(hidden: Any, weight: Any, labels: Any, ignore_index: Any, chunk_tokens: Any, reduction: Any):
     named = {"hidden": hidden, "weight": weight, "labels": labels}
-    problems = [f"{k} must be a torch tensor, got {type(v).__name__}" for k, v in named.items()
-                if not isinstance(v, torch.Tensor)]  # fmt: skip
+    problems = [
+        f"{k} must be a torch tensor, got {type(v).__name__}"
+        for k, v in named.items()
+        if not isinstance(v, torch.Tensor)
+    ]
     problems += int_problems("chunk_tokens", chunk_tokens, minimum=1, none="chunks of the default size")
     if not isinstance(ignore_index, int) or isinstance(ignore_index, bool):
         problems.append(f"ignore_index={ignore_index!r} must be an int (the label of tokens to leave out)")
@@ -223,11 +226,15 @@ def _shape_problems(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Te
     if weight.ndim != 2:
         problems.append(f"weight must be the head's [vocab, hidden] matrix, got shape {tuple(weight.shape)}")
     elif hidden.ndim < 1 or hidden.shape[-1] != weight.shape[1]:
-        problems.append(f"hidden {tuple(hidden.shape)} must end in the weight's hidden size {weight.shape[1]} "
-                        f"(weight {tuple(weight.shape)} is [vocab, hidden], as nn.Linear keeps it)")  # fmt: skip
+        problems.append(
+            f"hidden {tuple(hidden.shape)} must end in the weight's hidden size {weight.shape[1]} "
+            f"(weight {tuple(weight.shape)} is [vocab, hidden], as nn.Linear keeps it)"
+        )
     if hidden.ndim >= 1 and tuple(labels.shape) != tuple(hidden.shape[:-1]):
-        problems.append(f"labels {tuple(labels.shape)} must have hidden's leading shape {tuple(hidden.shape[:-1])} "
-                        f"(one label per token)")  # fmt: skip
+        problems.append(
+            f"labels {tuple(labels.shape)} must have hidden's leading shape {tuple(hidden.shape[:-1])} "
+            f"(one label per token)"
+        )
     if labels.dtype.is_floating_point or labels.dtype.is_complex or labels.dtype == torch.bool:
         problems.append(f"labels must be class indices (an integer dtype, e.g. torch.long), got {labels.dtype}")
     if not (hidden.dtype.is_floating_point and weight.dtype.is_floating_point):
@@ -249,8 +256,10 @@ def head_loss(
 ) -> torch.Tensor:
     """`linear_cross_entropy` with a ``reduction`` and, with ``float32_out``, the loss in float32 whatever the
     inputs' dtype (as transformers' causal-LM loss returns it)."""
-    raise_for_arguments(_problems(hidden, weight, labels, ignore_index, chunk_tokens, reduction),
-                        header="invalid linear_cross_entropy arguments")  # fmt: skip
+    raise_for_arguments(
+        _problems(hidden, weight, labels, ignore_index, chunk_tokens, reduction),
+        header="invalid linear_cross_entropy arguments",
+    )
     if not _on_jax(hidden):
         loss = _loss_torch(hidden, weight, labels, ignore_index, chunk_tokens, reduction)
         return loss if float32_out else loss.to(hidden.dtype)

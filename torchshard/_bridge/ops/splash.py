@@ -12,8 +12,15 @@ import jax
 import jax.numpy as jnp
 
 
-def splash_attention(query: jax.Array, key: jax.Array, value: jax.Array, *, causal: bool, scale: float | None = None,
-                     interpret: bool = False) -> jax.Array:  # fmt: skip
+def splash_attention(
+    query: jax.Array,
+    key: jax.Array,
+    value: jax.Array,
+    *,
+    causal: bool,
+    scale: float | None = None,
+    interpret: bool = False,
+) -> jax.Array:
     """softmax(q·kᵀ·scale)·v with splash attention, torch's top-left causal mask when ``causal``.
 
     Args:
@@ -40,11 +47,13 @@ def splash_attention(query: jax.Array, key: jax.Array, value: jax.Array, *, caus
     scale = d**-0.5 if scale is None else scale
     q = query * jnp.asarray(scale, query.dtype)
     if group == 1:
-        mha = kernel_lib.make_splash_mha(mask_lib.MultiHeadMask([one] * heads), head_shards=1, q_seq_shards=1,
-                                         interpret=interpret)  # fmt: skip
+        mha = kernel_lib.make_splash_mha(
+            mask_lib.MultiHeadMask([one] * heads), head_shards=1, q_seq_shards=1, interpret=interpret
+        )
         return jax.vmap(mha)(q, key, value)
-    mqa = kernel_lib.make_splash_mqa(mask_lib.MultiHeadMask([one] * group), head_shards=1, q_seq_shards=1,
-                                     interpret=interpret)  # fmt: skip
+    mqa = kernel_lib.make_splash_mqa(
+        mask_lib.MultiHeadMask([one] * group), head_shards=1, q_seq_shards=1, interpret=interpret
+    )
     grouped = q.reshape(b, kv_heads, group, s, d)
     out = jax.vmap(jax.vmap(mqa))(grouped, key, value)  # over batch entries, then KV heads
     return out.reshape(b, heads, s, value.shape[-1])

@@ -139,14 +139,19 @@ def model_problems(context: ContextParallel | None, model: Any) -> list[str]:
     """
     if context is None or not isinstance(model, torch.nn.Module):
         return []
-    found = [f"{name}.indexer" for name, m in model.named_modules()
-             if isinstance(getattr(m, "indexer", None), torch.nn.Module)]  # fmt: skip
+    found = [
+        f"{name}.indexer"
+        for name, m in model.named_modules()
+        if isinstance(getattr(m, "indexer", None), torch.nn.Module)
+    ]
     if not found:
         return []
-    return [f"{type(model).__name__} has sparse-attention indexers ({found[0]}, {len(found)} in all) that select "
-            f"each query's keys by a top-k over the whole sequence in the model's own code; {context} cannot split "
-            f"that selection, so it refuses rather than gather the sequence or read the mask wrong; train it without "
-            f"context= (data, FSDP, tensor and expert parallelism split it)"]  # fmt: skip
+    return [
+        f"{type(model).__name__} has sparse-attention indexers ({found[0]}, {len(found)} in all) that select "
+        f"each query's keys by a top-k over the whole sequence in the model's own code; {context} cannot split "
+        f"that selection, so it refuses rather than gather the sequence or read the mask wrong; train it without "
+        f"context= (data, FSDP, tensor and expert parallelism split it)"
+    ]
 
 
 def sequence_problems(context: ContextParallel | None, mesh: Mesh, what: str, shape: Sequence[int]) -> list[str]:

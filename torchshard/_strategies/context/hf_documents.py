@@ -55,15 +55,18 @@ def _sources(mask_function: Any, attention_mask: Any, local_size: Any) -> tuple[
     """What transformers builds a mask from, in words, and the way to a mask context parallelism reads."""
     parts, packed = [], isinstance(mask_function, _Documents)
     if attention_mask is not None:
-        parts.append(f"a 2-D attention_mask {str(attention_mask.dtype).removeprefix('torch.')}"
-                     f"{list(attention_mask.shape)} (padding, from the batch or the model)")  # fmt: skip
+        parts.append(
+            f"a 2-D attention_mask {str(attention_mask.dtype).removeprefix('torch.')}"
+            f"{list(attention_mask.shape)} (padding, from the batch or the model)"
+        )
     if packed:
         parts.append("the batch's position_ids (packed documents)")
         if not mask_function.causal and local_size is None:
             parts.append("a mask function other than plain causal (the model's own and/or masks)")
     if local_size is not None:
-        parts.append(f"a sliding window or chunks of {local_size} tokens (config.sliding_window or "
-                     f"attention_chunk_size)")  # fmt: skip
+        parts.append(
+            f"a sliding window or chunks of {local_size} tokens (config.sliding_window or attention_chunk_size)"
+        )
     fix = (
         "it reads packed documents only under a plain causal mask, and a window only as a constant band: train "
         "these rows unpacked (positions 0, 1, ... in each row), or without context="

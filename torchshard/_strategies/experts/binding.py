@@ -8,7 +8,8 @@ from typing import Any
 
 from jax.sharding import Mesh
 
-from torchshard._strategies.experts.experts import ExpertDispatch, Experts, dispatching, expert_dispatch_for
+from torchshard._strategies.experts.all_to_all import dispatching
+from torchshard._strategies.experts.experts import ExpertDispatch, Experts, expert_dispatch_for
 from torchshard._train.strategy import Bound, SearchAxis, Setting, Strategy
 
 

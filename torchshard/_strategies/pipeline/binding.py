@@ -193,5 +193,6 @@ def bind(pipeline: Any, setting: Setting) -> Bound:
     return Pipelined(option=pipeline, group=group, stages=stages)
 
 
-STRATEGY = Strategy(keyword="pipeline", option=Pipeline, bind=bind, lays_out=True, flag=FLAG, searched=searched,
-                    axis=AXIS)  # fmt: skip
+STRATEGY = Strategy(
+    keyword="pipeline", option=Pipeline, bind=bind, lays_out=True, flag=FLAG, searched=searched, axis=AXIS
+)

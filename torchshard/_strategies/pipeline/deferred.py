@@ -68,8 +68,10 @@ class ZeroBubble(TickLoop):
     def initial(self) -> dict[str, Any]:
         carry = super().initial()
         cut, dims = self.cut
-        carry["stash"] = [self.on_stages(jnp.zeros((self.spec.stages, self.depth, *_staged(a.shape, d)), a.dtype))
-                          for a, d in zip(cut.stash_avals(), dims, strict=True)]  # fmt: skip
+        carry["stash"] = [
+            self.on_stages(jnp.zeros((self.spec.stages, self.depth, *_staged(a.shape, d)), a.dtype))
+            for a, d in zip(cut.stash_avals(), dims, strict=True)
+        ]
         return carry
 
     def ticks(self, carry: dict[str, Any]) -> dict[str, Any]:
@@ -78,8 +80,9 @@ class ZeroBubble(TickLoop):
         s, m = self.spec.stages, self.spec.microbatches
         starts = (0, s - 1, 2 * s - 2, m + s - 1, m + 2 * s - 2)
         for start, stop in itertools.pairwise(starts):
-            carry = self.phase(carry, start, stop, forward=start < m + s - 1, backward=start >= s - 1,
-                               weights=start >= 2 * s - 2)  # fmt: skip
+            carry = self.phase(
+                carry, start, stop, forward=start < m + s - 1, backward=start >= s - 1, weights=start >= 2 * s - 2
+            )
         return carry
 
     def tick(self, carry: dict[str, Any], t: jax.Array, *, weights: bool = False, **flags: bool):
@@ -93,8 +96,10 @@ class ZeroBubble(TickLoop):
         (cut, dims), kept = self.cut, [read_slot(r, j % self.slots) for r in carry["ring"]]
         d_h, stash = cut.first(self.res.leaves(self.fixed, kept), g)
         valid = (j >= 0) & (j < self.spec.microbatches)
-        carry["stash"] = [self.on_stages(write_slot(r, _to_front(x, d, self.spec.stages), j % self.depth, valid))
-                          for r, x, d in zip(carry["stash"], stash, dims, strict=True)]  # fmt: skip
+        carry["stash"] = [
+            self.on_stages(write_slot(r, _to_front(x, d, self.spec.stages), j % self.depth, valid))
+            for r, x, d in zip(carry["stash"], stash, dims, strict=True)
+        ]
         return self.handed_back(carry, j, d_h)
 
     def weight_gradients(self, carry: dict[str, Any], j: jax.Array) -> dict[str, Any]:

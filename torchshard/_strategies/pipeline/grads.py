@@ -140,8 +140,9 @@ class Gradient:
 
             def loss(tp: Arrays, h_mb: jax.Array):
                 with _stack_is(dataclasses.replace(capture, given=h_mb)):
-                    value, (new_buffers, aux) = self.runtime.loss({**tp, **fixed_params}, buffers, frozen, mb,
-                                                                  jax.random.fold_in(key, i))  # fmt: skip
+                    value, (new_buffers, aux) = self.runtime.loss(
+                        {**tp, **fixed_params}, buffers, frozen, mb, jax.random.fold_in(key, i)
+                    )
                 _check_buffers(new_buffers, buffers, self.stages.schedule)
                 return value, aux
 
@@ -155,8 +156,18 @@ class Gradient:
         )
         loop = SCHEDULES[self.stages.schedule].loop
         assert loop is not None  # the binding asks for this gradient only then
-        result: one_f_one_b.Result = loop()(self.stages, capture.layer_fn, weights, trainable, h, others, key, tail,
-                                 context=self.runtime.around_layers, policy=capture.policy)  # fmt: skip
+        result: one_f_one_b.Result = loop()(
+            self.stages,
+            capture.layer_fn,
+            weights,
+            trainable,
+            h,
+            others,
+            key,
+            tail,
+            context=self.runtime.around_layers,
+            policy=capture.policy,
+        )
         loss, aux, d_tail = result.sums
         d_prefix = prefix_pull((result.h, [d for d in result.others if d is not None]))[0]
         d_stack = cast_pull({s: d for s, d in result.weights.items()})[0]

@@ -111,8 +111,15 @@ class _Loop:
         """Each stage's key for iteration ``t``."""
         return jax.vmap(lambda i: jax.random.fold_in(jax.random.fold_in(self.key, t), i))(jnp.arange(self.spec.stages))
 
-    def layers(self, weights: Mapping[str, jax.Array], h: jax.Array, keys: jax.Array, repeat: jax.Array,
-               micro: jax.Array, i: jax.Array) -> tuple[jax.Array, jax.Array]:  # fmt: skip
+    def layers(
+        self,
+        weights: Mapping[str, jax.Array],
+        h: jax.Array,
+        keys: jax.Array,
+        repeat: jax.Array,
+        micro: jax.Array,
+        i: jax.Array,
+    ) -> tuple[jax.Array, jax.Array]:
         """Layer ``i`` of every stage's chunk (of its ``repeat``) on its micro-batch, each stage on its own devices."""
         split = tuple(per_stage(x, micro) for x in self.split)
         d = self.shards
@@ -234,13 +241,14 @@ def run(
         )
     # [L, ...] → [S, repeats, chunk, ...] ([S, chunk, ...] for one repeat): free, dim 0 is already split by stage
     blocks = (spec.stages, spec.chunk) if spec.repeats == 1 else (spec.stages, spec.repeats, spec.chunk)
-    weights = {k: jax.lax.with_sharding_constraint(w.reshape(*blocks, *w.shape[1:]), _stage_spec(spec, w.ndim, blocks))
-               for k, w in params.items()}  # fmt: skip
+    weights = {
+        k: jax.lax.with_sharding_constraint(w.reshape(*blocks, *w.shape[1:]), _stage_spec(spec, w.ndim, blocks))
+        for k, w in params.items()
+    }
     others = narrowed(others, rows)
     split = tuple(to_microbatches(x, m) for x in others if split_with_rows(x, rows))
     whole = tuple(x for x in others if not split_with_rows(x, rows))
-    loop = _Loop(spec, reordered(layer_fn, others, rows), weights, split, whole, key,
-                 backward_policy(spec, policy))  # fmt: skip
+    loop = _Loop(spec, reordered(layer_fn, others, rows), weights, split, whole, key, backward_policy(spec, policy))
     shards = copies_for(spec, rows // m)
     try:
         try:
@@ -275,8 +283,11 @@ def _looped(loop: _Loop, micro: jax.Array, shards: int, lead: int) -> jax.Array:
 def _whole_rows(h: jax.Array, others: Sequence[jax.Array], names: Sequence[str]) -> list[str]:
     """The rank-1 call arguments as long as the rows, which went whole to every micro-batch: ``name dtype[shape]``."""
     named = [*names, *(f"argument #{i + 1}" for i in range(len(names), len(others)))]
-    return [f"{n} ({x.dtype}{list(x.shape)})" for n, x in zip(named, others, strict=False)
-            if x.ndim == 1 and not split_with_rows(x, h.shape[0]) and x.shape[0] == h.shape[0]]  # fmt: skip
+    return [
+        f"{n} ({x.dtype}{list(x.shape)})"
+        for n, x in zip(named, others, strict=False)
+        if x.ndim == 1 and not split_with_rows(x, h.shape[0]) and x.shape[0] == h.shape[0]
+    ]
 
 
 def _whole_rows_message(err: BaseException, where: str, h: jax.Array, m: int, whole: Sequence[str]) -> str:

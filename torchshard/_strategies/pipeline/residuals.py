@@ -87,7 +87,6 @@ def _inner(eqn: Any) -> Any:
     """The body of a call-like equation whose inputs and outputs are the equation's, or None."""
     for value in eqn.params.values():
         body = getattr(value, "jaxpr", value)
-        if (hasattr(body, "eqns") and len(body.invars) == len(eqn.invars)
-                and len(body.outvars) == len(eqn.outvars)):  # fmt: skip
+        if hasattr(body, "eqns") and len(body.invars) == len(eqn.invars) and len(body.outvars) == len(eqn.outvars):
             return body
     return None

@@ -45,5 +45,16 @@ def _recomputes(schedule: str) -> bool:
     return SCHEDULES[schedule].remats_each_layer
 
 
-AXIS = SearchAxis(name=AXIS_NAME, fits=_fits, outer=True, splits_weights=True, microbatches=True, needs_scan=True,
-                  variants=_variants, holds=_holds, recomputes=_recomputes, idle=_idle, traffic=_hops)  # fmt: skip
+AXIS = SearchAxis(
+    name=AXIS_NAME,
+    fits=_fits,
+    outer=True,
+    splits_weights=True,
+    microbatches=True,
+    needs_scan=True,
+    variants=_variants,
+    holds=_holds,
+    recomputes=_recomputes,
+    idle=_idle,
+    traffic=_hops,
+)

@@ -88,12 +88,21 @@ def split(pullback: Callable[[Sequence[Any], Any], Any], residuals: Sequence[Any
     rest = [v for i, v in enumerate(jaxpr.outvars) if i != at]
     second = _needed(eqns, rest) - first
     made = {v: i for i, eqn in enumerate(eqns) for v in eqn.outvars}
-    while moved := {made[v] for v in _stash(jaxpr, eqns, second, rest)
-                    if v in made and eqns[made[v]].primitive.name in _VIEWS}:  # fmt: skip
+    while moved := {
+        made[v] for v in _stash(jaxpr, eqns, second, rest) if v in made and eqns[made[v]].primitive.name in _VIEWS
+    }:
         second |= moved
-    return Split(tuple(jaxpr.invars), tuple(zip(jaxpr.constvars, flat.consts, strict=True)),
-                 tuple(eqns[i] for i in sorted(first)), tuple(eqns[i] for i in sorted(second)), first_out,
-                 tuple(jaxpr.outvars), _stash(jaxpr, eqns, second, rest), treedef, at)  # fmt: skip
+    return Split(
+        tuple(jaxpr.invars),
+        tuple(zip(jaxpr.constvars, flat.consts, strict=True)),
+        tuple(eqns[i] for i in sorted(first)),
+        tuple(eqns[i] for i in sorted(second)),
+        first_out,
+        tuple(jaxpr.outvars),
+        _stash(jaxpr, eqns, second, rest),
+        treedef,
+        at,
+    )
 
 
 def _stash(jaxpr: Any, eqns: Sequence[Any], second: set[int], rest: Sequence[Any]) -> tuple[Any, ...]:

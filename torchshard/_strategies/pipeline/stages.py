@@ -50,8 +50,9 @@ class Stages:
         return (layer // self.chunk) % self.stages
 
 
-def resolve(pipeline: Any, mesh: Mesh, *, prefix: str, layers: int, batch: Any = None,
-            remats_each_layer: bool = False) -> Stages:  # fmt: skip
+def resolve(
+    pipeline: Any, mesh: Mesh, *, prefix: str, layers: int, batch: Any = None, remats_each_layer: bool = False
+) -> Stages:
     """``pipeline`` on ``mesh`` for the ``layers`` layers of the ModuleList ``prefix``.
 
     Raises:
@@ -81,5 +82,6 @@ def resolve(pipeline: Any, mesh: Mesh, *, prefix: str, layers: int, batch: Any =
         )
     if problems:
         raise ShardingError(problems, header=f"{where} cannot split this model ({len(problems)} problem(s))")
-    return Stages(mesh, pipeline.axis, stages, microbatches, repeats, layers, batch, pipeline.schedule,
-                  remats_each_layer)  # fmt: skip
+    return Stages(
+        mesh, pipeline.axis, stages, microbatches, repeats, layers, batch, pipeline.schedule, remats_each_layer
+    )

@@ -22,7 +22,6 @@ import jax.numpy as jnp
 from jax.sharding import NamedSharding, PartitionSpec
 
 from torchshard._base.errors import ShardingError
-from torchshard._bridge.vmapped import vmapped_over
 from torchshard._strategies.pipeline.loop import (
     LayerFn,
     batch_axes,
@@ -37,6 +36,7 @@ from torchshard._strategies.pipeline.loop import (
     to_microbatches,
 )
 from torchshard._strategies.pipeline.residuals import Residuals, residuals
+from torchshard._strategies.pipeline.stage_kernel import StageKernel
 from torchshard._strategies.pipeline.stages import Stages
 
 # tail(micro-batch index, the stack's output for it) -> (what the step sums over micro-batches, d output)
@@ -56,109 +56,6 @@ class Result:
 def floating(x: jax.Array) -> bool:
     """Whether ``x`` is a float array: the arrays a backward differentiates (the rest are passed through)."""
     return jnp.issubdtype(x.dtype, jnp.floating)
-
-
-@dataclasses.dataclass(frozen=True)
-class _Kernel:
-    spec: Stages
-    layer_fn: LayerFn
-    trainable: frozenset[str]
-    split_float: tuple[bool, ...]
-    whole_float: tuple[bool, ...]
-    context: Callable[[], contextlib.AbstractContextManager[Any]]
-    shards: int = 1  # copies of a stage's weights, one per shard of the batch axes (`loop.gathered_copies`)
-    policy: Any = None  # remat of the blocks: what each layer keeps, the rest recomputed in the backward
-
-    def stage(self, diff: Any, rest: Any) -> jax.Array:
-        """One stage's chunk of layers on one micro-batch (its unbatched view): the output hidden state."""
-        layers, h, dsplit, dwhole = diff
-        fixed_layers, nsplit, nwhole, key = rest
-        split, whole = _joined(dsplit, nsplit, self.split_float), _joined(dwhole, nwhole, self.whole_float)
-        layer_fn = self.layer_fn
-        if self.policy is not None:
-            layer_fn = jax.checkpoint(layer_fn, policy=self.policy, prevent_cse=False)
-        for layer, fixed in zip(layers, fixed_layers, strict=True):
-            h, key = layer_fn({**layer, **fixed}, h, (*split, *whole), key)
-        return h
-
-    def inputs(self, weights: Mapping[str, jax.Array], h: jax.Array, split: Sequence[jax.Array],
-               whole: Sequence[jax.Array], key: jax.Array) -> tuple[Any, Any]:  # fmt: skip
-        """(diff, rest) of `stage` from one stage's weights ``[chunk, ...]`` and one micro-batch's arrays."""
-        chunk = self.spec.chunk
-        layers = [{k: w[i] for k, w in weights.items() if k in self.trainable} for i in range(chunk)]
-        fixed = [{k: w[i] for k, w in weights.items() if k not in self.trainable} for i in range(chunk)]
-        dsplit, nsplit = _parted(split, self.split_float)
-        dwhole, nwhole = _parted(whole, self.whole_float)
-        return (layers, h, dsplit, dwhole), (fixed, nsplit, nwhole, key)
-
-    def forward(self, res: Residuals, weights: Any, h: jax.Array, split: Any, whole: Any, key: jax.Array):
-        diff, rest = self.inputs(weights, h, split, whole, key)
-        out, pull = jax.vjp(lambda d: self.stage(d, rest), diff)
-        return out, res.split(jax.tree_util.tree_leaves(pull))[1]  # the micro-batch's own, to keep
-
-    def vmapped(self, fn: Callable[..., Any], *args: Any) -> Any:
-        with self.context(), vmapped_over(self.spec.axis):
-            return jax.vmap(fn, spmd_axis_name=self.spec.axis)(*args)
-
-    def per_shard(self, fn: Callable[..., Any], *args: Any) -> Any:
-        """``fn`` on each batch shard's rows with its own copy of the weights (inside `vmapped`): the weight
-        gradient stays a partial sum per shard in the loop, reduced once after it."""
-        if self.shards == 1:
-            return jax.vmap(fn)(*args)
-        axes = batch_axes(self.spec)
-        with contextlib.ExitStack() as inside:
-            for axis in axes:
-                inside.enter_context(vmapped_over(axis))
-            return jax.vmap(fn, spmd_axis_name=axes)(*args)
-
-    def local(self, x: jax.Array) -> jax.Array:
-        """A micro-batch's rows ``[mb, ...]`` as each shard's, ``[D, mb/D, ...]``."""
-        return x.reshape(self.shards, x.shape[0] // self.shards, *x.shape[1:])
-
-    def stage_forward(self, res: Residuals, weights: Any, h: jax.Array, split: Any, whole: Any, key: jax.Array):
-        """One stage's forward of one micro-batch: (output, the residuals it keeps, ``[D, ...]``)."""
-        keys = jax.vmap(lambda n: jax.random.fold_in(key, n))(jnp.arange(self.shards))
-        one = lambda w, h, sp, k: self.forward(res, w, h, sp, whole, k)  # noqa: E731
-        out, kept = self.per_shard(one, weights, self.local(h), [self.local(x) for x in split], keys)
-        return _merge_shards(out), kept
-
-    def pullbacks(self, weights: Any, h: jax.Array, split: Any, whole: Any, keys: jax.Array) -> Any:
-        """Every stage's and shard's pullback of one micro-batch (leaves ``[S, D, ...]``), traced as the loop does."""
-
-        def one_stage(w, h, sp, key):
-            keys = jax.vmap(lambda n: jax.random.fold_in(key, n))(jnp.arange(self.shards))
-            one = lambda w, h, sp, k: self.pullback(w, h, sp, whole, k)  # noqa: E731
-            return self.per_shard(one, w, self.local(h), [self.local(x) for x in sp], keys)
-
-        return self.vmapped(one_stage, weights, h, split, keys)
-
-    def pullback(self, weights: Any, h: jax.Array, split: Any, whole: Any, key: jax.Array) -> Any:
-        diff, rest = self.inputs(weights, h, split, whole, key)
-        return jax.vjp(lambda d: self.stage(d, rest), diff)[1]
-
-    def stage_backward(self, res: Residuals, fixed: Any, kept: Any, g: jax.Array):
-        """One stage's backward of one micro-batch: (d weights ``[D, chunk, ...]``, d input, d split, d whole)."""
-        layers, d_h, dsplit, dwhole = self.per_shard(lambda f, k, g: res.pullback(f, k)(g)[0], fixed, kept,
-                                                     self.local(g))  # fmt: skip
-        return _stacked(layers), _merge_shards(d_h), [_merge_shards(d) for d in dsplit], dwhole
-
-
-def _stacked(layers: Sequence[Mapping[str, jax.Array]]) -> dict[str, jax.Array]:
-    """The layers' weight gradients (each ``[D, ...]``) stacked by name: ``[D, chunk, ...]``."""
-    return {k: jnp.stack([layer[k] for layer in layers], axis=1) for k in layers[0]} if layers else {}
-
-
-def _merge_shards(x: jax.Array) -> jax.Array:
-    return x.reshape(x.shape[0] * x.shape[1], *x.shape[2:])
-
-
-def _parted(xs: Sequence[jax.Array], mask: Sequence[bool]) -> tuple[list[jax.Array], list[jax.Array]]:
-    return [x for x, m in zip(xs, mask, strict=True) if m], [x for x, m in zip(xs, mask, strict=True) if not m]
-
-
-def _joined(diff: Sequence[jax.Array], rest: Sequence[jax.Array], mask: Sequence[bool]) -> list[jax.Array]:
-    d, r = iter(diff), iter(rest)
-    return [next(d) if m else next(r) for m in mask]
 
 
 def _masked(valid: jax.Array, new: jax.Array, old: jax.Array) -> jax.Array:
@@ -182,7 +79,7 @@ def read_slot(ring: jax.Array, slot: jax.Array) -> jax.Array:
 class TickLoop:
     """The loop's constant arrays and how a tick moves its carry."""
 
-    kernel: _Kernel
+    kernel: StageKernel
     res: Residuals
     weights: dict[str, jax.Array]  # [S, chunk, ...]
     fixed: list[jax.Array]  # the residuals that depend only on the weights, [S, ...]
@@ -208,9 +105,13 @@ class TickLoop:
     def shift(self, x: jax.Array, by: int) -> jax.Array:
         """Stage s's array to stage s+by (round the ring): one collective-permute."""
         s, axis = self.spec.stages, self.spec.axis
-        move = jax.shard_map(lambda a: jax.lax.ppermute(a, axis, [(i, (i + by) % s) for i in range(s)]),
-                             mesh=self.spec.mesh, in_specs=PartitionSpec(axis), out_specs=PartitionSpec(axis),
-                             axis_names={axis})  # fmt: skip
+        move = jax.shard_map(
+            lambda a: jax.lax.ppermute(a, axis, [(i, (i + by) % s) for i in range(s)]),
+            mesh=self.spec.mesh,
+            in_specs=PartitionSpec(axis),
+            out_specs=PartitionSpec(axis),
+            axis_names={axis},
+        )
         return self.on_stages(move(x), self.spec.batch)
 
     def keys(self, t: jax.Array) -> jax.Array:
@@ -242,8 +143,10 @@ class TickLoop:
         fwd = lambda w, h, sp, k: self.kernel.stage_forward(self.res, w, h, sp, whole, k)  # noqa: E731
         out, kept = self.kernel.vmapped(fwd, self.weights, h, split, self.keys(t))
         valid = (j >= 0) & (j < m)
-        carry["ring"] = [self.on_stages(write_slot(r, k, j % self.slots, valid), None, self.shard_dim)
-                         for r, k in zip(carry["ring"], kept, strict=True)]  # fmt: skip
+        carry["ring"] = [
+            self.on_stages(write_slot(r, k, j % self.slots, valid), None, self.shard_dim)
+            for r, k in zip(carry["ring"], kept, strict=True)
+        ]
         return carry, out
 
     def with_loss(self, carry: dict[str, Any], t: jax.Array, out: jax.Array | None) -> tuple[dict[str, Any], Any]:
@@ -264,8 +167,14 @@ class TickLoop:
         d_w, d_h, dsplit, dwhole = self.kernel.vmapped(bwd, self.fixed, kept, g)
         return self.handed_back(self.accumulated(carry, j, d_w, dsplit, dwhole), j, d_h)
 
-    def accumulated(self, carry: dict[str, Any], j: jax.Array, d_w: Mapping[str, jax.Array],
-                    dsplit: Sequence[jax.Array], dwhole: Sequence[jax.Array]) -> dict[str, Any]:  # fmt: skip
+    def accumulated(
+        self,
+        carry: dict[str, Any],
+        j: jax.Array,
+        d_w: Mapping[str, jax.Array],
+        dsplit: Sequence[jax.Array],
+        dwhole: Sequence[jax.Array],
+    ) -> dict[str, Any]:
         """The carry with micro-batch ``j[s]``'s weight and call-argument gradients added where it is one."""
         m = self.spec.microbatches
         valid, at = (j >= 0) & (j < m), jnp.clip(j, 0, m - 1)
@@ -344,8 +253,7 @@ def run(
         )
     shards = copies_for(spec, rows // m)
     try:
-        carry = _looped(spec, layer_fn, weights, trainable, h, others, key, tail, context, shards, policy,
-                        loop)  # fmt: skip
+        carry = _looped(spec, layer_fn, weights, trainable, h, others, key, tail, context, shards, policy, loop)
     except ValueError as err:
         if shards == 1 or "spmd_axis_name cannot appear in shard_map" not in str(err):
             raise
@@ -363,16 +271,34 @@ def run(
     return Result(carry["sums"], d_weights, from_microbatches(carry["dh"][0]), tuple(d_others))
 
 
-def _looped(spec: Stages, layer_fn: LayerFn, weights: Mapping[str, jax.Array], trainable: frozenset[str],
-            h: jax.Array, others: Sequence[jax.Array], key: jax.Array, tail: Tail,
-            context: Callable[[], contextlib.AbstractContextManager[Any]], shards: int,
-            policy: Any, kind: type[TickLoop]) -> dict[str, Any]:  # fmt: skip
+def _looped(
+    spec: Stages,
+    layer_fn: LayerFn,
+    weights: Mapping[str, jax.Array],
+    trainable: frozenset[str],
+    h: jax.Array,
+    others: Sequence[jax.Array],
+    key: jax.Array,
+    tail: Tail,
+    context: Callable[[], contextlib.AbstractContextManager[Any]],
+    shards: int,
+    policy: Any,
+    kind: type[TickLoop],
+) -> dict[str, Any]:
     """The phases of the loop with ``shards`` copies of each stage's weights: the final carry."""
     m, s, rows = spec.microbatches, spec.stages, h.shape[0]
     split = tuple(to_microbatches(x, m) for x in others if split_with_rows(x, rows))
     whole = tuple(x for x in others if not split_with_rows(x, rows))
-    kernel = _Kernel(spec, reordered(layer_fn, others, rows), trainable, tuple(map(floating, split)),
-                     tuple(map(floating, whole)), context, shards, policy)  # fmt: skip
+    kernel = StageKernel(
+        spec,
+        reordered(layer_fn, others, rows),
+        trainable,
+        tuple(map(floating, split)),
+        tuple(map(floating, whole)),
+        context,
+        shards,
+        policy,
+    )
     blocks = {k: w.reshape(s, spec.chunk, *w.shape[1:]) for k, w in weights.items()}
     blocks = gathered_copies(spec, blocks, shards, 2) if shards > 1 else {k: w[:, None] for k, w in blocks.items()}
     micro = to_microbatches(h, m)
@@ -389,8 +315,11 @@ def _looped(spec: Stages, layer_fn: LayerFn, weights: Mapping[str, jax.Array], t
         res = residuals(pullbacks, placeholder, (False, True, True, True), lead=2)
     fixed = res.split(jax.tree_util.tree_leaves(pullbacks(*placeholder)))[0]
     loop = kind(kernel, res, blocks, fixed, micro, split, whole, key, tail)
-    loop = dataclasses.replace(loop, weights={k: loop.on_stages(w, loop.shard_dim) for k, w in blocks.items()},
-                               fixed=[loop.on_stages(f, loop.shard_dim) for f in fixed])  # fmt: skip
+    loop = dataclasses.replace(
+        loop,
+        weights={k: loop.on_stages(w, loop.shard_dim) for k, w in blocks.items()},
+        fixed=[loop.on_stages(f, loop.shard_dim) for f in fixed],
+    )
     return loop.ticks(loop.initial())
 
 
