@@ -106,13 +106,15 @@ def main() -> None:
     import torch
 
     from torchshard._ckpt import checkpoint as _checkpoint  # private: the parts of a save and a load, timed
+    from torchshard._ckpt import load as _load
     from torchshard._ckpt import shards as _shards
     from torchshard._ckpt.checksum import checksums
     from torchshard._ckpt.state import state_tree
 
     saving = ["_snapshot", "_begin", "write_state", "finish_checksums", "write_meta", "_finish"]
     loading = ["read_meta", "check_files", "read_state", "checksum_problems", "destination_arrays", "load_trainer"]
-    phases = Phases(_checkpoint, saving + loading)
+    phases = Phases(_checkpoint, saving)
+    phases.times |= Phases(_load, loading).times  # ts.load's parts, in _ckpt/load.py
     writes = Phases(_shards, ["_write_file", "_write_all"])  # a file per save; _write_all per shard (summed)
     fsyncs = Phases(_shards.os, ["fsync"])  # every fsync of the process; counted only inside ts.save below
 

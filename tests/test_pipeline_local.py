@@ -163,13 +163,13 @@ def test_load_reads_each_layer_onto_its_stage_alone(source, monkeypatch, tmp_pat
     saved.step(batches(1)[0])
     ts.save(tmp_path, saved)
     read = []
-    original = ts._ckpt.checkpoint.read_state
+    original = ts._ckpt.load.read_state
 
     def read_state(directory, item, **kwargs):
         read.append(item)
         return original(directory, item, **kwargs)
 
-    monkeypatch.setattr(ts._ckpt.checkpoint, "read_state", read_state)
+    monkeypatch.setattr(ts._ckpt.load, "read_state", read_state)
     target = _pipelined(optax.sgd(0.1, momentum=0.9))
     ts.load(tmp_path, target)
     _assert_stage_local(_flat(read[0]), target.mesh)  # params and their momentum, as read

@@ -488,7 +488,9 @@ def main(argv: list[str]) -> int:
         from tools.families import REPRESENTATIVE
         from tools.rotation import parse_slice, sliced
 
-        names = sliced(names, *parse_slice(args.slice), always=REPRESENTATIVE)
+        part, parts = parse_slice(args.slice)
+        names = sliced(names, part, parts, always=REPRESENTATIVE)
+        print(f"conformance: slice {part}/{parts} of the families, and the representative ones: {len(names)} rows")
     out, data = destinations(args)
     baseline = json.loads(args.baseline.read_text())["families"] if args.baseline else None  # before any rewrite
     if baseline is not None and not args.families:

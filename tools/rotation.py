@@ -8,21 +8,26 @@ the representative families: N commits in a row recheck every row.
 from __future__ import annotations
 
 import hashlib
+import subprocess
 from collections.abc import Sequence
 
 
-def parse_slice(text: str) -> tuple[int, int]:
-    """``"K/N"`` → (K, N), slice K of N (0 ≤ K < N).
+def parse_slice(text: str, commit: str | None = None) -> tuple[int, int]:
+    """``"K/N"`` → (K, N), slice K of N (0 ≤ K < N); ``"commit/N"``: K from ``commit`` (default: git's HEAD).
 
     Raises:
         ValueError: not two integers with 0 ≤ K < N.
 
     Examples:
-        >>> parse_slice("1/3")
-        (1, 3)
+        >>> parse_slice("1/3"), parse_slice("commit/3", commit="9feb995") == (commit_slice("9feb995", 3), 3)
+        ((1, 3), True)
     """
     k, _, n = text.partition("/")
-    part, parts = int(k), int(n)
+    parts = int(n)
+    if k == "commit":
+        head = commit or subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True).stdout.strip()
+        k = str(commit_slice(head, parts))
+    part = int(k)
     if not 0 <= part < parts:
         raise ValueError(f"--slice {text!r}: K/N with 0 <= K < N, e.g. 0/3")
     return part, parts
