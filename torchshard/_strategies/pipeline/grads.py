@@ -170,7 +170,8 @@ class Gradient:
         )
         loss, aux, d_tail = result.sums
         d_prefix = prefix_pull((result.h, [d for d in result.others if d is not None]))[0]
-        d_stack = cast_pull({s: d for s, d in result.weights.items()})[0]
+        # the layer's buffers (XIELU's beta and eps in Apertus) come out of the cast with the weights: no gradient
+        d_stack = cast_pull({s: result.weights.get(s, jnp.zeros_like(w)) for s, w in weights.items()})[0]
         grads = {k: d_prefix[k] + d_tail.get(k, 0) + d_stack.get(k, 0) for k in params}
         return (loss, (buffers, aux)), grads
 
