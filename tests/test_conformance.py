@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import doctest
 import json
+import subprocess
 import sys
 import textwrap
 
@@ -109,6 +110,25 @@ def test_a_slice_checks_every_nth_family_and_the_representative_ones_and_writes_
     assert conformance.destinations(args) == (None, None)
     with pytest.raises(ValueError, match=r"--slice '3/3': K/N with 0 <= K < N"):
         rotation.parse_slice("3/3")
+
+
+def test_a_slice_first_rechecks_the_families_the_change_since_the_baseline_names(tmp_path):
+    def git(*args):
+        who = ["-c", "user.name=t", "-c", "user.email=t@t"]
+        subprocess.run(["git", *who, *args], cwd=tmp_path, check=True, capture_output=True)
+
+    git("init", "-q")
+    (tmp_path / "fix.py").write_text("x = 1\n")
+    (tmp_path / "docs").mkdir()
+    (tmp_path / "docs" / "conformance.md").write_text("| llama |\n")
+    git("add", ".")
+    git("commit", "-qm", "base")
+    base = subprocess.run(["git", "rev-parse", "HEAD"], cwd=tmp_path, capture_output=True, text=True).stdout.strip()
+    (tmp_path / "fix.py").write_text("x = 2  # Apertus' XIELU reads a buffer; hf_qwen2 is a test model\n")
+    (tmp_path / "docs" / "conformance.md").write_text("| llama | mixtral |\n")  # the table itself names none
+    families = ["apertus", "llama", "mixtral", "qwen2"]
+    assert rotation.touched(families, base, repo=tmp_path) == ["apertus"]
+    assert rotation.touched(families, "0" * 40, repo=tmp_path) == []  # a commit the clone lacks names none
 
 
 def test_the_docstring_examples_of_the_tools_run():

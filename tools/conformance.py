@@ -384,6 +384,7 @@ def _report(argv: list[str], args: argparse.Namespace, results: dict[str, Result
     return {
         "command": " ".join(["python3 dev.py conformance", *map(shlex.quote, argv)]),
         "date": datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M UTC"),
+        "commit": _head(),  # what a later --slice run diffs against to find the families a change names
         "seconds": round(seconds, 1),
         "jobs": args.jobs,
         "versions": _versions(),
@@ -391,6 +392,11 @@ def _report(argv: list[str], args: argparse.Namespace, results: dict[str, Result
         "partial": f"{len(results)} of {of} families" if len(results) < of else "",
         "families": {name: dataclasses.asdict(r) for name, r in results.items()},
     }
+
+
+def _head() -> str:
+    done = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True, cwd=ROOT)
+    return done.stdout.strip() if done.returncode == 0 else ""
 
 
 def wholly_failed(names: list[str], baseline: dict[str, Any]) -> tuple[list[str], list[str]]:
@@ -484,15 +490,20 @@ def main(argv: list[str]) -> int:
     if unknown or args.jobs < 1:
         print(f"conformance: unknown families or columns {unknown} (or --jobs < 1)", file=sys.stderr)
         return 2
+    out, data = destinations(args)
+    table = json.loads(args.baseline.read_text()) if args.baseline else {}  # before any rewrite
+    baseline = table.get("families") if args.baseline else None
     if args.slice:
         from tools.families import REPRESENTATIVE
-        from tools.rotation import parse_slice, sliced
+        from tools.rotation import parse_slice, sliced, touched
 
         part, parts = parse_slice(args.slice)
-        names = sliced(names, part, parts, always=REPRESENTATIVE)
-        print(f"conformance: slice {part}/{parts} of the families, and the representative ones: {len(names)} rows")
-    out, data = destinations(args)
-    baseline = json.loads(args.baseline.read_text())["families"] if args.baseline else None  # before any rewrite
+        # first, so that --budget never cuts them: the rows the change since the baseline's commit names
+        named = touched(names, table["commit"]) if table.get("commit") else []
+        names = [*named, *(n for n in sliced(names, part, parts, always=REPRESENTATIVE) if n not in named)]
+        said = ", ".join(named) or "none"
+        print(f"conformance: families the change since the baseline names ({said}), slice {part}/{parts} of the")
+        print(f"  others and the representative ones: {len(names)} rows")
     if baseline is not None and not args.families:
         names, dead = wholly_failed(names, baseline)
         if dead:  # a crash or hang in their first cell: nothing of theirs can regress, and a hang costs --timeout

@@ -2,14 +2,18 @@
 
 The whole matrix takes about two CPU-hours; CI has well under one. Each run rechecks every N-th family
 (interleaved, so each slice mixes dense and MoE rows) starting at an offset the commit picks, and always
-the representative families: N commits in a row recheck every row.
+the representative families: N commits in a row recheck every row. Before those it rechecks the families a
+change names: those whose model type a line added or removed since the committed table's commit mentions
+(a fix for one family names it in its code, its test or its tiny config).
 """
 
 from __future__ import annotations
 
 import hashlib
+import re
 import subprocess
 from collections.abc import Sequence
+from pathlib import Path
 
 
 def parse_slice(text: str, commit: str | None = None) -> tuple[int, int]:
@@ -52,3 +56,27 @@ def sliced(names: Sequence[str], part: int, parts: int, always: Sequence[str] = 
     """
     chosen = sorted(names)[part::parts]
     return chosen + [n for n in always if n in names and n not in chosen]
+
+
+def named(names: Sequence[str], diff: str) -> list[str]:
+    """The ``names`` that a changed line of ``diff`` (unified format) mentions as a whole word, any case.
+
+    Examples:
+        >>> diff = "--- a/x.py\\n+++ b/x.py\\n+# Apertus' XIELU keeps its beta\\n-hf_llama = 1\\n qwen2 stays"
+        >>> named(["apertus", "llama", "qwen2"], diff)
+        ['apertus']
+    """
+    changed = "\n".join(line[1:] for line in diff.splitlines() if line[:1] in "+-" and line[:3] not in ("+++", "---"))
+    return [n for n in names if re.search(rf"(?<![\w]){re.escape(n)}(?![\w])", changed, re.IGNORECASE)]
+
+
+def touched(names: Sequence[str], since: str, repo: Path | None = None) -> list[str]:
+    """The ``names`` that the change from commit ``since`` to the working tree of ``repo`` mentions (``named``).
+
+    The committed table's own files are left out: regenerating it names every family. An unknown commit (a
+    shallow clone, a rewritten history) names none; the slice and the representative rows still run.
+    """
+    tables = [":!docs/conformance.md", ":!docs/conformance.json"]
+    command = ["git", "diff", since, "--", ".", *tables]
+    diff = subprocess.run(command, capture_output=True, text=True, cwd=repo or Path(__file__).parents[1])
+    return named(names, diff.stdout) if diff.returncode == 0 else []
