@@ -290,7 +290,8 @@ def render(report: dict[str, Any]) -> str:
         "no truth: eager torch itself fails on that capability's reference (its error is quoted). "
         "`(warned: ...)` quotes a torchshard warning the capability raised; `(FSDP: no tp_plan)` marks a cell run "
         "on FSDP alone because hf_rules refuses a family without a tensor-parallel plan. Every family is a tiny "
-        "config (tools/families.py: hidden 64, 2 layers, vocab 128, windows of 8 tokens, 4 experts, 2 per token).",
+        "config derived from its default one by tools/tiny.py (2 layers, vocab 128, windows of 8 tokens, up to 8 "
+        "experts, width shrunk), keeping the relations between its fields (head dims, GQA ratio, ...: see above).",
         "",
         f"Cells: {totals['ok']} ✓, {totals['refused']} refused, {totals['fail']} ✗; "
         f"{sum(bool(r['skipped']) for r in families.values())} of {len(families)} families skipped.",
