@@ -7,7 +7,7 @@ import warnings
 import pytest
 
 from tools.families import config, family
-from tools.tiny import broken_relations, kv_heads, tiny_kwargs
+from tools.tiny import broken_relations, kv_heads, read, tiny_kwargs
 
 transformers = pytest.importorskip("transformers")
 
@@ -45,6 +45,9 @@ def test_the_tiny_config_keeps_the_real_configs_relations(model_type):
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # transformers' notes on rope scaling and token ids of the tiny sizes
         default, tiny = _default(model_type), config(family(model_type))
+        deep = config(family(model_type), layers=4)  # the circular pipeline's depth: per-layer overrides follow it
+    if depth := read(tiny, "num_hidden_layers"):  # nested configs (skipped rows) have none; HRM's counts its cycles
+        assert read(deep, "num_hidden_layers") == 2 * depth
     changed = {relation for (t, relation) in CHANGED if t == model_type}
     assert [b for b in broken_relations(default, tiny) if b.split(":")[0] not in changed] == []
 

@@ -35,7 +35,26 @@ def config(family: Family, *, layers: int = 2) -> Any:
     from transformers.models.auto.configuration_auto import CONFIG_MAPPING_NAMES
 
     config_class = getattr(transformers, CONFIG_MAPPING_NAMES[family.model_type])
-    return config_class(**(tiny_kwargs(config_class(), layers=layers) | dict(family.extra)))
+    default = config_class()
+    return config_class(**(tiny_kwargs(default, layers=layers) | _deepened(default, family.extra, layers)))
+
+
+def _deepened(default: Any, extra: tuple[tuple[str, Any], ...], layers: int) -> dict[str, Any]:
+    """The family's overrides, its per-layer lists (written for two layers) repeated to ``layers``.
+
+    Examples:
+        >>> class Default:
+        ...     num_hidden_layers, layer_types, pattern = 3, ["a", "a", "a"], [1, 2]
+        >>> _deepened(Default(), (("layer_types", ["a", "b"]), ("pattern", [1, 2])), 4)
+        {'layer_types': ['a', 'b', 'a', 'b'], 'pattern': [1, 2]}
+    """
+    depth = getattr(default, "num_hidden_layers", None)
+
+    def per_layer(key: str) -> bool:
+        value = getattr(default, key, None)
+        return isinstance(value, list | tuple) and len(value) == depth
+
+    return {k: (list(v) * layers)[:layers] if isinstance(v, list | tuple) and per_layer(k) else v for k, v in extra}
 
 
 def build(family: Family, *, seed: int = 0, layers: int = 2) -> torch.nn.Module:
