@@ -145,6 +145,22 @@ def test_validate_hf_config(heads, kv_heads, mesh_axes, problems):
         assert re.search(pattern, problem), problem
 
 
+def test_a_config_whose_layers_differ_is_checked_layer_by_layer():
+    # Dots3-Note keeps heads per layer (128 or 64): a global read is transformers' AmbiguousGlobalPerLayerAttributeError
+    from tools.tiny import tiny_kwargs
+
+    kw = tiny_kwargs(transformers.Dots3NoteTextConfig())
+    sliding = kw["per_layer_config"][1] | {"num_attention_heads": 6, "num_key_value_heads": 6}
+    dots = transformers.Dots3NoteTextConfig(**(kw | {"per_layer_config": {1: sliding}}))  # layers of 4 and 6 heads
+    presets.validate_hf_config(dots, ts.make_mesh({"data": 4, "model": 2}))
+    with pytest.raises(ShardingError, match=r"Dots3NoteTextConfig cannot be tensor-parallel .* \(2 problems\)") as err:
+        presets.validate_hf_config(dots, ts.make_mesh({"data": 2, "model": 4}))
+    assert [p.split(" of ")[0] for p in err.value.problems] == [
+        "config.per_layer_config[1].num_attention_heads=6 is not divisible by the 'model' axis size 4",
+        "config.per_layer_config[1].num_key_value_heads=6 is not divisible by the 'model' axis size 4",
+    ]
+
+
 def test_plan_reports_head_counts_with_every_other_problem():
     model = llama(meta=True, num_attention_heads=8, num_key_value_heads=2, head_dim=8, intermediate_size=102)
     mesh = ts.make_mesh({"data": 2, "model": 4})

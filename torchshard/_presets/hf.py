@@ -22,10 +22,21 @@ _HEAD_FIELDS = ("num_attention_heads", "num_key_value_heads")
 
 
 def _head_counts(config: Any) -> tuple[tuple[str, int], ...]:
-    """(config field, value) of the head counts a TP axis must divide; absent or None fields are skipped."""
+    """(config field, value) of the head counts a TP axis must divide; absent or None fields are skipped.
+
+    A heterogeneous config (transformers' ``per_layer_config``: Dots3-Note's layers have 128 or 64 heads) has
+    no global count to read: each layer's counts are checked, named by their layer.
+    """
     text = config.get_text_config() if hasattr(config, "get_text_config") else config
-    values = ((field, getattr(text, field, None)) for field in _HEAD_FIELDS)
-    return tuple((f, v) for f, v in values if isinstance(v, int) and not isinstance(v, bool))
+    layers = text.per_layer_config if getattr(text, "is_heterogeneous", False) is True else ()
+    sources = [(f"per_layer_config[{i}].", layer) for i, layer in enumerate(layers)] or [("", text)]
+    counts: dict[tuple[str, int], str] = {}
+    for prefix, source in sources:
+        for field in _HEAD_FIELDS:
+            value = getattr(source, field, None)
+            if isinstance(value, int) and not isinstance(value, bool):
+                counts.setdefault((field, value), prefix + field)  # each distinct count once, at its first layer
+    return tuple((name, value) for (_, value), name in counts.items())
 
 
 def _head_problems(counts: Sequence[tuple[str, int]], axis: AxisName, mesh: Mesh | AbstractMesh) -> list[str]:
