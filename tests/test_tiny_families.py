@@ -13,7 +13,6 @@ transformers = pytest.importorskip("transformers")
 
 # families whose tiny config cannot keep a relation, and why (each is a row the matrix skips or marks)
 CANNOT = {
-    "dots3_note_text": "its attention fields vary per layer, so no global query head dim can be read",
     "gemma4_assistant": "its default config does not validate",
     "prophetnet": "it has no num_hidden_layers to shrink (encoder and decoder layers instead)",
     "xlnet": "its config refuses a max_position_embeddings",
@@ -65,11 +64,41 @@ def test_the_tiny_config_keeps_the_real_configs_relations(model_type):
         ("gptj", {"rotary_dim": 4, "n_embd": 64}),
         # Falcon-7B: multi-query attention (one KV head for 71 query heads)
         ("falcon", {"num_attention_heads": 4, "multi_query": True}),
+        # Falcon-H1: an SSM inner width of 1024 (1/4 of hidden 4096) in heads of 8, states of 256, chunks of 256
+        (
+            "falcon_h1",
+            {
+                "hidden_size": 128,
+                "mamba_d_ssm": 32,
+                "mamba_n_heads": 4,
+                "mamba_d_head": 8,
+                "mamba_d_state": 16,
+                "mamba_chunk_size": 8,
+            },
+        ),
+        # Bamba: 128 SSM heads of 64 covering hidden × expand 2
+        ("bamba", {"hidden_size": 128, "mamba_n_heads": 16, "mamba_d_head": 16, "mamba_expand": 2}),
+        # Qwen3-Next: gated delta rule with 32 value heads over 16 key heads (of 128, beside attention's 256)
+        (
+            "qwen3_next",
+            {"linear_num_value_heads": 4, "linear_num_key_heads": 2, "linear_key_head_dim": 8, "head_dim": 8},
+        ),
+        # Inkling: sliding-window layers with their own 64 query heads over 16 KV heads
+        ("inkling_text", {"swa_num_attention_heads": 8, "swa_num_key_value_heads": 2, "swa_head_dim": 8}),
+        # Dots3-Note: its sliding layers' MLA queries are 192 + 64 wide where its indexed layers' are 128 + 64
+        ("dots3_note_text", {"qk_nope_head_dim": 16, "qk_rope_head_dim": 8}),
     ],
 )
 def test_known_relations_come_out_as_expected(model_type, expected):
     tiny = config(family(model_type))
-    assert {k: getattr(tiny, k) for k in expected} == expected
+    assert {k: read(tiny, k) for k in expected} == expected
+
+
+def test_a_config_whose_layers_differ_keeps_each_kinds_own_sizes():
+    tiny = config(family("dots3_note_text"))
+    indexed, sliding = tiny.per_layer_config[0], tiny.per_layer_config[1]
+    assert tiny.layer_types == ["indexed_attention", "sliding_attention"]
+    assert (indexed.qk_nope_head_dim, sliding.qk_nope_head_dim, sliding.head_dim) == (16, 24, 32)  # 24 + 8 rotary
 
 
 def test_a_broken_relation_is_named_with_both_values():

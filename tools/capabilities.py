@@ -368,7 +368,10 @@ def _row(model_type: str, folder: Path) -> tuple[Row | None, str]:
             changed = row.batch.clone()
             changed[:, -1] = (changed[:, -1] + 1) % 128
             with torch.no_grad():
-                sees_later = not torch.equal(forward(row.original, changed)["logits"][:, :-1], logits[:, :-1])
+                later = forward(row.original, changed)["logits"][:, :-1]
+            # an encoder moves earlier logits by O(1); a MoE whose expert kernel groups a batch's tokens moves them by
+            # float noise (dots3_note_text: 3e-8) that depends on the thread count, and is causal all the same
+            sees_later = (later - logits[:, :-1]).abs().max() > 1e-4 * max(1.0, float(logits.abs().max()))
         except Exception as err:  # no truth to compare with
             return None, f"cannot build or run eagerly from a tiny config: {type(err).__name__}: {first_line(err)}"
     if sees_later:

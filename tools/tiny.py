@@ -44,19 +44,35 @@ MLA_ROPE = 8  # multi-head latent attention's rotary dim, tiny; its other dims k
 EXPERT_FIELDS = ("num_experts", "num_local_experts", "n_routed_experts", "moe_num_experts")
 TOP_K_FIELDS = ("num_experts_per_tok", "num_experts_per_token", "moe_k", "moe_topk", "top_k")
 SHARED_FIELDS = ("n_shared_experts", "num_shared_experts", "moe_num_shared_experts")
-WIDTH_FIELDS = ("intermediate_size", "moe_intermediate_size", "expert_intermediate_size",
-                "shared_expert_intermediate_size")  # fmt: skip
+# feed-forward widths: every int field so named (intermediate_size, moe_/shared_/dense_..., ffn_dim, decoder_ffn_dim)
+WIDTH = re.compile(r"(^|_)(intermediate_size|ffn_dim)$")
+# state-space heads: (heads, head dim, expand, inner width or None, groups), as each family names them
+SSM_HEADS = (
+    ("num_heads", "head_dim", "expand", None, "n_groups"),  # Mamba-2
+    ("mamba_n_heads", "mamba_d_head", "mamba_expand", "mamba_d_ssm", "mamba_n_groups"),  # Bamba, Falcon-H1, Granite
+    ("mamba_num_heads", "mamba_head_dim", "expand", None, "n_groups"),  # Nemotron-H
+    ("n_mamba_heads", "mamba_headdim", "mamba_expand", None, "mamba_ngroups"),  # Zamba2
+)
+SSM_STATE = ("state_size", "mamba_d_state", "ssm_state_size")
+SSM_CHUNK = ("chunk_size", "mamba_chunk_size")
+# (query or value heads, key heads, key head dim, value head dim) of attention kept apart from the main heads
+SIDE_HEADS = (
+    ("linear_num_key_heads", "linear_num_value_heads", "linear_key_head_dim", "linear_value_head_dim"),
+    ("swa_num_key_value_heads", "swa_num_attention_heads", "swa_head_dim", None),
+)
 _DROPOUT = re.compile(r"dropout|layerdrop|drop_prob|_pdrop")
 # fields set even where the default is None (the config then reads them)
 EVEN_IF_NONE = ("head_dim", "pad_token_id", "num_experts_per_tok")
 
 
 def read(config: Any, name: str) -> Any:
-    """``config.name``, or None where it is missing or varies per layer (transformers refuses a global read)."""
+    """``config.name``, or None where it is missing; the first layer's where it varies per layer (a global read is
+    transformers' AmbiguousGlobalPerLayerAttributeError: Dots3-Note's heads)."""
     try:
         return getattr(config, name, None)
     except Exception:  # transformers' per-layer attribute error has no public base class
-        return None
+        layers = config.per_layer_config
+        return getattr(layers[0], name, None) if len(layers) else None
 
 
 def first(config: Any, names: tuple[str, ...]) -> Any:
@@ -138,20 +154,62 @@ def _attention(default: Any, kw: dict[str, Any]) -> None:
 
 
 def _ssm(default: Any, kw: dict[str, Any]) -> None:
-    """Mamba-2's heads, which must cover hidden × expand: as many heads of the tiny head_dim as that takes."""
-    heads, expand, dim, hidden = (read(default, n) for n in ("num_heads", "expand", "head_dim", "hidden_size"))
-    if all(isinstance(x, int) for x in (heads, expand, dim, hidden)) and heads * dim == hidden * expand:
-        kw["num_heads"] = kw["hidden_size"] * expand // kw["head_dim"]
-        if isinstance(groups := read(default, "n_groups"), int) and kw["num_heads"] % groups:
-            kw["n_groups"] = math.gcd(groups, kw["num_heads"])
+    """State-space heads that cover their inner width (hidden × expand, or Falcon-H1's d_ssm in its real ratio to
+    the hidden size) with heads of at most `HEAD_DIM`; states of 16 and chunks shorter than the sequence."""
+    hidden = read(default, "hidden_size")
+    for heads_field, dim_field, expand_field, inner_field, groups_field in SSM_HEADS:
+        heads, dim, expand = (read(default, n) for n in (heads_field, dim_field, expand_field))
+        inner = read(default, inner_field) if inner_field else None
+        inner = inner if isinstance(inner, int) else expand * hidden if isinstance(expand, int) else None
+        if not all(isinstance(x, int) and x > 0 for x in (heads, dim, hidden, inner)) or heads * dim != inner:
+            continue
+        tiny_dim = min(dim, HEAD_DIM)
+        tiny_inner = _multiple(inner * kw["hidden_size"] / hidden, tiny_dim)
+        kw.update({heads_field: tiny_inner // tiny_dim, dim_field: tiny_dim})
+        if inner_field and isinstance(read(default, inner_field), int):
+            kw[inner_field] = tiny_inner
+        if isinstance(groups := read(default, groups_field), int):
+            kw[groups_field] = math.gcd(groups, tiny_inner // tiny_dim)
+    for name in SSM_STATE:
+        if isinstance(value := read(default, name), int) and value > 16:
+            kw[name] = 16
+    for name in SSM_CHUNK:
+        if isinstance(value := read(default, name), int) and value >= SEQ:
+            kw[name] = SEQ // 2  # two chunks of the shortest sequence: the chunked scan, not one block
+
+
+def _linear_attention(default: Any, kw: dict[str, Any]) -> None:
+    """Linear-attention heads (Qwen3-Next's gated delta rule) and sliding-window heads kept apart from the main
+    ones (Inkling's), each with their own ratios: key vs value heads and dims, against the main head dim."""
+    for key_heads, value_heads, key_dim, value_dim in SIDE_HEADS:
+        kh, vh, kd = read(default, key_heads), read(default, value_heads), read(default, key_dim)
+        if not all(isinstance(x, int) and x > 0 for x in (kh, vh, kd)):
+            continue
+        tiny_v, tiny_k = _heads(vh, kh)
+        main = head_dim(default)
+        tiny_kd = _even(kd * kw["head_dim"] / main, least=8) if main and "head_dim" in kw else min(kd, HEAD_DIM)
+        kw.update({key_heads: tiny_k, value_heads: tiny_v, key_dim: tiny_kd})
+        if value_dim and isinstance(vd := read(default, value_dim), int):
+            kw[value_dim] = _even(vd * tiny_kd / kd)
+
+
+def widths(config: Any) -> dict[str, int]:
+    """The config's feed-forward widths (`WIDTH`), by field name.
+
+    Examples:
+        >>> import transformers
+        >>> widths(transformers.OPTConfig())
+        {'ffn_dim': 3072}
+    """
+    fields = (k for k in vars(config) if not k.startswith("_") and WIDTH.search(k))
+    return {k: v for k in fields if isinstance(v := read(config, k), int) and not isinstance(v, bool)}
 
 
 def _widths(default: Any, kw: dict[str, Any]) -> None:
     """Feed-forward widths in the same ratio to the hidden size as the real model's (at least 16)."""
     hidden = read(default, "hidden_size")
-    for name in WIDTH_FIELDS:
-        value = read(default, name)
-        if isinstance(value, int) and value > 0 and isinstance(hidden, int) and hidden > 0:
+    for name, value in widths(default).items():
+        if value > 0 and isinstance(hidden, int) and hidden > 0:
             kw[name] = _multiple(value * kw["hidden_size"] / hidden, 16)
 
 
@@ -216,15 +274,38 @@ def tiny_kwargs(default: Any, *, layers: int = 2) -> dict[str, Any]:
         >>> kw["num_attention_heads"], kw["head_dim"], kw["hidden_size"]  # 4 of 16 for 48: the same 3/4
         (4, 16, 48)
     """
+    kw = _flat(default, layers)
+    _per_layer(default, kw, layers)
+    _heterogeneous(default, kw, layers)
+    return kw
+
+
+def _flat(default: Any, layers: int) -> dict[str, Any]:
     kw: dict[str, Any] = {}
     _attention(default, kw)
     _ssm(default, kw)
+    _linear_attention(default, kw)
     _widths(default, kw)
     _experts(default, kw)
     kw |= FIXED | {"num_hidden_layers": layers}
-    kw = {k: v for k, v in kw.items() if _settable(default, k)}
-    _per_layer(default, kw, layers)
-    return kw
+    return {k: v for k, v in kw.items() if _settable(default, k)}
+
+
+def _heterogeneous(default: Any, kw: dict[str, Any], depth: int) -> None:
+    """A config whose layers override its fields (``per_layer_config``: Dots3-Note's sliding layers have 64 heads
+    of 256 where its indexed ones have 128 of 192): each tiny layer keeps the overrides of the first real layer of
+    its kind, shrunk as that layer's own config would be."""
+    overrides = {int(i): o for i, o in (getattr(default, "to_dict", dict)().get("per_layer_config") or {}).items()}
+    if not overrides:
+        return
+    kinds, tiny_kinds = read(default, "layer_types"), kw.get("layer_types")
+    per_layer = {}
+    for i in range(depth):
+        real = kinds.index(tiny_kinds[i]) if kinds and tiny_kinds else i
+        if real in overrides:
+            shrunk = _flat(default.per_layer_config[real], depth)
+            per_layer[i] = {k: shrunk.get(k, v) for k, v in overrides[real].items()}
+    kw["per_layer_config"] = per_layer
 
 
 # ---------------------------------------------------------------- the relations, named and checked
@@ -298,6 +379,23 @@ def _kinds_kept(want: frozenset[str], got: frozenset[str] | None) -> bool:
     return got is not None and got <= want and len(got) == min(2, len(want))
 
 
+def _width_ratios(config: Any) -> tuple[int, dict[str, int]] | None:
+    hidden, found = read(config, "hidden_size"), widths(config)
+    return (hidden, found) if isinstance(hidden, int) and hidden > 0 and found else None
+
+
+def _widths_kept(want: tuple[int, dict[str, int]], got: tuple[int, dict[str, int]] | None) -> bool:
+    # a tiny width is the real ratio times the tiny hidden size, a multiple of 16 (at least 16): within 16 of
+    # it; 0 stays 0 (no shared expert)
+    if got is None:
+        return False
+    (real_hidden, real), (hidden, tiny) = want, got
+    return all(
+        name in tiny and (tiny[name] == 0 if width <= 0 else abs(tiny[name] - width * hidden / real_hidden) <= 16)
+        for name, width in real.items()
+    )
+
+
 def _equal(want: Any, got: Any) -> bool:
     if isinstance(want, float) and isinstance(got, float):
         return math.isclose(want, got, rel_tol=1e-6)
@@ -315,6 +413,7 @@ RELATIONS: dict[str, tuple[Callable[[Any], Any], ...]] = {
     "top-k over several experts": (_routes_to_several, _routes_to_several),
     "tied embeddings": (_tied, _tied),
     "layer kinds": (_layer_kinds, _layer_kinds, _kinds_kept),
+    "feed-forward widths / hidden size": (_width_ratios, _width_ratios, _widths_kept),
 }
 
 
