@@ -165,6 +165,18 @@ OPS = [
         _inputs(14, (2, 4, 6, 8), (2, 4, 5, 8), (2, 4, 5, 8), (2, 1, 6, 5)),
         (0, 1, 2),
     ),
+    (  # one key head broadcast over the query heads without enable_gqa: Falcon's multi-query attention
+        "attention_one_key_head_blocked_rows",
+        lambda q, k, v, m: F.scaled_dot_product_attention(q, k, v, attn_mask=(m > -0.5) & _seen_rows(m)).sin().sum(),
+        _inputs(29, (2, 4, 6, 8), (2, 1, 5, 8), (2, 1, 5, 8), (2, 1, 6, 5)),
+        (0, 1, 2),
+    ),
+    (  # no head dim: torchax's own attention, whose softmax over no key gives NaN where torch gives zeros
+        "attention_3d_blocked_rows",
+        lambda q, k, v, m: F.scaled_dot_product_attention(q, k, v, attn_mask=(m > -0.5) & _seen_rows(m)).sin().sum(),
+        _inputs(30, (4, 6, 8), (4, 5, 8), (4, 5, 8), (1, 6, 5)),
+        (0, 1, 2),
+    ),
     (
         "cross_entropy_weight_ignore_index",
         lambda logits, w, target: F.cross_entropy(logits, target.masked_fill(target == 3, -100), weight=w.exp()),

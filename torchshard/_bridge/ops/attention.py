@@ -106,18 +106,28 @@ def attention(reference: Callable[..., Any], call_jax: Callable[..., Any]) -> Ca
         call_jax: calls a JAX function on torch tensors (torchax's ``interop.call_jax``).
     """
 
+    def torchax_sdpa(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa, env):
+        if attn_mask is None:
+            return reference(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa, env=env)
+        # torchax's softmax over no key gives NaN values and NaN gradients; torch's SDPA gives those rows zeros
+        seen = (attn_mask if attn_mask.dtype == torch.bool else attn_mask > float("-inf")).any(-1, keepdim=True)
+        open_rows = attn_mask | ~seen if attn_mask.dtype == torch.bool else attn_mask.masked_fill(~seen, 0)
+        out = reference(query, key, value, open_rows, dropout_p, is_causal, scale, enable_gqa, env=env)
+        return out.masked_fill(~seen, 0)
+
     def sdpa(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False, env=None):
         grouped = query.ndim == 4 and key.ndim == 4 and query.shape[1] % key.shape[1] == 0
         empty = grouped and (query.shape[2] == 0 or key.shape[2] == 0)  # no tile to fold: torchax's own op
-        if not grouped or empty or (query.shape[1] != key.shape[1] and not enable_gqa):
-            return reference(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa, env=env)
+        # one key head broadcasts over the query heads in torch without enable_gqa (Falcon's multi-query attention)
+        if not grouped or empty or (query.shape[1] != key.shape[1] and not enable_gqa and key.shape[1] != 1):
+            return torchax_sdpa(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa, env)
         policy = kernels.current(_platform())
         call = _call(query, key, value, attn_mask, dropout_p, is_causal)
         choice = kernels.choose(policy.requested, call, policy.platform, devices=policy.devices)
         if policy.record is not None:
             policy.record.setdefault(call.site, choice)
         if choice.kernel == "reference":
-            return reference(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa, env=env)
+            return torchax_sdpa(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa, env)
         if choice.kernel == "xla" or choice.kernel == "cudnn":
             fused = functools.partial(fused_jax, "xla" if choice.kernel == "xla" else "cudnn")
             return call_jax(fused, query, key, value, attn_mask, is_causal, scale)
