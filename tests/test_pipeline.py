@@ -270,6 +270,47 @@ def test_a_flat_stream_whose_positions_go_whole_to_every_micro_batch_names_the_s
         run.step(streams(1)[0])
 
 
+class Biased(nn.Module):
+    """A block taking a per-head bias with the rows folded into its leading dim, [rows × heads, 1, dim / heads]:
+    Bloom's ALiBi layout."""
+
+    def __init__(self, heads=4):
+        super().__init__()
+        self.block, self.heads = Block(), heads
+
+    def forward(self, h, bias):
+        b, s, d = h.shape
+        return self.block((h.reshape(b * self.heads, s, d // self.heads) + bias).reshape(b, s, d))
+
+
+class FoldedBias(BlockStack):
+    def __init__(self):
+        super().__init__(depth=4)
+        self.blocks = nn.ModuleList(Biased() for _ in range(4))
+
+    def forward(self, ids):
+        h = self.embed(ids)
+        bias = torch.arange(4 * ids.shape[0], dtype=h.dtype, device=h.device)[:, None, None].repeat(1, 1, 8) / 10
+        for block in self.blocks:
+            h = block(h, bias)
+        return self.head(self.norm(h))
+
+
+def test_an_argument_that_folds_the_rows_with_another_dim_is_named_with_the_fix():
+    torch.manual_seed(0)
+    model = FoldedBias()
+    plan = ts.plan(model, ts.make_mesh({"stage": 2, "data": 4}), FSDP)
+    trainer = ts.Trainer(model, blocks_loss, adamw(), plan, pipeline=Pipeline(microbatches=2))
+    folded = (
+        r"Pipeline: blocks: a layer failed \(.+\) after the pipeline split the hidden state \[8, 11, 32\] "
+        r"along dim 0 into microbatches=2 and gave bias \(float32\[32, 1, 8\], 8 rows × 4\) whole to "
+        r"every micro-batch: its leading dim folds the rows with another dim.*rows leading"
+    )
+    with pytest.raises(ShardingError, match=folded):
+        trainer.step(batches(1)[0])
+    assert trainer.step_count == 0
+
+
 @pytest.mark.slow
 def test_a_flat_stream_with_per_row_positions_marked_as_a_column_trains_like_eager_torch():
     data = streams()

@@ -260,7 +260,11 @@ def run(
             # all-to-all): the loop cannot split them too, and keeps the weights sharded (traffic per iteration)
             buffer = _looped(loop, to_microbatches(h, m), 1, len(blocks))
     except (TypeError, ValueError) as err:
-        if isinstance(err, ShardingError) or not (whole_rows := _whole_rows(h, others, names)):
+        if isinstance(err, ShardingError):
+            raise
+        if folded := _folded_rows(h, others, names):
+            raise ShardingError(_folded_rows_message(err, where, h, m, folded)) from err
+        if not (whole_rows := _whole_rows(h, others, names)):
             raise
         raise ShardingError(_whole_rows_message(err, where, h, m, whole_rows)) from err
     return from_microbatches(buffer[0]), jax.random.fold_in(key, spec.iterations)
@@ -288,6 +292,30 @@ def _whole_rows(h: jax.Array, others: Sequence[jax.Array], names: Sequence[str])
         for n, x in zip(named, others, strict=False)
         if x.ndim == 1 and not split_with_rows(x, h.shape[0]) and x.shape[0] == h.shape[0]
     ]
+
+
+def _folded_rows(h: jax.Array, others: Sequence[jax.Array], names: Sequence[str]) -> list[str]:
+    """Call arguments whose leading dim is a multiple of the rows (folded with another): ``name dtype[shape]``."""
+    named = [*names, *(f"argument #{i + 1}" for i in range(len(names), len(others)))]
+    rows = h.shape[0]
+    return [
+        f"{n} ({x.dtype}{list(x.shape)}, {rows} rows × {x.shape[0] // rows})"
+        for n, x in zip(named, others, strict=False)
+        if x.ndim >= 2 and rows > 1 and x.shape[0] > rows and x.shape[0] % rows == 0
+    ]
+
+
+def _folded_rows_message(err: BaseException, where: str, h: jax.Array, m: int, folded: Sequence[str]) -> str:
+    # Split only what leads with the rows: a leading dim that is merely a multiple of them is as often a
+    # table over positions (rotary cos/sin [seq, dim]), which every micro-batch needs whole
+    first = (str(err).strip().splitlines() or [""])[0]
+    return (
+        f"{where}: a layer failed ({type(err).__name__}: {first}) after the pipeline split the hidden state "
+        f"{list(h.shape)} along dim 0 into microbatches={m} and gave {', '.join(folded)} whole to every "
+        f"micro-batch: its leading dim folds the rows with another dim (as Bloom's ALiBi bias, [batch × heads, 1, "
+        f"seq]), which a pipeline cannot tell from a table over positions. Pass it with the rows leading "
+        f"([batch, heads, ...]), or leave this stack unpipelined"
+    )
 
 
 def _whole_rows_message(err: BaseException, where: str, h: jax.Array, m: int, whole: Sequence[str]) -> str:
