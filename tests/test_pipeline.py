@@ -322,6 +322,45 @@ def test_a_flat_stream_with_per_row_positions_marked_as_a_column_trains_like_eag
     np.testing.assert_allclose([float(run.step(b)["loss"]) for b in data], expected, rtol=1e-4)
 
 
+class Rotated(nn.Module):
+    """A block whose input is first rotated as complex numbers, as DeepSeek-V2's rotary embedding (freqs_cis)."""
+
+    def __init__(self):
+        super().__init__()
+        self.block = Block()
+
+    def forward(self, h, freqs):
+        rotated = torch.view_as_complex(h.reshape(*h.shape[:-1], -1, 2)) * freqs
+        return self.block(torch.view_as_real(rotated).flatten(-2))
+
+
+class ComplexRotary(BlockStack):
+    def __init__(self):
+        super().__init__(depth=4)
+        self.blocks = nn.ModuleList(Rotated() for _ in range(4))
+
+    def forward(self, ids):
+        h = self.embed(ids)
+        angles = torch.arange(ids.shape[1], device=h.device)[:, None] * 100.0 ** -(torch.arange(16) / 16)
+        freqs = torch.polar(torch.ones_like(angles), angles)  # [seq, dim / 2] complex64
+        for block in self.blocks:
+            h = block(h, freqs)
+        return self.head(self.norm(h))
+
+
+def test_layers_that_multiply_complex_numbers_train_like_eager_torch_under_gpipe():
+    # gpipe's backward keeps what each layer computes, which remat rounds with reduce_precision: no complex dtype
+    data = batches(3)
+    torch.manual_seed(0)
+    ref = ComplexRotary()
+    expected = torch_losses(ref, blocks_loss, torch.optim.AdamW(ref.parameters(), lr=LR, weight_decay=WD), data)
+    torch.manual_seed(0)
+    model = ComplexRotary()
+    plan = ts.plan(model, ts.make_mesh({"stage": 2, "data": 4}), FSDP)
+    run = ts.Trainer(model, blocks_loss, adamw(), plan, pipeline=Pipeline(microbatches=2))
+    np.testing.assert_allclose([float(run.step(b)["loss"]) for b in data], expected, rtol=1e-4)
+
+
 def hf_loss(model, batch):
     ids, mask = batch
     return model(input_ids=ids, attention_mask=mask, labels=ids, use_cache=False).loss

@@ -186,10 +186,12 @@ def per_stage(x: jax.Array, index: jax.Array) -> jax.Array:
     return jax.vmap(lambda i: jax.lax.dynamic_index_in_dim(x, i, 0, keepdims=False))(index)
 
 
-def _unsliced(prim: Any, *_: Any, **__: Any) -> bool:
+def _unsliced(prim: Any, *avals: Any, **__: Any) -> bool:
     # a layer's slice of the stack is not kept for the backward, which slices the stack again: kept, it would be a
-    # copy of the stack (autodiff stacks a loop-invariant residual outside the loop)
-    return prim not in (jax.lax.dynamic_slice_p, jax.lax.gather_p)
+    # copy of the stack (autodiff stacks a loop-invariant residual outside the loop). Nor is a complex value (a
+    # rotary product): remat rounds what it keeps with reduce_precision, which refuses complex dtypes
+    complex_in = any(jnp.iscomplexobj(a) for a in avals if hasattr(a, "dtype"))
+    return prim not in (jax.lax.dynamic_slice_p, jax.lax.gather_p, jax.lax.complex_p) and not complex_in
 
 
 def backward_policy(spec: Stages, policy: Any) -> Any:
@@ -246,9 +248,10 @@ def run(
         for k, w in params.items()
     }
     others = narrowed(others, rows)
+    layer_fn = reordered(layer_fn, others, rows)
     split = tuple(to_microbatches(x, m) for x in others if split_with_rows(x, rows))
     whole = tuple(x for x in others if not split_with_rows(x, rows))
-    loop = _Loop(spec, reordered(layer_fn, others, rows), weights, split, whole, key, backward_policy(spec, policy))
+    loop = _Loop(spec, layer_fn, weights, split, whole, key, backward_policy(spec, policy))
     shards = copies_for(spec, rows // m)
     try:
         try:
