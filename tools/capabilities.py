@@ -317,7 +317,7 @@ def plan_compile(row: Row, work: Work) -> Cell:
     progress = ("note:", "error: invalid", "tracing", "compiling", "lowering", "building")
     lines = [x for x in err.getvalue().splitlines() if x.strip() and not x.strip().startswith(progress)]
     if code == EXIT_INVALID_PLAN:
-        return Cell("refused", f"ShardingError: {lines[0] if lines else ''}"[:300])
+        return Cell("refused", f"ShardingError: {' '.join(line.strip() for line in lines)}"[:300])  # with its problems
     if code:
         return Cell("fail", f"exit {code}: {lines[-1] if lines else ''}"[:300])
     compiled = json.loads(out.getvalue())["compiled"]
