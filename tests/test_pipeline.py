@@ -303,7 +303,7 @@ def test_an_argument_that_folds_the_rows_with_another_dim_is_named_with_the_fix(
     trainer = ts.Trainer(model, blocks_loss, adamw(), plan, pipeline=Pipeline(microbatches=2))
     folded = (
         r"Pipeline: blocks: a layer failed \(.+\) after the pipeline split the hidden state \[8, 11, 32\] "
-        r"along dim 0 into microbatches=2 and gave bias \(float32\[32, 1, 8\], 8 rows × 4\) whole to "
+        r"along dim 0 into microbatches=2 of 4 rows and gave bias \(float32\[32, 1, 8\], 8 rows × 4\) whole to "
         r"every micro-batch: its leading dim folds the rows with another dim.*rows leading"
     )
     with pytest.raises(ShardingError, match=folded):

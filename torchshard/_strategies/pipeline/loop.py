@@ -308,26 +308,29 @@ def _folded_rows(h: jax.Array, others: Sequence[jax.Array], names: Sequence[str]
     ]
 
 
-def _folded_rows_message(err: BaseException, where: str, h: jax.Array, m: int, folded: Sequence[str]) -> str:
-    # Split only what leads with the rows: a leading dim that is merely a multiple of them is as often a
-    # table over positions (rotary cos/sin [seq, dim]), which every micro-batch needs whole
+def _failed_after_split(err: BaseException, where: str, h: jax.Array, m: int, whole: Sequence[str]) -> str:
     first = (str(err).strip().splitlines() or [""])[0]
     return (
         f"{where}: a layer failed ({type(err).__name__}: {first}) after the pipeline split the hidden state "
-        f"{list(h.shape)} along dim 0 into microbatches={m} and gave {', '.join(folded)} whole to every "
-        f"micro-batch: its leading dim folds the rows with another dim (as Bloom's ALiBi bias, [batch × heads, 1, "
-        f"seq]), which a pipeline cannot tell from a table over positions. Pass it with the rows leading "
-        f"([batch, heads, ...]), or leave this stack unpipelined"
+        f"{list(h.shape)} along dim 0 into microbatches={m} of {h.shape[0] // m} rows and gave {', '.join(whole)} "
+        f"whole to every micro-batch: "
+    )
+
+
+def _folded_rows_message(err: BaseException, where: str, h: jax.Array, m: int, folded: Sequence[str]) -> str:
+    # Split only what leads with the rows: a leading dim that is merely a multiple of them is as often a
+    # table over positions (rotary cos/sin [seq, dim]), which every micro-batch needs whole
+    return _failed_after_split(err, where, h, m, folded) + (
+        "its leading dim folds the rows with another dim (as Bloom's ALiBi bias, [batch × heads, 1, seq]), which "
+        "a pipeline cannot tell from a table over positions. Pass it with the rows leading ([batch, heads, ...]), "
+        "or leave this stack unpipelined"
     )
 
 
 def _whole_rows_message(err: BaseException, where: str, h: jax.Array, m: int, whole: Sequence[str]) -> str:
     rows = h.shape[0]
-    first = (str(err).strip().splitlines() or [""])[0]
-    return (
-        f"{where}: a layer failed ({type(err).__name__}: {first}) after the pipeline split the hidden state "
-        f"{list(h.shape)} along dim 0 into microbatches={m} of {rows // m} rows and gave {', '.join(whole)} whole "
-        f"to every micro-batch: a rank-1 argument is taken as per-position (like cache_position), not per-row. "
+    return _failed_after_split(err, where, h, m, whole) + (
+        f"a rank-1 argument is taken as per-position (like cache_position), not per-row. "
         f"If the rows are independent samples, give it a trailing dim (x[:, None], shape [{rows}, 1]) so it is "
         f"split with them. If they are one flat token stream (tokens [T] with positions [T]), a micro-batch would "
         f"cut the sequence and tokens could attend only within it: feed rows of sequences instead, tokens [B, S] "
