@@ -326,6 +326,77 @@ def _check_no_match(row: Row, column: str, found: re.Match, monkeypatch: pytest.
     assert not matched, matched
 
 
+def _check_not_identical(row: Row, column: str, found: re.Match, monkeypatch: pytest.MonkeyPatch) -> None:
+    stack = row.fresh().get_submodule(found["stack"])
+    first, other = stack[0], stack[int(found["index"])]
+    if found["type"]:
+        assert [type(other).__name__, type(first).__name__] == [found["type"], found["type0"]]
+        return
+    if found["setting"]:  # a setting of a submodule: its value in both blocks, as the reason quotes them
+        where, _, key = found["setting"].rpartition(".")
+        values = [repr(getattr(b.get_submodule(where), key, None)) for b in (other, first)]
+        assert values == [found["value"], found["first"]], values
+        return
+    layout = [[(n, type(m).__name__, tuple(p.shape)) for n, m in b.named_modules() for p in m.parameters(False)]
+              + [(n, type(m).__name__, ()) for n, m in b.named_modules()] for b in (first, other)]  # fmt: skip
+    assert layout[0] != layout[1], f"{found['stack']}.{found['index']} has block 0's submodules and parameters"
+
+
+def _block_calls(model: nn.Module, name: str, run: Callable[[], Any]) -> list[tuple[tuple[Any, ...], Any]]:
+    """(positional and keyword arguments, output) of each eager call of the module ``name``."""
+    calls: list[tuple[tuple[Any, ...], Any]] = []
+
+    def hook(module: nn.Module, args: Any, kwargs: Any, out: Any) -> None:
+        calls.append(((*args, *kwargs.values()), out))
+
+    handle = model.get_submodule(name).register_forward_hook(hook, with_kwargs=True)
+    try:
+        run()
+    finally:
+        handle.remove()
+    return calls
+
+
+def _check_block_outputs(row: Row, column: str, found: re.Match, monkeypatch: pytest.MonkeyPatch) -> None:
+    model = row.fresh()
+    outs = [out for _, out in _block_calls(model, found["block"], _eager_step(model, column))]
+    counts = {len([t for t in (o if isinstance(o, tuple) else (o,)) if isinstance(t, torch.Tensor)]) for o in outs}
+    assert counts == {int(found["count"])}, counts
+
+
+def _check_folded_rows(row: Row, column: str, found: re.Match, monkeypatch: pytest.MonkeyPatch) -> None:
+    model = row.fresh()
+    shape = tuple(int(n) for n in found["shape"].split(","))
+    assert shape[0] == int(found["rows"]) * int(found["times"]), shape
+    calls = _block_calls(model, f"{found['stack']}.0", _eager_step(model, column))
+    got = [tuple(a.shape) for args, _ in calls for a in args if isinstance(a, torch.Tensor)]
+    assert shape in got, f"eager {found['stack']}.0 gets no {list(shape)} argument: {got}"
+
+
+def _check_several_stacks(row: Row, column: str, found: re.Match, monkeypatch: pytest.MonkeyPatch) -> None:
+    model = row.fresh()
+    stacks = re.findall(r"'([\w.]+)'", found["stacks"])
+    for name in stacks:
+        blocks = model.get_submodule(name)
+        assert isinstance(blocks, nn.ModuleList) and len({type(b) for b in blocks}) == 1, name
+    assert len(stacks) > 1 and all(_called_module(model, f"{n}.0", _eager_step(model, column)) for n in stacks)
+
+
+def _check_call_order(row: Row, column: str, found: re.Match, monkeypatch: pytest.MonkeyPatch) -> None:
+    model = row.fresh()
+    stack, _, _ = found["module"].rpartition(".")
+    order: list[int] = []
+    handles = [
+        b.register_forward_hook(lambda *a, i=i: order.append(i)) for i, b in enumerate(model.get_submodule(stack))
+    ]
+    try:
+        _eager_step(model, column)()
+    finally:
+        for handle in handles:
+            handle.remove()
+    assert order != sorted(set(order)), f"eager runs {stack}'s blocks once each, in order: {order}"
+
+
 _CALLER = r"(?:called by (?P<caller>[\w.]+) )?"
 _MODULE = r"\w+ '(?P<module>[\w.]+)'"
 _NO_PAST = (
@@ -379,6 +450,23 @@ KINDS = {
         r"has no stacked expert weights in its ep_plan or tp_plan(?:.*?it has 3-D weights \((?P<stacked>[\w.]+))?",
         _check_no_experts,
     ),
+    "not_identical": Kind(
+        r"(?P<stack>[\w.]+?)\.(?P<index>\d+) (?:is a (?P<type>\w+), block 0 a (?P<type0>\w+)|differs from block 0: "
+        r"its (?:submodules differ|parameters or buffers differ|setting (?P<setting>[\w.]+) is (?P<value>.+?), "
+        r"block 0's is (?P<first>[^;)]+)))",
+        _check_not_identical,
+    ),
+    "block_outputs": Kind(
+        r"scan_layers: (?P<block>[\w.]+) returned (?P<count>\d+) tensor\(s\); a scanned block may return only",
+        _check_block_outputs,
+    ),
+    "folded_rows": Kind(
+        r"Pipeline: (?P<stack>[\w.]+): a layer failed .* gave \w+ \((?P<dtype>\w+)\[(?P<shape>[\d, ]+)\], "
+        r"(?P<rows>\d+) rows × (?P<times>\d+)\) whole",
+        _check_folded_rows,
+    ),
+    "several_stacks": Kind(r"has several stacks of identical layers \[(?P<stacks>[^\]]+)\]", _check_several_stacks),
+    "call_order": Kind(r"scan_layers: (?P<module>[\w.]+) was called when block \d+ was next", _check_call_order),
     "pattern_matches_nothing": Kind(r"pattern '(?P<pattern>.+?)' matches no tensor of the model", _check_no_match),
 }
 # refusals whose stated reason names no construct, each with why (not torchshard's to fix)

@@ -104,10 +104,12 @@ MOE = [
     *(_f(t, moe=True) for t in ("afmoe", "aria_text", "axk1", "axk2", "beam", "cohere2_moe", "deepseek_v2",
                                 "deepseek_v3", "deepseek_v4", "ernie4_5_moe", "exaone_moe",
                                 "flex_olmo", "glm4_moe", "glm4_moe_lite", "glm_moe_dsa", "granitemoe",
-                                "granitemoe_swa", "granitemoeshared", "hunyuan_v1_moe", "hy_v3", "hy_v4",
+                                "granitemoe_swa", "granitemoeshared", "hy_v3", "hy_v4",
                                 "inkling_text", "kolibri1", "laguna", "llama4_text", "mellum", "mimo_v2_flash",
                                 "minimax", "minimax_m2", "minimax_m3_vl_text", "mixtral", "olmoe", "qwen2_moe",
                                 "qwen3_moe", "solar_open")),
+    # its default config has one expert, top-1 (a dense MLP); Hunyuan-A13B routes each token to 8 of 64
+    _f("hunyuan_v1_moe", moe=True, num_experts=8, moe_topk=2),
     _f("deepseek_v32", moe=True),  # its indexer keeps every key (tools.tiny.FIXED's index_topk)
     _f("flint"),  # an MoE family whose 2-layer config builds dense MLPs only (no stacked experts)
     _f("bailing_hybrid", moe=True),
