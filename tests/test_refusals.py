@@ -397,6 +397,22 @@ def _check_call_order(row: Row, column: str, found: re.Match, monkeypatch: pytes
     assert order != sorted(set(order)), f"eager runs {stack}'s blocks once each, in order: {order}"
 
 
+def _check_gqa_flag(row: Row, column: str, found: re.Match, monkeypatch: pytest.MonkeyPatch) -> None:
+    model = row.fresh()
+    calls = _sdpa_calls(monkeypatch, model, _eager_step(model, "train"))
+    heads = (int(found["q"]), int(found["kv"]))
+    assert any((c.query[1], c.key[1]) == heads for c in calls), (heads, calls)
+
+
+def _check_indivisible(row: Row, column: str, found: re.Match, monkeypatch: pytest.MonkeyPatch) -> None:
+    shape = tuple(int(n) for n in found["shape"].split(","))
+    assert tuple(row.original.state_dict()[found["name"]].shape) == shape
+
+
+def _check_too_few_layers(row: Row, column: str, found: re.Match, monkeypatch: pytest.MonkeyPatch) -> None:
+    assert len(row.fresh().get_submodule(found["stack"])) == int(found["count"])
+
+
 _CALLER = r"(?:called by (?P<caller>[\w.]+) )?"
 _MODULE = r"\w+ '(?P<module>[\w.]+)'"
 _NO_PAST = (
@@ -467,6 +483,11 @@ KINDS = {
     ),
     "several_stacks": Kind(r"has several stacks of identical layers \[(?P<stacks>[^\]]+)\]", _check_several_stacks),
     "call_order": Kind(r"scan_layers: (?P<module>[\w.]+) was called when block \d+ was next", _check_call_order),
+    "gqa_flag": Kind(r"(?P<q>\d+) query heads and (?P<kv>\d+) key/value heads need enable_gqa=True", _check_gqa_flag),
+    "indivisible_dim": Kind(
+        r"- (?P<name>[\w.]+) \((?P<shape>[\d, ]+)\) spec .*? is not divisible by", _check_indivisible
+    ),
+    "too_few_layers": Kind(r"(?P<stack>[\w.]+) has (?P<count>\d+) (?:block\(s\)|layers)", _check_too_few_layers),
     "pattern_matches_nothing": Kind(r"pattern '(?P<pattern>.+?)' matches no tensor of the model", _check_no_match),
 }
 # refusals whose stated reason names no construct, each with why (not torchshard's to fix)
