@@ -348,7 +348,10 @@ class ComplexRotary(BlockStack):
         return self.head(self.norm(h))
 
 
-def test_layers_that_multiply_complex_numbers_train_like_eager_torch_under_gpipe():
+@pytest.mark.parametrize(
+    "kwargs", [{}, {"remat": ts.Remat(r"blocks\.\d+", policy="everything_saveable")}], ids=["all", "remat"]
+)
+def test_layers_that_multiply_complex_numbers_train_like_eager_torch_under_gpipe(kwargs):
     # gpipe's backward keeps what each layer computes, which remat rounds with reduce_precision: no complex dtype
     data = batches(3)
     torch.manual_seed(0)
@@ -357,7 +360,7 @@ def test_layers_that_multiply_complex_numbers_train_like_eager_torch_under_gpipe
     torch.manual_seed(0)
     model = ComplexRotary()
     plan = ts.plan(model, ts.make_mesh({"stage": 2, "data": 4}), FSDP)
-    run = ts.Trainer(model, blocks_loss, adamw(), plan, pipeline=Pipeline(microbatches=2))
+    run = ts.Trainer(model, blocks_loss, adamw(), plan, pipeline=Pipeline(microbatches=2), **kwargs)
     np.testing.assert_allclose([float(run.step(b)["loss"]) for b in data], expected, rtol=1e-4)
 
 

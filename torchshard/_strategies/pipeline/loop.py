@@ -201,7 +201,7 @@ def backward_policy(spec: Stages, policy: Any) -> Any:
         return jax.checkpoint_policies.nothing_saveable
     if policy is None:
         return _unsliced
-    return lambda prim, *args, **params: _unsliced(prim) and policy(prim, *args, **params)
+    return lambda prim, *args, **params: _unsliced(prim, *args) and policy(prim, *args, **params)
 
 
 def run(
@@ -248,10 +248,9 @@ def run(
         for k, w in params.items()
     }
     others = narrowed(others, rows)
-    layer_fn = reordered(layer_fn, others, rows)
     split = tuple(to_microbatches(x, m) for x in others if split_with_rows(x, rows))
     whole = tuple(x for x in others if not split_with_rows(x, rows))
-    loop = _Loop(spec, layer_fn, weights, split, whole, key, backward_policy(spec, policy))
+    loop = _Loop(spec, reordered(layer_fn, others, rows), weights, split, whole, key, backward_policy(spec, policy))
     shards = copies_for(spec, rows // m)
     try:
         try:
@@ -287,23 +286,27 @@ def _looped(loop: _Loop, micro: jax.Array, shards: int, lead: int) -> jax.Array:
     return buffer
 
 
+def _named(others: Sequence[jax.Array], names: Sequence[str]) -> list[tuple[str, jax.Array]]:
+    """The call arguments with their parameter names, "argument #i" past the named ones."""
+    named = [*names, *(f"argument #{i + 1}" for i in range(len(names), len(others)))]
+    return list(zip(named, others, strict=False))
+
+
 def _whole_rows(h: jax.Array, others: Sequence[jax.Array], names: Sequence[str]) -> list[str]:
     """The rank-1 call arguments as long as the rows, which went whole to every micro-batch: ``name dtype[shape]``."""
-    named = [*names, *(f"argument #{i + 1}" for i in range(len(names), len(others)))]
     return [
         f"{n} ({x.dtype}{list(x.shape)})"
-        for n, x in zip(named, others, strict=False)
+        for n, x in _named(others, names)
         if x.ndim == 1 and not split_with_rows(x, h.shape[0]) and x.shape[0] == h.shape[0]
     ]
 
 
 def _folded_rows(h: jax.Array, others: Sequence[jax.Array], names: Sequence[str]) -> list[str]:
     """Call arguments whose leading dim is a multiple of the rows (folded with another): ``name dtype[shape]``."""
-    named = [*names, *(f"argument #{i + 1}" for i in range(len(names), len(others)))]
     rows = h.shape[0]
     return [
         f"{n} ({x.dtype}{list(x.shape)}, {rows} rows × {x.shape[0] // rows})"
-        for n, x in zip(named, others, strict=False)
+        for n, x in _named(others, names)
         if x.ndim >= 2 and rows > 1 and x.shape[0] > rows and x.shape[0] % rows == 0
     ]
 
