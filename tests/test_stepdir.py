@@ -191,25 +191,44 @@ def check_after_kill(root: pathlib.Path, last_newest: int) -> int:
     return max(steps, default=last_newest)
 
 
+def seconds_per_save(root: pathlib.Path) -> float:
+    """The median time of one save here, now: kill delays scale with it, so a loaded machine tests as much."""
+    times = []
+    for step in range(1, 8):
+        start = time.perf_counter()
+        save_fake(root, step, f"{step}.0")
+        times.append(time.perf_counter() - start)
+    return sorted(times)[len(times) // 2]
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("background", [False, True], ids=["sync", "background"])
 def test_sigkill_at_random_points_of_save_resave_and_prune(tmp_path, background):
     rng = random.Random(0)
+    # fixed delays (2-40 ms) once let a loaded CI machine kill every writer before its first commit,
+    # so the delays are drawn from 0-4 saves as timed here, and counted from when the child is running
+    per_save = seconds_per_save(tmp_path / "calibration")
+    root = tmp_path / "run"
     newest, first = 0, 1
     for _ in range(30):
+        ready_r, ready_w = os.pipe()
         with warnings.catch_warnings():  # JAX warns of forks; the child never touches JAX
             warnings.filterwarnings("ignore", r"os\.fork\(\) was called", RuntimeWarning)
             pid = os.fork()
         if pid == 0:  # the child only runs pure-Python file operations, then dies by SIGKILL
             try:
-                writer(tmp_path, first, background)
+                os.write(ready_w, b"1")
+                writer(root, first, background)
             finally:
                 os._exit(1)
-        time.sleep(rng.uniform(0.002, 0.04))
+        os.read(ready_r, 1)  # a fork of a large process can take longer than a save: start the clock here
+        os.close(ready_r)
+        os.close(ready_w)
+        time.sleep(rng.uniform(0.0, 4 * per_save))
         os.kill(pid, signal.SIGKILL)
         os.waitpid(pid, 0)
-        newest = check_after_kill(tmp_path, newest)
+        newest = check_after_kill(root, newest)
         first = newest + 10  # the next writer saves newer steps over whatever this kill left
     assert newest > 1, "the writer never committed: the kills came too early to test anything"
-    save_fake(tmp_path, 10**7, "final")
-    assert sorted(p.name for p in tmp_path.iterdir()) == [step_name(newest), step_name(10**7)]
+    save_fake(root, 10**7, "final")
+    assert sorted(p.name for p in root.iterdir()) == [step_name(newest), step_name(10**7)]
