@@ -15,7 +15,7 @@ import torchshard as ts
 from tools import capabilities, cells, conformance, rotation, tiny
 from tools.capabilities import run_family
 from tools.cells import Cell, Work, eager, losses_cell, noisy_losses_cell, run_cell
-from tools.families import DENSE, MOE, build, causal_lm_types, family
+from tools.families import DENSE, MOE, XLA_DEFAULTS, build, causal_lm_types, family
 
 pytest.importorskip("transformers")
 pytest.importorskip("peft")
@@ -213,3 +213,30 @@ def test_a_check_prints_why_each_new_failure_failed(tmp_path, monkeypatch, capsy
     out, err = capsys.readouterr()
     assert f"  mixtral/train: {why}" in err.splitlines()
     assert "| mixtral | MoE |" in out  # a check of some rows still shows them, as no file takes them
+
+
+# a stand-in worker that answers each family with the XLA set-up it was started with
+ENV_WORKER = textwrap.dedent("""
+    import json, os, sys
+    for line in sys.stdin:
+        name, env = line.strip(), os.environ
+        text = f"defaults={env.get('TORCHSHARD_TEST_XLA_DEFAULTS', '')} chosen={'_TORCHSHARD_TEST_XLA_FLAGS' in env}"
+        cell = {"status": "ok", "text": text, "seconds": 0.0}
+        print(json.dumps({"family": name, "key": "train", "cell": cell}), flush=True)
+        print(json.dumps({"family": name, "done": 0.0, "cpu": 0.0}), flush=True)
+""")
+
+
+def test_families_that_need_xlas_defaults_run_in_a_worker_started_with_them(monkeypatch):
+    class EnvWorker(conformance.Worker):
+        def __init__(self, keys, command=None, *, xla_defaults=False):
+            super().__init__(keys, [sys.executable, "-c", ENV_WORKER], xla_defaults=xla_defaults)
+
+    monkeypatch.setattr(conformance, "Worker", EnvWorker)
+    monkeypatch.setenv("_TORCHSHARD_TEST_XLA_FLAGS", "--xla_backend_optimization_level=0")
+    monkeypatch.delenv("TORCHSHARD_TEST_XLA_DEFAULTS", raising=False)
+    assert "xlstm" in XLA_DEFAULTS and "llama" not in XLA_DEFAULTS
+    results = conformance.run_pool(["llama", "xlstm", "gemma"], ["train"], jobs=1, timeout=60, done=lambda r: None)
+    texts = {name: r.cells["train"]["text"] for name, r in results.items()}
+    fast, defaults = "defaults= chosen=True", "defaults=1 chosen=False"
+    assert texts == {"llama": fast, "xlstm": defaults, "gemma": fast}

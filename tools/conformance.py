@@ -97,11 +97,13 @@ class Result:
 class Worker:
     """A worker process, its stdout lines on a queue, its stderr in a file (read back after a crash)."""
 
-    def __init__(self, keys: list[str] | None, command: list[str] | None = None) -> None:
+    def __init__(self, keys: list[str] | None, command: list[str] | None = None, *, xla_defaults: bool = False) -> None:
         only = ["--only", ",".join(keys)] if keys else []
         cmd = command or [sys.executable, str(Path(__file__).resolve()), "--worker", *only]
         self.stderr = tempfile.TemporaryFile(mode="w+")  # noqa: SIM115 (closed by stop(), after the process)
         env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
+        if xla_defaults:
+            env = worker_env_with_xla_defaults(env)
         self.proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self.stderr, text=True,
                                      cwd=ROOT, env=env, start_new_session=True)  # fmt: skip
         self.lines: queue.Queue[str | None] = queue.Queue()
@@ -142,6 +144,18 @@ class Worker:
             with contextlib.suppress(OSError):  # stdin: a dead reader's pipe
                 if pipe is not None:
                     pipe.close()
+
+
+def worker_env_with_xla_defaults(env: dict[str, str]) -> dict[str, str]:
+    """``env`` for a worker that compiles with XLA's default CPU flags (a family in `tools.families.XLA_DEFAULTS`):
+    the flags a parent pytest process chose are dropped, and conftest.py, told so, leaves out its fast ones.
+
+    Examples:
+        >>> worker_env_with_xla_defaults({"_TORCHSHARD_TEST_XLA_FLAGS": "--xla_backend_optimization_level=0"})
+        {'TORCHSHARD_TEST_XLA_DEFAULTS': '1'}
+    """
+    rest = {k: v for k, v in env.items() if k != "_TORCHSHARD_TEST_XLA_FLAGS"}
+    return {**rest, "TORCHSHARD_TEST_XLA_DEFAULTS": "1"}
 
 
 def _death(proc: subprocess.Popen[str]) -> str:
@@ -208,6 +222,8 @@ def run_pool(
     """Every family on ``jobs`` workers; a worker that dies or hangs is replaced. Prints a line per family
     and calls ``done`` with the results so far. No family starts after ``budget`` seconds: those left out
     are missing from the results (the report counts them)."""
+    from tools.families import XLA_DEFAULTS
+
     todo: queue.Queue[str] = queue.Queue()
     for name in names:
         todo.put(name)
@@ -215,24 +231,25 @@ def run_pool(
     lock, begun = threading.Lock(), time.perf_counter()
 
     def slot() -> None:
-        worker = None
+        workers: dict[bool, Worker] = {}  # by whether it compiles with XLA's defaults (XLA_DEFAULTS)
         while time.perf_counter() - begun < budget:
             try:
                 name = todo.get_nowait()
             except queue.Empty:
                 break
-            worker = worker or Worker(keys)
+            defaults = name in XLA_DEFAULTS
+            worker = workers.get(defaults) or Worker(keys, xla_defaults=defaults)
+            workers[defaults] = worker
             result, usable = _run_one(worker, name, keys, timeout)
             if not usable:
-                worker.stop()
-                worker = None
+                workers.pop(defaults).stop()
             with lock:
                 results[name] = result
                 elapsed = time.perf_counter() - begun
                 print(f"[{len(results)}/{len(names)} {elapsed:5.0f} s] {name}: {result.seconds:.0f} s "
                       f"(CPU {result.cpu_seconds:.0f} s), {_summary(result)}", flush=True)  # fmt: skip
                 done({n: results[n] for n in names if n in results})
-        if worker is not None:
+        for worker in workers.values():
             worker.stop()
 
     threads = [threading.Thread(target=slot) for _ in range(max(1, min(jobs, len(names))))]
