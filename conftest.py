@@ -77,3 +77,18 @@ def _doctest_names(doctest_namespace):
     from jax.sharding import PartitionSpec
 
     doctest_namespace.update(torch=torch, jax=jax, np=np, P=PartitionSpec, ts=torchshard)
+
+
+@pytest.fixture(autouse=True)
+def _no_traced_rng_key_left_behind(request):
+    """A test that leaves a tracer as torchax's RNG key fails, naming itself; the key is reset so the tests after
+    it in the worker (which would fail with UnexpectedTracerError at their first random draw) are not blamed."""
+    yield
+    import jax
+
+    from torchshard._bridge.env import backend_started, env
+
+    if backend_started() and isinstance(env().param.prng, jax.core.Tracer):
+        env().param.prng = jax.random.key(0)
+        pytest.fail(f"{request.node.nodeid} left a tracer as torchax's RNG key: a random draw was traced outside "
+                    "a seeded block")  # fmt: skip

@@ -22,6 +22,8 @@ CANNOT = {
 CHANGED = {
     ("granitemoehybrid", "layer kinds"): "its default config has Mamba layers only; the family adds an attention "
     "layer, as Granite-4's checkpoints mix them",
+    ("hunyuan_v1_moe", "top-k over several experts"): "its default config is one expert, top-1 (a dense MLP); the "
+    "family routes top-2 of 8, as Hunyuan-A13B routes 8 of 64",
 }
 
 
