@@ -15,7 +15,7 @@ import torchshard as ts
 from tools import capabilities, cells, conformance, rotation, tiny
 from tools.capabilities import run_family
 from tools.cells import Cell, Work, eager, losses_cell, noisy_losses_cell, run_cell
-from tools.families import DENSE, MOE, XLA_DEFAULTS, build, causal_lm_types, family
+from tools.families import DENSE, MOE, REPRESENTATIVE, XLA_DEFAULTS, build, causal_lm_types, family
 
 pytest.importorskip("transformers")
 pytest.importorskip("peft")
@@ -213,6 +213,19 @@ def test_a_check_prints_why_each_new_failure_failed(tmp_path, monkeypatch, capsy
     out, err = capsys.readouterr()
     assert f"  mixtral/train: {why}" in err.splitlines()
     assert "| mixtral | MoE |" in out  # a check of some rows still shows them, as no file takes them
+
+
+def test_a_slice_runs_the_representative_rows_before_its_rotating_part_and_names_what_the_budget_left(
+    tmp_path, monkeypatch, capsys
+):
+    baseline = tmp_path / "baseline.json"
+    baseline.write_text(json.dumps(_report({"train": {"status": "ok", "text": "1.0e-07"}})))
+    started = []
+    monkeypatch.setattr(conformance, "run_pool", lambda names, keys, **kwargs: started.extend(names) or {})
+    conformance.main(["--slice", "1/4", "--check", "--baseline", str(baseline), "--only", "train"])
+    assert started[: len(REPRESENTATIVE)] == list(REPRESENTATIVE)  # a budget cuts the rotating part first
+    assert len(started) > len(REPRESENTATIVE)
+    assert f"not started within --budget inf s: {', '.join(started)}" in capsys.readouterr().out
 
 
 # a stand-in worker that answers each family with the XLA set-up it was started with

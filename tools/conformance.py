@@ -516,12 +516,14 @@ def main(argv: list[str]) -> int:
         from tools.rotation import parse_slice, sliced, touched
 
         part, parts = parse_slice(args.slice)
-        # first, so that --budget never cuts them: the rows the change since the baseline's commit names
+        # first, so that --budget never cuts them: the rows the change since the baseline's commit names, then
+        # the representative rows (a budget-cut gate had run neither mixtral nor deepseek_v3)
         named = touched(names, table["commit"]) if table.get("commit") else []
-        names = [*named, *(n for n in sliced(names, part, parts, always=REPRESENTATIVE) if n not in named)]
+        first = [*named, *(n for n in REPRESENTATIVE if n in names and n not in named)]
+        names = [*first, *(n for n in sliced(names, part, parts) if n not in first)]
         said = ", ".join(named) or "none"
-        print(f"conformance: families the change since the baseline names ({said}), slice {part}/{parts} of the")
-        print(f"  others and the representative ones: {len(names)} rows")
+        print(f"conformance: families the change since the baseline names ({said}), the representative ones, then")
+        print(f"  slice {part}/{parts} of the others: {len(names)} rows")
     if baseline is not None and not args.families:
         names, dead = wholly_failed(names, baseline)
         if dead:  # a crash or hang in their first cell: nothing of theirs can regress, and a hang costs --timeout
@@ -544,7 +546,8 @@ def main(argv: list[str]) -> int:
     cpu = sum(r.cpu_seconds for r in results.values())
     print(f"conformance: {len(names)} families in {report['seconds'] / 60:.1f} min (CPU {cpu / 60:.1f} min)")
     if len(results) < len(names):
-        print(f"conformance: {len(names) - len(results)} families not started within --budget {args.budget:.0f} s")
+        left = [n for n in names if n not in results]
+        print(f"conformance: {len(left)} families not started within --budget {args.budget:.0f} s: {', '.join(left)}")
     failed = failures(report["families"])
     if baseline is not None:
         failed, unseen = regressions(failed, baseline)
