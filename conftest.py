@@ -88,7 +88,10 @@ def _no_traced_rng_key_left_behind(request):
 
     from torchshard._bridge.env import backend_started, env
 
-    if backend_started() and isinstance(env().param.prng, jax.core.Tracer):
-        env().param.prng = jax.random.key(0)
+    if not backend_started():  # env() would start it
+        return
+    tx = env()
+    if isinstance(tx.param.prng, jax.core.Tracer):
+        tx.param.prng = jax.random.key(0)
         pytest.fail(f"{request.node.nodeid} left a tracer as torchax's RNG key: a random draw was traced outside "
                     "a seeded block")  # fmt: skip

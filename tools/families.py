@@ -27,7 +27,6 @@ class Family:
     extra: tuple[tuple[str, Any], ...] = ()  # config overrides beyond `tools.tiny`'s
     mismatch: str = ""  # why its losses differ from eager torch (an expected failure), if they do
     samples: str = ""  # why its train mode draws random numbers (a sampling router): it then trains in eval mode
-    xla_defaults: str = ""  # why the matrix runs it with XLA's default CPU compiler, not the suite's fast flags
 
 
 def config(family: Family, *, layers: int = 2) -> Any:
@@ -190,8 +189,7 @@ def family(model_type: str) -> Family:
     """
     known = {f.model_type: f for f in DENSE + MOE + OTHER}
     found = known.get(model_type) or Family(model_type)
-    samples, defaults = SAMPLES.get(model_type, ""), XLA_DEFAULTS.get(model_type, "")
-    return dataclasses.replace(found, samples=samples, xla_defaults=defaults)
+    return dataclasses.replace(found, samples=SAMPLES.get(model_type, ""))
 
 
 # routers that sample in train mode: torch's and JAX's random streams differ, so no step could equal eager's
@@ -200,6 +198,7 @@ SAMPLES = {"phimoe": "its sparsemixer router samples with torch.rand_like in tra
 
 # families whose torchshard step differs from eager torch only under the suite's fast-compiling XLA flags
 # (conftest.FAST_COMPILE), which users never set: the matrix runs them with XLA's defaults, as users do
+# (tools/conformance.py's pool starts their worker so), and says why here
 XLA_DEFAULTS = {
     "xlstm": "under --xla_backend_optimization_level=0 its third AdamW step is NaN (losses 5.066, 5.000, nan); "
     "with XLA's defaults it equals eager torch to 8.6e-07",

@@ -47,15 +47,14 @@ def commit_slice(commit: str, parts: int) -> int:
     return int(hashlib.sha256(commit.encode()).hexdigest(), 16) % parts
 
 
-def sliced(names: Sequence[str], part: int, parts: int, always: Sequence[str] = ()) -> list[str]:
-    """Every ``parts``-th of ``names`` (sorted) from ``part``, then those of ``always`` not among them.
+def sliced(names: Sequence[str], part: int, parts: int) -> list[str]:
+    """Every ``parts``-th of ``names`` (sorted) from ``part``.
 
     Examples:
-        >>> sliced(["a", "b", "c", "d", "e"], 1, 2, always=["a"])
-        ['b', 'd', 'a']
+        >>> sliced(["a", "b", "c", "d", "e"], 1, 2)
+        ['b', 'd']
     """
-    chosen = sorted(names)[part::parts]
-    return chosen + [n for n in always if n in names and n not in chosen]
+    return sorted(names)[part::parts]
 
 
 def named(names: Sequence[str], diff: str) -> list[str]:
