@@ -12,10 +12,18 @@ import pytest
 # the same, so the tests check the same things: on a 4-layer Llama step, losses agree to 1e-7 and
 # compiled temp memory to 128 bytes in 1.3 MB. One exception is known: xLSTM's third AdamW step is NaN
 # without LLVM optimisation and equals eager torch with XLA's defaults, so the conformance matrix runs
-# it with the defaults (tools/families.py, XLA_DEFAULTS). Subprocesses the tests launch inherit the flags.
-# Users, and benchmarks run by hand, keep XLA's defaults; TORCHSHARD_TEST_XLA_DEFAULTS=1 runs the
-# tests with them too.
-FAST_COMPILE = ("--xla_backend_optimization_level=0", "--xla_cpu_use_fusion_emitters=false")
+# it with the defaults (tools/families.py, XLA_DEFAULTS). The third flag compiles each program's LLVM code as one
+# unit instead of splitting it over threads: on 2 cores both pytest workers already hold them, and the split's
+# threads only queue behind each other. Four step-heavy test files (matrix, packed, context, 1f1b) took 145-152 s
+# with it against 163-166 s without, on 2026-12-02; the whole suite's time did not measurably change (16:23 against
+# 16:29, within this machine's run-to-run spread). It decides how LLVM's work is split, not what the program
+# computes. Subprocesses the tests launch inherit the flags. Users, and benchmarks run by hand, keep XLA's defaults;
+# TORCHSHARD_TEST_XLA_DEFAULTS=1 runs the tests with them too.
+FAST_COMPILE = (
+    "--xla_backend_optimization_level=0",
+    "--xla_cpu_use_fusion_emitters=false",
+    "--xla_cpu_parallel_codegen_split_count=1",
+)
 # XLA on CPU aborts the whole process when a collective's devices reach it too far apart ("Termination timeout
 # for `all to all` ... rendezvous", after 40 s). The deadlock behind most such aborts (devices starting two
 # collectives in different orders, each holding one of too few pool threads) is gone: `use_cpu_devices` below
@@ -66,6 +74,22 @@ import torchshard  # noqa: E402
 
 torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
 torchshard.use_cpu_devices(8)  # and 4 XLA pool threads per device, for collectives (its docstring says why)
+
+
+# Docstring examples over ~1.5 s, which `dev.py quick` leaves out like the tests marked slow (an example cannot carry
+# a marker), each with the reason it is slow.
+SLOW_EXAMPLES = {
+    "torchshard._search.search.search": "the search compiles in a child process it starts: ~11 s",
+    "torchshard._trainer.staged_init.init_sharded": "compiles a staged init and a Trainer's step: ~1.5-2 s",
+}
+
+
+@pytest.hookimpl(tryfirst=True)  # before pytest's own hook deselects by marker (-m "not slow")
+def pytest_collection_modifyitems(config, items):
+    """Marks the `SLOW_EXAMPLES` slow."""
+    for item in items:
+        if isinstance(item, pytest.DoctestItem) and item.name in SLOW_EXAMPLES:
+            item.add_marker(pytest.mark.slow)
 
 
 @pytest.fixture(autouse=True, scope="session")

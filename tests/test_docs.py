@@ -4,7 +4,7 @@ A block that continues an earlier example (it uses a ``model`` or ``trainer`` it
 says so in an HTML comment right above it, ``<!-- readme-test: setup=NAME (what it provides) -->``,
 invisible on the rendered page; ``SETUPS[NAME]`` builds those names (tiny sizes) and, where the
 block only builds something, ``THEN[NAME]`` uses it once. Every other block runs on its own.
-A block that takes over ~2 s (it compiles a pipeline, launches a process) says ``slow`` there too,
+A block that takes over ~1.5 s (it compiles a pipeline, launches a process) says ``slow`` there too,
 ``<!-- readme-test: setup=NAME slow (...) -->`` or ``<!-- readme-test: slow -->``: `dev.py quick` skips it.
 A ```py block shows code that needs what this machine lacks (a Hub snapshot of Llama-3-8B,
 accelerators): it is compiled, not run.
@@ -266,6 +266,17 @@ def test_every_command_the_pages_show_exists_with_its_flags():
     commands = _commands()
     assert any("dev.py test" in c for c in commands) and any("-m torchshard plan" in c for c in commands)
     assert [p for c in commands for p in _command_problems(c)] == []
+
+
+def test_the_docstring_examples_conftest_marks_slow_exist(request):
+    """`dev.py quick` leaves these out by name (root conftest.py): a renamed function would silently run again."""
+    import importlib
+
+    names = request.config.pluginmanager.get_plugin(str(ROOT / "conftest.py")).SLOW_EXAMPLES
+    assert "torchshard._search.search.search" in names
+    for name in names:
+        module, _, attr = name.rpartition(".")
+        assert ">>>" in (getattr(importlib.import_module(module), attr).__doc__ or ""), name
 
 
 # --- the API reference: generated from each public face's __all__ -----------------------------------------------

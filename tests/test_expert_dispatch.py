@@ -203,6 +203,7 @@ def test_all_to_all_needs_experts_the_plan_shards():
         ts.Trainer(model, mse, optax.adamw(1e-2), plan, batch_spec=BATCH_SPEC, expert_dispatch=ts.ExpertDispatch())
 
 
+@pytest.mark.slow
 def test_the_default_falls_back_to_the_plan_where_all_to_all_cannot_run_and_says_so_once(eager):
     with pytest.warns(ts.ExpertDispatchWarning) as caught:
         trainer = _trainer(_model(), batch_spec=P("data"))

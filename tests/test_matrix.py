@@ -249,8 +249,7 @@ MATRIX: dict[str, tuple[str, ...]] = {
     "expert all_to_all":  (OK,   OK,   OK,            OK,        OK),
 }  # fmt: skip
 # the quick suite's share of the matrix (the cheapest cells, a few seconds in all); the rest are marked slow
-QUICK = {("circular", "remat"), ("circular", "scan"), ("circular", "MixedPrecision"),
-         ("expert all_to_all", "grad_accum")}  # fmt: skip
+QUICK = {("circular", "scan"), ("expert all_to_all", "grad_accum")}
 
 
 def trainer(strategy: str, features: tuple[str, ...], *, family: str | None = None, axes: dict[str, int] | None = None,

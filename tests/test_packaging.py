@@ -9,6 +9,8 @@ import sys
 import tomllib
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[1]
 # what the suite runs: the tests, and the examples, benchmarks and tools (the conformance matrix) they run
 SOURCES = [path for folder in ("tests", "examples", "benchmarks", "tools") for path in ROOT.glob(f"{folder}/*.py")]
@@ -33,6 +35,7 @@ def _imported() -> set[str]:
     return {m for m in found if m not in sys.stdlib_module_names and m not in local}
 
 
+@pytest.mark.slow
 def test_the_test_extra_installs_everything_the_suite_imports():
     project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
     declared = {_name(r) for r in project["dependencies"] + project["optional-dependencies"]["test"]}
