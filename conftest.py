@@ -15,10 +15,10 @@ import pytest
 # it with the defaults (tools/families.py, XLA_DEFAULTS). The third flag compiles each program's LLVM code as one
 # unit instead of splitting it over threads: on 2 cores both pytest workers already hold them, and the split's
 # threads only queue behind each other. Four step-heavy test files (matrix, packed, context, 1f1b) took 145-152 s
-# with it against 163-166 s without, on 2026-12-02; the whole suite's time did not measurably change (16:23 against
-# 16:29, within this machine's run-to-run spread). It decides how LLVM's work is split, not what the program
-# computes. Subprocesses the tests launch inherit the flags. Users, and benchmarks run by hand, keep XLA's defaults;
-# TORCHSHARD_TEST_XLA_DEFAULTS=1 runs the tests with them too.
+# with it against 163-166 s without, and `dev.py test` 13:08-14:18 against 17:45 (pytest 782-852 s against 989 s),
+# on 2026-12-02. It decides how LLVM's work is split, not what the program computes. Subprocesses the tests
+# launch inherit the flags. Users, and benchmarks run by hand, keep XLA's defaults; TORCHSHARD_TEST_XLA_DEFAULTS=1
+# runs the tests with them too.
 FAST_COMPILE = (
     "--xla_backend_optimization_level=0",
     "--xla_cpu_use_fusion_emitters=false",
