@@ -2,11 +2,16 @@
 
 While the step is traced, each recognised model's ``lm_head`` records (its input, its weight,
 its output) and the model's ``loss_function`` is wrapped: when the logits it is handed are, by
-identity, a recorded head output, it computes transformers' ``ForCausalLMLoss`` (label shift,
-``ignore_index``, ``num_items_in_batch``, ``shift_labels``) with `linear_cross_entropy` on the
-head's input instead. Anything done to the logits in between (a soft cap, a scale) makes a new
-tensor, so the identity check fails and the model's own loss runs. The full logits stay the
-model's output; when nothing reads them, XLA drops them from the compiled step.
+identity, a recorded head output that nothing has written to since, it computes transformers'
+``ForCausalLMLoss`` (label shift, ``ignore_index``, ``num_items_in_batch``, ``shift_labels``) with
+`linear_cross_entropy` on the head's input instead. The rewrite proves that at every call, and
+steps aside (the model's own loss runs, and the ``torchshard`` logger says why at INFO) where it
+cannot: logits that are a new tensor (a soft cap, a scale), logits or the head's input written in
+place since the head made them (Chameleon masks its image tokens' logits so, xLSTM soft-caps in
+place), a head with forward hooks of its own or an instance ``forward``, a model class that
+overrides transformers' ``loss_function``, and a head that is not a bias-free ``nn.Linear`` (a
+peft LoRA layer). The full logits stay the model's output; when nothing reads them, XLA drops them
+from the compiled step.
 """
 
 from __future__ import annotations
@@ -26,7 +31,43 @@ from torchshard._bridge.ops.linear_cross_entropy import head_loss
 from torchshard._train.strategy import Bound, Setting, Strategy
 
 _log = logging.getLogger(__name__)
-Records = dict[int, tuple[torch.Tensor, torch.Tensor, torch.Tensor]]  # id(logits) → (logits, hidden, weight)
+
+
+@dataclasses.dataclass(frozen=True)
+class _Written:
+    """What a tensor held when the head ran: its version counter and (on torchax) its JAX array.
+
+    torch bumps the counter on in-place ops; torchax's ``__setitem__`` does not, but replaces the array.
+    """
+
+    version: int
+    array: Any
+
+    @classmethod
+    def of(cls, t: torch.Tensor) -> _Written:
+        return cls(t._version, getattr(t, "_elem", None))
+
+    def same(self, t: torch.Tensor) -> bool:
+        return t._version == self.version and getattr(t, "_elem", None) is self.array
+
+
+@dataclasses.dataclass(frozen=True)
+class _Record:
+    """One call of an LM head: its output, input and weight, and what each held then."""
+
+    logits: torch.Tensor
+    hidden: torch.Tensor
+    weight: torch.Tensor
+    written: tuple[_Written, _Written, _Written]
+
+    def changed(self) -> str | None:
+        """Which of the three was written in place since the head ran, if any."""
+        names = ("logits", "head's input", "head's weight")
+        tensors = (self.logits, self.hidden, self.weight)
+        return next((n for n, t, w in zip(names, tensors, self.written, strict=True) if not w.same(t)), None)
+
+
+Records = dict[int, _Record]  # id(logits) → the head call that made them
 
 
 def _loss_utils() -> Any:
@@ -38,7 +79,7 @@ def _head(module: torch.nn.Module, causal_lm_loss: Callable[..., Any], mapping: 
     """``module``'s LM head if it is a transformers model whose loss is the causal-LM loss, else None.
 
     The loss is read as transformers' ``loss_function`` property reads it, without calling it (which
-    logs a warning on models with no loss type). Only a bias-free ``nn.Linear`` head is taken.
+    logs a warning on models with no loss type).
     """
     if not callable(getattr(module, "get_output_embeddings", None)) or "loss_function" not in dir(type(module)):
         return None
@@ -47,18 +88,45 @@ def _head(module: torch.nn.Module, causal_lm_loss: Callable[..., Any], mapping: 
     if loss is not causal_lm_loss:
         return None
     try:
-        head = module.get_output_embeddings()  # type: ignore[operator]  # checked callable above
+        return module.get_output_embeddings()  # type: ignore[operator]  # checked callable above
     except (AttributeError, NotImplementedError):
         return None
-    return head if type(head) is torch.nn.Linear and head.bias is None else None
 
 
-def _recorder(records: Records) -> Callable[..., None]:
+def _unfusable(module: torch.nn.Module, head: Any) -> str | None:
+    """Why the loss of ``module`` (a causal LM whose head is ``head``) cannot be computed from the head's input."""
+    if not (type(head) is torch.nn.Linear and head.bias is None):
+        return f"its LM head is a {type(head).__name__}, not a bias-free nn.Linear"
+    base = sys.modules.get("transformers.modeling_utils")
+    ours = inspect.getattr_static(getattr(base, "PreTrainedModel", object), "loss_function", None)
+    if inspect.getattr_static(type(module), "loss_function", None) is not ours:
+        return f"{type(module).__name__} overrides transformers' loss_function"
+    return None
+
+
+def _hooked(head: torch.nn.Module) -> str | None:
+    """Why ``head``'s output may not be ``hidden @ weight.T`` (beyond its own forward), if it may not."""
+    if "forward" in vars(head):
+        return "its LM head's forward is replaced on the instance"
+    global_hooks = torch.nn.modules.module._global_forward_hooks.values()
+    if len(head._forward_hooks) > 1 or any(not _torchshards(h) for h in global_hooks):
+        return "its LM head has forward hooks, which may change its output"
+    return None
+
+
+def _torchshards(hook: Any) -> bool:
+    return getattr(hook, "__module__", "").startswith("torchshard.")
+
+
+def _recorder(records: Records, owner: str) -> Callable[..., None]:
     def record(head: torch.nn.Module, args: tuple[Any, ...], output: Any) -> None:
         weight = head.weight
-        if args and isinstance(args[0], torch.Tensor) and isinstance(output, torch.Tensor):
-            assert isinstance(weight, torch.Tensor)  # an nn.Linear's (see _head)
-            records[id(output)] = (output, args[0], weight)
+        if (reason := _hooked(head)) is not None:
+            _log.info("%s: loss not fused: %s", owner, reason)
+        elif args and isinstance(args[0], torch.Tensor) and isinstance(output, torch.Tensor):
+            assert isinstance(weight, torch.Tensor)  # an nn.Linear's (see _unfusable)
+            tensors = (output, args[0], weight)
+            records[id(output)] = _Record(*tensors, tuple(_Written.of(t) for t in tensors))  # type: ignore[arg-type]
 
     return record
 
@@ -119,11 +187,17 @@ def _fused(original: Callable[..., Any], records: Records, owner: str) -> Callab
         arguments = {**bound.arguments, **bound.arguments.get("kwargs", {})}
         logits = arguments.get("logits")
         seen = records.get(id(logits))
-        if seen is None or seen[0] is not logits or not _fits(logits, seen[1], seen[2], arguments):
-            _log.debug("%s: its loss got logits other than its LM head's output (e.g. soft-capped): not fused", owner)
+        if seen is None or seen.logits is not logits:
+            _log.info("%s: its loss got logits other than its LM head's output (e.g. soft-capped): not fused", owner)
+            return original(*args, **kwargs)
+        if (changed := seen.changed()) is not None:
+            _log.info("%s: the %s was written in place after the LM head ran: loss not fused", owner, changed)
+            return original(*args, **kwargs)
+        if not _fits(logits, seen.hidden, seen.weight, arguments):
+            _log.info("%s: its loss was called with arguments the fused loss does not take: not fused", owner)
             return original(*args, **kwargs)
         _log.debug("%s: loss fused with its LM head (linear_cross_entropy)", owner)
-        return causal_lm_loss(seen[1], seen[2], logits.dtype, arguments)
+        return causal_lm_loss(seen.hidden, seen.weight, logits.dtype, arguments)
 
     return loss_function
 
@@ -160,8 +234,12 @@ def fused_head_losses(model: torch.nn.Module) -> Iterator[None]:
     records: Records = {}
     with contextlib.ExitStack() as stack:
         for module, head in found:
-            stack.callback(head.register_forward_hook(_recorder(records)).remove)
-            stack.enter_context(_loss_replaced(module, _fused(causal, records, type(module).__name__)))
+            owner = type(module).__name__
+            if (reason := _unfusable(module, head)) is not None:
+                _log.info("%s: loss not fused: %s", owner, reason)
+                continue
+            stack.callback(head.register_forward_hook(_recorder(records, owner)).remove)
+            stack.enter_context(_loss_replaced(module, _fused(causal, records, owner)))
         try:
             yield
         finally:
