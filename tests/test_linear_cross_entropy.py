@@ -185,6 +185,15 @@ BAD = {
     "chunk_float": (_bad(chunk_tokens=2.5), r"chunk_tokens=2.5 must be an int"),
     "chunk_bool": (_bad(chunk_tokens=True), r"chunk_tokens=True must be an int"),
     "ignore_index": (_bad(ignore_index="pad"), r"ignore_index='pad' must be an int"),
+    "label_is_the_vocab_size": (
+        _bad(labels=torch.tensor([0, 16, 3, 20])),
+        r"labels hold 16 \(and 1 more out of range\), outside the vocabulary's \[0, 16\) and not ignore_index=-100",
+    ),
+    "label_negative": (_bad(labels=torch.tensor([0, -5, 3, -100])), r"labels hold -5, outside the vocabulary's \[0, 16\)"),
+    "meta_weight": (
+        _bad(weight=torch.empty(16, 8, device="meta")),
+        r"weight on the meta device, which holds shapes but no values",
+    ),
     "places_differ": (
         lambda: ts.linear_cross_entropy(wrap(jnp.zeros((4, 8))), torch.zeros(16, 8), torch.zeros(4, dtype=torch.long)),
         r"hidden on the jax device and the rest plain torch tensors",

@@ -11,6 +11,7 @@ import torch
 
 from torchshard._bridge.loaded import Environment, interop
 from torchshard._bridge.ops import tokens
+from torchshard._bridge.ops.loss_edges import mean_over_valid, out_of_range_nan
 from torchshard._bridge.registry import register
 
 CROSS_ENTROPY_OPS = (torch.nn.functional.cross_entropy,)
@@ -33,8 +34,8 @@ def cross_entropy_jax(logits, target, ignore_index, reduction, float32_out=False
     hit = jax.lax.broadcasted_iota(target.dtype, x.shape, 1) == target[:, None]
     picked = jnp.sum(jnp.where(hit, x, 0), axis=1)
     loss = jnp.sum(jnp.where(valid, jax.nn.logsumexp(x, axis=1) - picked, 0))
-    if reduction == "mean":
-        loss = loss / valid.sum()  # every row ignored: 0 / 0 = nan, as in torch
+    # a label outside the classes: nan (eager torch raises); every row ignored: a nan mean with 0 gradients
+    loss = mean_over_valid(loss * out_of_range_nan(target, ignore_index, x.shape[1]), valid, reduction)
     return loss if float32_out else loss.astype(logits.dtype)
 
 

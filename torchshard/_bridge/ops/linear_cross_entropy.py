@@ -14,6 +14,7 @@ import torch.utils.checkpoint
 from torchshard._base.validate import int_problems, raise_for_arguments
 from torchshard._bridge.ops import tokens
 from torchshard._bridge.ops.flash import RECOMPUTE_SCOPE
+from torchshard._bridge.ops.loss_edges import mean_over_valid, out_of_range_nan
 from torchshard._bridge.tensors import call_jax
 
 # the default chunk holds at most this many logits (1 GiB in float32, over all devices together): the
@@ -117,7 +118,8 @@ def _summed_bwd(ignore_index: int, res: tuple, g: jax.Array):
         with jax.named_scope(RECOMPUTE_SCOPE):  # MFU counts the recomputed logits once
             p = jnp.exp(_logits(h, weight) - lse[k][:, None])
         hit = jax.lax.broadcasted_iota(y.dtype, p.shape, 1) == y[:, None]
-        dlogits = jnp.where((y != ignore_index)[:, None], p - hit.astype(p.dtype), 0.0) * g
+        # g multiplies inside the where: with every label ignored, a mean's g is 1/0, and 0 × inf would be nan
+        dlogits = jnp.where((y != ignore_index)[:, None], (p - hit.astype(p.dtype)) * g, 0.0)
         dlogits = dlogits.astype(h.dtype)  # the matmuls run in the inputs' dtype, accumulating in float32
         dh = jax.lax.dot_general(dlogits, weight, (((1,), (0,)), ((), ())), preferred_element_type=jnp.float32)
         dw = dw + jax.lax.dot_general(dlogits, h, (((0,), (0,)), ((), ())), preferred_element_type=jnp.float32)
@@ -175,9 +177,8 @@ def loss_jax(
             total = _forward(ignore_index, hidden.reshape(per, 1, -1), weight, labels.reshape(per, 1))[0]
     else:
         total = summed_loss(ignore_index, hidden.reshape(per, chunks, -1), weight, labels.reshape(per, chunks))
-    if reduction == "mean":
-        total = total / jnp.sum(labels != ignore_index)  # every token ignored: 0 / 0 = nan, as in torch
-    return total.astype(out_dtype)
+    total = total * out_of_range_nan(labels, ignore_index, weight.shape[0])
+    return mean_over_valid(total, labels != ignore_index, reduction).astype(out_dtype)
 
 
 def _torch_chunk_sum(h: torch.Tensor, w: torch.Tensor, y: torch.Tensor, ignore_index: int) -> torch.Tensor:
@@ -218,7 +219,25 @@ def _problems(hidden: Any, weight: Any, labels: Any, ignore_index: Any, chunk_to
     if len(set(kinds.values())) > 1:
         on_jax = ", ".join(k for k, v in kinds.items() if v)
         problems.append(f"{on_jax} on the jax device and the rest plain torch tensors; put all three in one place")
+    if meta := [k for k, v in named.items() if v.device.type == "meta"]:
+        problems.append(
+            f"{', '.join(meta)} on the meta device, which holds shapes but no values; load or initialise the "
+            f"weights first (e.g. ts.init_sharded, or model.to_empty(device='cpu') and load_state_dict)"
+        )
     return problems + _shape_problems(hidden, weight, labels)
+
+
+def _label_problems(labels: torch.Tensor, ignore_index: int, vocab: int) -> list[str]:
+    """Eager torch's refusal of a label outside ``[0, vocab)``, as a problem naming the first such value."""
+    bad = (labels != ignore_index) & ((labels < 0) | (labels >= vocab))
+    if not bool(bad.any()):
+        return []
+    first, more = int(labels[bad].reshape(-1)[0]), int(bad.sum()) - 1
+    also = f" (and {more} more out of range)" if more else ""
+    return [
+        f"labels hold {first}{also}, outside the vocabulary's [0, {vocab}) and not ignore_index={ignore_index}; "
+        f"fix the labels, or mark those tokens ignore_index"
+    ]
 
 
 def _shape_problems(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor) -> list[str]:
@@ -256,11 +275,11 @@ def head_loss(
 ) -> torch.Tensor:
     """`linear_cross_entropy` with a ``reduction`` and, with ``float32_out``, the loss in float32 whatever the
     inputs' dtype (as transformers' causal-LM loss returns it)."""
-    raise_for_arguments(
-        _problems(hidden, weight, labels, ignore_index, chunk_tokens, reduction),
-        header="invalid linear_cross_entropy arguments",
-    )
+    header = "invalid linear_cross_entropy arguments"
+    raise_for_arguments(_problems(hidden, weight, labels, ignore_index, chunk_tokens, reduction), header=header)
     if not _on_jax(hidden):
+        raise_for_arguments(_label_problems(labels, ignore_index, weight.shape[0]), header=header)
+        labels = labels.long()  # torch's cross entropy takes int64 class indices only
         loss = _loss_torch(hidden, weight, labels, ignore_index, chunk_tokens, reduction)
         return loss if float32_out else loss.to(hidden.dtype)
     return call_jax(loss_jax, hidden, weight, labels, ignore_index, chunk_tokens, reduction, float32_out)
@@ -295,11 +314,16 @@ def linear_cross_entropy(
             2**28 values (2,092 tokens for a 128,256-word vocabulary).
 
     Returns:
-        The mean loss, a scalar in ``hidden``'s dtype (computed in float32); nan if every label is ignored.
+        The mean loss, a scalar in ``hidden``'s dtype (computed in float32). If every label is ignored it
+        is nan and the gradients are 0, as eager torch's. A label outside ``[0, vocab)`` (other than
+        ``ignore_index``) inside a step, where nothing can raise, makes the loss and every gradient nan:
+        ``Trainer(skip_nonfinite=True)`` skips such a step, changing no parameter.
 
     Raises:
         ArgumentError: shapes that disagree, non-integer labels, floating dtypes that differ,
-            tensors in different places, or ``chunk_tokens`` that is not a positive int.
+            tensors in different places or on the meta device (no values), ``chunk_tokens`` that is
+            not a positive int, or (on plain torch tensors, as eager torch raises) a label outside
+            ``[0, vocab)`` that is not ``ignore_index``, named with the vocabulary's size.
 
     Examples:
         >>> hidden, weight = torch.randn(6, 8), torch.randn(32, 8)
