@@ -61,13 +61,18 @@ def fused_jax(kernel: Literal["xla", "cudnn"], query, key, value, attn_mask, is_
     """
     q, k, v = (jnp.swapaxes(x, 1, 2) for x in (query, key, value))  # [b, s, heads, d]
     mask = bias = None
+    seen = jnp.bool_(True)
     if attn_mask is not None:
         m = attn_mask.reshape((1,) * (4 - attn_mask.ndim) + attn_mask.shape)
         m = jnp.broadcast_to(m, (*m.shape[:2], query.shape[2], key.shape[2]))
+        # a row that sees no key: torch's SDPA gives it zeros (and zero gradients); JAX's softmax over no
+        # key averages every value, or is nan. So such rows see every key, and their output is zeroed.
+        seen = (m if m.dtype == jnp.bool_ else m > -jnp.inf).any(-1, keepdims=True)
+        m = m | ~seen if m.dtype == jnp.bool_ else jnp.where(seen, m, 0)
         mask, bias = (m, None) if m.dtype == jnp.bool_ else (None, m.astype(query.dtype))
     scale = query.shape[-1] ** -0.5 if scale is None else scale
     out = jax.nn.dot_product_attention(q, k, v, bias, mask, scale=scale, is_causal=is_causal, implementation=kernel)
-    return jnp.swapaxes(out, 1, 2)
+    return jnp.where(seen, jnp.swapaxes(out, 1, 2), 0)
 
 
 ATTENTION_OPS = (torch.nn.functional.scaled_dot_product_attention, torch.ops.aten.scaled_dot_product_attention)
