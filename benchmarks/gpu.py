@@ -38,7 +38,7 @@ import zipfile
 from pathlib import Path
 from typing import Any
 
-from gpu_worker import SHAPES, TORCH_VARIANTS
+from gpu_worker import SHAPES, TORCH_VARIANTS, variant_problems
 
 ROOT = Path(__file__).resolve().parent.parent
 WORKER = Path(__file__).resolve().parent / "gpu_worker.py"
@@ -55,27 +55,58 @@ WHEELS = {"torchax": "torchax", "optax": "optax", "absl": "absl_py"}
 VERSIONS = ("torch", "jax", "jaxlib", "torchax", "optax", "absl-py", "transformers", "numpy")
 LOSS_RTOL = 2e-2  # bf16 steps: eager torch's autocast and torchshard's MixedPrecision round differently
 MIN_CAP_S = 20  # a variant with less time left than this is not started
+LEAST = {  # option: its least value, and what it counts
+    "steps": (1, "timed steps per variant, e.g. 5"),
+    "warmup": (1, "untimed steps, e.g. 2 (the first step compiles and is never timed)"),
+    "budget": (MIN_CAP_S, "seconds for the whole check, e.g. 480 (a variant with less left is not started)"),
+}
 
 
-def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--smoke", action="store_true", help="the toy shape on the CPU, torch.compile via aot_eager")
     parser.add_argument("--out", help="where gpu.json and gpu.md go (default build/gpu, build/gpu-smoke)")
-    parser.add_argument("--variants", default=",".join(VARIANTS), help="comma list: eager, compile, fsdp+bf16[+...]")
-    parser.add_argument("--steps", type=int, help="timed steps per variant (default 5; smoke 2)")
-    parser.add_argument("--warmup", type=int, help="untimed steps first, compile included (default 2; smoke 1)")
+    parser.add_argument("--variants", default=",".join(VARIANTS),
+                        help="comma list: eager, compile, fsdp[+bf16][+scan][+remat][+attn=K][+remat=P][+loss=unfused]"
+                        "[+xla=default]")  # fmt: skip
+    parser.add_argument("--steps", type=int, help="timed steps per variant (>= 1; default 5; smoke 2)")
+    parser.add_argument("--warmup", type=int, help="untimed steps first, compile included (>= 1; default 2; smoke 1)")
     parser.add_argument("--cap", type=float, help="seconds one torchshard variant may take (default 150; smoke 120)")
-    parser.add_argument("--budget", type=float, help="seconds for the whole check (default 480; smoke 300)")
+    parser.add_argument("--budget", type=float,
+                        help=f"seconds for the whole check (>= {MIN_CAP_S}; default 480; smoke 300)")  # fmt: skip
     parser.add_argument("--peak-tflops", type=float, help="the device's dense bf16 peak, if not H100/H200/A100")
     parser.add_argument("--wheel-dir", default=str(ROOT / "wheels" / "gpu"), help="wheels for missing imports")
-    args = parser.parse_args(argv)
+    return parser
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    """The options, with the defaults of a full or a ``--smoke`` run where one is not given (checked by `problems`)."""
+    args = build_parser().parse_args(argv)
     smoke = args.smoke
+    defaults = {"steps": 2 if smoke else 5, "warmup": 1 if smoke else 2, "cap": 120 if smoke else 150,
+                "budget": 300 if smoke else 480}  # fmt: skip
+    for name, default in defaults.items():
+        if getattr(args, name) is None:  # not `or`: a 0 given is checked, not replaced
+            setattr(args, name, default)
     args.out = Path(args.out or ROOT / "build" / ("gpu-smoke" if smoke else "gpu"))
-    args.steps = args.steps or (2 if smoke else 5)
-    args.warmup = args.warmup or (1 if smoke else 2)
-    args.cap = args.cap or (120 if smoke else 150)
-    args.budget = args.budget or (300 if smoke else 480)
     return args
+
+
+def problems(args: argparse.Namespace) -> list[str]:
+    """Every bad option, each naming the value and what to give instead: numbers, then the variants."""
+    found = [f"--{name} {getattr(args, name)}: give at least {least} {what}"
+             for name, (least, what) in LEAST.items() if not getattr(args, name) >= least]  # fmt: skip
+    if not args.cap > 0:
+        found.append(f"--cap {args.cap}: give seconds > 0 one torchshard variant may take, e.g. 150")
+    if args.peak_tflops is not None and not args.peak_tflops > 0:
+        found.append(f"--peak-tflops {args.peak_tflops}: give the device's dense bf16 TFLOP/s > 0, e.g. 989")
+    variants = args.variants.split(",")
+    if not any(variants):
+        found.append(f"--variants {args.variants!r}: give one or more of {', '.join(VARIANTS)}")
+    twice = sorted({v for v in variants if v and variants.count(v) > 1})
+    if twice:
+        found.append(f"--variants lists {', '.join(twice)} twice: each runs once (its row's files are per variant)")
+    return found + [f"--variants: {p}" for p in variant_problems([v for v in variants if v])]
 
 
 def unpack_missing(wheel_dir: Path, site: Path) -> dict[str, str]:
@@ -232,10 +263,13 @@ def table(rows: list[dict[str, Any]]) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    args.out.mkdir(parents=True, exist_ok=True)
     site = Path(tempfile.mkdtemp(prefix="torchshard-gpu-site-"))  # not under --out: it is not a result
     try:
         wheels = unpack_missing(Path(args.wheel_dir), site)
+        # after the unpacking (the variants' attn= and remat= values are torchshard's lists), before anything runs
+        if bad := problems(args):
+            build_parser().error(f"{len(bad)} bad option(s), nothing run:\n" + "\n".join(f"  - {p}" for p in bad))
+        args.out.mkdir(parents=True, exist_ok=True)
         found = versions(wheels)
         print("gpu: " + ", ".join(f"{k} {v}" for k, v in found.items()), file=sys.stderr, flush=True)
         rows = run_all(args, worker_env(args, site))

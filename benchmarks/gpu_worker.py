@@ -36,6 +36,10 @@ ROPE_THETA = 500_000.0  # Llama 3's
 LR, WEIGHT_DECAY = 1e-4, 0.1  # both optimizers get both explicitly: their default weight decays differ
 N_BATCHES = 3  # step i trains on batch i % 3
 TORCH_VARIANTS = ("eager", "compile")
+# a torchshard variant: MESH+FLAG+...; one device, so one mesh (llama_train's fsdp_tp would run as plain fsdp)
+MESHES = ("fsdp",)
+FLAGS = ("bf16", "scan", "remat")  # llama_train's variant_kwargs
+KEYS = ("attn", "remat", "loss", "xla")  # run_torchshard's KEY=VALUE flags
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -45,7 +49,49 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--smoke", action="store_true", help="the toy shape on the CPU")
     parser.add_argument("--steps", type=int, default=5, help="timed steps (median reported)")
     parser.add_argument("--warmup", type=int, default=2, help="untimed steps first (the first compiles)")
-    return parser.parse_args(argv)
+    args = parser.parse_args(argv)
+    if problems := variant_problems([args.variant]):
+        parser.error("; ".join(problems))
+    return args
+
+
+def keyed_choices(key: str) -> tuple[str, ...]:
+    """The values the ``KEY=VALUE`` flag ``key`` takes: torchshard's own lists for attention kernels and remat."""
+    if key == "attn":
+        from torchshard._bridge.ops.kernels import KERNELS
+
+        return tuple(KERNELS)
+    if key == "remat":
+        from torchshard._train.remat import POLICY_NAMES
+
+        return tuple(POLICY_NAMES)
+    return {"loss": ("unfused",), "xla": ("default",)}[key]
+
+
+def variant_problems(variants: list[str]) -> list[str]:
+    """Why each of ``variants`` is not one the check can run, each naming the valid values (none: all good).
+
+    A variant is eager, compile, or ``MESH+FLAG+...``: MESH one of `MESHES`, a FLAG one of `FLAGS` or ``KEY=VALUE``
+    with KEY one of `KEYS` (torchshard is imported for the values of ``attn`` and ``remat`` only).
+
+    Examples:
+        >>> variant_problems(["eager", "fsdp+bf16+loss=unfused", "fsdp+loss=fused"])
+        ["variant 'fsdp+loss=fused': loss='fused' is not one of unfused"]
+    """
+    problems = []
+    for variant in (v for v in variants if v not in TORCH_VARIANTS):
+        mesh, *flags = variant.split("+")
+        if mesh not in MESHES:
+            problems.append(f"variant {variant!r}: unknown mesh {mesh!r}; give {', '.join(TORCH_VARIANTS)}, or "
+                            f"{'/'.join(MESHES)}+FLAG+... (one device: no fsdp_tp)")  # fmt: skip
+        for flag in flags:
+            key, eq, value = flag.partition("=")
+            if (eq and key not in KEYS) or (not eq and flag not in FLAGS):
+                problems.append(f"variant {variant!r}: unknown flag {flag!r}; give {', '.join(FLAGS)} or KEY=VALUE "
+                                f"with KEY one of {', '.join(KEYS)}")  # fmt: skip
+            elif eq and value not in (choices := keyed_choices(key)):
+                problems.append(f"variant {variant!r}: {key}={value!r} is not one of {', '.join(choices)}")
+    return problems
 
 
 def build(preset: Preset) -> Any:

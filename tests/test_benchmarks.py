@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib
 import json
 
 import pytest
@@ -244,3 +245,49 @@ def test_gpu_check_smoke_runs_every_variant_in_its_own_process(tmp_path):
             assert row["losses_match"], (name, row["losses"], rows["eager"]["losses"])
     assert rows["eager"]["platform"] == "cpu" and result["shape"]["layers"] == 2
     assert (tmp_path / "gpu.md").read_text() in stdout
+
+
+def _gpu_check(monkeypatch):
+    """benchmarks/gpu.py as a module, whose workers fail the test if one is started."""
+    from helpers import BENCHMARKS
+
+    monkeypatch.syspath_prepend(str(BENCHMARKS))
+    gpu = importlib.import_module("gpu")
+    monkeypatch.setattr(gpu, "run_variant", lambda *args, **kwargs: pytest.fail("a worker was started"))
+    return gpu
+
+
+@pytest.mark.parametrize(
+    ("flags", "message"),
+    [(["--variants", "eager,fdsp"], "variant 'fdsp': unknown mesh 'fdsp'; give eager, compile, or fsdp+FLAG+..."),
+     (["--variants", "fsdp_tp+bf16"], "unknown mesh 'fsdp_tp'; give eager, compile, or fsdp+FLAG+... (one device"),
+     (["--variants", "fsdp+bf61"], "variant 'fsdp+bf61': unknown flag 'bf61'; give bf16, scan, remat or KEY=VALUE "
+                                   "with KEY one of attn, remat, loss, xla"),
+     (["--variants", "fsdp+lose=unfused"], "unknown flag 'lose=unfused'; give bf16, scan, remat or KEY=VALUE"),
+     (["--variants", "fsdp+remat=matmul"], "remat='matmul' is not one of dots_saveable, "),
+     (["--variants", "fsdp+attn=flash"], "variant 'fsdp+attn=flash': attn='flash' is not one of auto, "),
+     (["--variants", "fsdp+loss=fused"], "loss='fused' is not one of unfused"),
+     (["--variants", ","], "--variants ',': give one or more of eager, compile, fsdp+bf16"),
+     (["--variants", "eager,eager"], "--variants lists eager twice"),
+     (["--budget", "0"], "--budget 0.0: give at least 20 seconds for the whole check"),
+     (["--budget", "10"], "--budget 10.0: give at least 20 seconds"),
+     (["--steps", "0"], "--steps 0: give at least 1 timed steps per variant"),
+     (["--warmup", "0"], "--warmup 0: give at least 1 untimed steps, e.g. 2 (the first step compiles"),
+     (["--cap", "0"], "--cap 0.0: give seconds > 0 one torchshard variant may take"),
+     (["--peak-tflops", "0"], "--peak-tflops 0.0: give the device's dense bf16 TFLOP/s > 0")],
+)  # fmt: skip
+def test_gpu_check_refuses_bad_options_before_any_worker_starts(monkeypatch, capsys, tmp_path, flags, message):
+    gpu, out = _gpu_check(monkeypatch), tmp_path / "out"
+    with pytest.raises(SystemExit) as exit:
+        gpu.main(["--smoke", "--out", str(out), *flags])
+    err = capsys.readouterr().err
+    assert exit.value.code == 2 and "1 bad option(s), nothing run" in err and message in err, err
+    assert not out.exists()
+
+
+def test_gpu_check_names_every_bad_option_at_once(monkeypatch, capsys, tmp_path):
+    gpu = _gpu_check(monkeypatch)
+    with pytest.raises(SystemExit, match="2"):
+        gpu.main(["--out", str(tmp_path), "--budget", "0", "--steps", "0", "--variants", "eager,fdsp,fsdp+bf61"])
+    err = capsys.readouterr().err
+    assert "4 bad option(s)" in err and all(s in err for s in ("--budget 0.0", "--steps 0", "'fdsp'", "'bf61'"))

@@ -175,6 +175,8 @@ USAGE = {
                         r"'floaty' is not a torch dtype"),
     "bad device memory": (["models:MLP", "--mesh", "data=8", "--compile", "--batch", "8x32", "--device-memory", "8 pb"],
                           r"--device-memory '8 pb': write a size such as 80GiB"),
+    "no device memory": (["models:MLP", "--mesh", "data=8", "--compile", "--batch", "8x32", "--device-memory", "0"],
+                         r"--device-memory '0' is 0 bytes; give a device's memory, e.g. 80GiB"),
     "no default loss": (["models:MLP", "--mesh", "data=8", "--compile", "--batch", "8x32:float32"],
                         r"MLP\.forward takes no input_ids and labels, so there is no default loss; pass --loss"),
     "more devices than started": (["models:MLP", "--mesh", "data=16", "--compile", "--batch", "16x32:float32"],

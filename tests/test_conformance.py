@@ -253,3 +253,64 @@ def test_families_that_need_xlas_defaults_run_in_a_worker_started_with_them(monk
     texts = {name: r.cells["train"]["text"] for name, r in results.items()}
     fast, defaults = "defaults= chosen=True", "defaults=1 chosen=False"
     assert texts == {"llama": fast, "xlstm": defaults, "gemma": fast}
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [(["--budget", "0"], "--budget 0: give seconds after which no family starts, e.g. 900 (0 would start none)"),
+     (["--budget", "-5"], "--budget -5: give seconds after which no family starts"),
+     (["--timeout", "0"], "--timeout 0: give seconds one family may take, e.g. 900"),
+     (["--timeout", "inf"], "--timeout inf: give a number of seconds, e.g. 900"),
+     (["--jobs", "0"], "--jobs 0: give a number of worker processes >= 1, e.g. 2"),
+     (["--skip-slower", "0", "--baseline", "docs/conformance.json"], "--skip-slower 0: give CPU seconds over which"),
+     (["--skip-slower", "240"], "--skip-slower reads each row's time from --baseline: add --baseline"),
+     (["--slice", "4/4"], "--slice '4/4': give K/N with 0 <= K < N, or commit/N, e.g. 0/4 or commit/4"),
+     (["--slice", "commit/0"], "--slice 'commit/0': give K/N with 0 <= K < N"),
+     (["--slice", "one/4"], "--slice 'one/4': give K/N with 0 <= K < N"),
+     (["--families", "lama"], "--families: 'lama' is no causal LM of the installed transformers; closest: ['llama'"),
+     (["--only", "trian"], "--only: 'trian' is no column; choose from train,"),
+     (["--baseline", "no/such.json"], "--baseline 'no/such.json': no such file; give a results JSON")],
+)  # fmt: skip
+def test_bad_arguments_are_refused_before_anything_runs_or_is_written(argv, message, monkeypatch, capsys):
+    monkeypatch.setattr(conformance, "run_pool", lambda *args, **kwargs: pytest.fail("a family ran"))
+    monkeypatch.setattr(conformance, "_write", lambda *args, **kwargs: pytest.fail("a table was written"))
+    with pytest.raises(SystemExit) as exit:
+        conformance.main(argv)
+    err = capsys.readouterr().err
+    assert exit.value.code == 2 and "1 bad argument(s), nothing run or written" in err and message in err, err
+
+
+def test_every_bad_argument_is_named_in_one_message(monkeypatch, capsys):
+    monkeypatch.setattr(conformance, "run_pool", lambda *args, **kwargs: pytest.fail("a family ran"))
+    with pytest.raises(SystemExit, match="2"):
+        conformance.main(["--budget", "0", "--jobs", "0", "--timeout", "-1", "--families", "llama,lama"])
+    err = capsys.readouterr().err
+    assert "4 bad argument(s)" in err and all(f in err for f in ("--budget 0", "--jobs 0", "--timeout -1", "'lama'"))
+
+
+def test_a_run_that_starts_no_family_writes_nothing_and_fails(tmp_path, capsys):
+    out, data = tmp_path / "conformance.md", tmp_path / "conformance.json"
+    argv = ["--families", "llama", "--budget", "1e-9", "--out", str(out), "--json", str(data)]
+    assert conformance.main(argv) == 1  # the real pool: its budget is spent before the first family starts
+    captured = capsys.readouterr()
+    assert "1 families not started within --budget 0 s: llama" in captured.out
+    assert "no family ran (see above); nothing written or checked" in captured.err
+    assert not out.exists() and not data.exists()
+
+
+def test_a_check_that_leaves_out_every_family_fails(tmp_path, monkeypatch, capsys):
+    rows = {n: {"skipped": "", "cpu_seconds": 900.0, "cells": {"train": {"status": "ok"}}} for n in causal_lm_types()}
+    baseline = tmp_path / "baseline.json"
+    baseline.write_text(json.dumps({"families": rows}))
+    monkeypatch.setattr(conformance, "run_pool", lambda *args, **kwargs: pytest.fail("a family ran"))
+    argv = ["--check", "--baseline", str(baseline), "--skip-slower", "240", "--only", "train"]
+    assert conformance.main(argv) == 1
+    assert "no family left to run (see above why each was left out); nothing written" in capsys.readouterr().err
+
+
+def test_a_check_that_compared_no_cell_fails(monkeypatch, capsys):
+    skipped = conformance.Result(skipped="not a text-only causal LM")
+    monkeypatch.setattr(conformance, "run_pool", lambda names, keys, **kwargs: {"gemma3": skipped})
+    assert conformance.main(["--families", "gemma3", "--check"]) == 1
+    err = capsys.readouterr().err
+    assert "no cell was compared, so nothing is checked; every family was skipped: gemma3 (not a text-only" in err

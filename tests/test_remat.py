@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import functools
 
+import jax
 import numpy as np
 import optax
 import pytest
@@ -14,6 +15,7 @@ from torch import nn
 
 import torchshard as ts
 from torchshard import ShardingError, presets
+from torchshard._train.remat import POLICY_NAMES
 
 
 def blocks_loss(model, ids):
@@ -122,12 +124,28 @@ def test_bad_remat_arguments(mesh_fsdp, remat, error, match):
         (lambda: ts.Remat("x", policy="sometimes"), r"remat policy 'sometimes' is not one of \[.*'nothing_saveable'"),
         (lambda: ts.Remat([]), r"remat names no module pattern"),
         (lambda: ts.Remat([3]), r"remat pattern 3 is not a string"),
+        (lambda: ts.Remat("x", policy=3), r"remat policy 3 is not one of \['dots_saveable', .*'matmuls'\] or a "
+                                          r"function policy\(prim, \*avals, \*\*params\) -> bool"),
+        (lambda: ts.Remat("x", policy=int), r"remat policy <class 'int'> is a class, not a policy function; use one "
+                                            r"of \[.*'nothing_saveable'.*'matmuls'\]"),
+        (lambda: ts.Remat("x", policy=jax.checkpoint_policies.save_only_these_names),
+         r"remat policy <function save_only_these_names.* cannot be called as policy\(prim, \*avals, \*\*params\)"),
+        (lambda: ts.Remat("x", policy=lambda: True), r"cannot be called as policy\(prim, \*avals, \*\*params\)"),
     ],
-    ids=["policy", "empty", "not-a-string"],
-)
+    ids=["policy", "empty", "not-a-string", "number", "class", "policy-factory", "no-arguments"],
+)  # fmt: skip
 def test_bad_remat_specs(make, match):
-    with pytest.raises(TypeError, match=match):
+    with pytest.raises(ts.ArgumentError, match=match):
         make()
+
+
+@pytest.mark.parametrize(
+    "policy",
+    [*POLICY_NAMES, jax.checkpoint_policies.dots_saveable, lambda prim, *avals, **params: False],
+    ids=[*POLICY_NAMES, "jax-policy", "lambda"],
+)
+def test_every_policy_name_and_policy_function_is_taken(policy):
+    assert ts.Remat("x", policy=policy).policy is policy
 
 
 def test_remat_must_treat_every_scanned_block_alike(mesh_fsdp):

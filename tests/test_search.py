@@ -278,6 +278,56 @@ def test_search_counts_below_one_are_usage_errors_naming_the_flag(capsys, flag, 
     assert f"argument {flag}: {message}; give a count >= 1" in err and "use_cpu_devices" not in err
 
 
+SEARCH = ["plan", "tests.models:tiny_llama", "--search", "--devices", "4", "--batch", "8x16"]
+
+
+def _searched(monkeypatch) -> list[dict]:
+    """The keywords the CLI calls the search with (it returns no candidate); a test that expects none gets none."""
+    from torchshard._search import search_cli
+
+    calls: list[dict] = []
+    monkeypatch.setattr(search_cli, "search", lambda model, **kwargs: calls.append(kwargs) or [])
+    return calls
+
+
+@pytest.mark.parametrize(
+    ("flags", "message"),
+    [(["--microbatches", "0"], "--microbatches '0': '0' not counts >= 1; give counts such as 1,2,4"),
+     (["--microbatches", "1,-2,x"], "--microbatches '1,-2,x': '-2', 'x' not counts >= 1"),
+     (["--hosts", "3"], r"--hosts 3 does not divide --devices 4; give one of \[1, 2, 4\]"),
+     (["--device-memory", "0"], "--device-memory '0' is 0 bytes; give a device's memory, e.g. 80GiB"),
+     (["--device-memory", "0.5"], "--device-memory '0.5' is 0 bytes"),
+     (["--remat-policies", "none,dots"], "--remat-policies 'none,dots': 'dots' not among them; choose one or more "
+                                         "of none,.*,matmuls"),
+     (["--precisions", ","], "--precisions ',': no value; choose one or more of bf16"),
+     (["--scans", "maybe"], "--scans 'maybe': 'maybe' not among them; choose one or more of true,false"),
+     (["--schedules", "zb"], "--schedules 'zb': 'zb' not among them; choose one or more of gpipe,1f1b")],
+)  # fmt: skip
+def test_search_flags_are_usage_errors_before_the_search_starts(capsys, monkeypatch, flags, message):
+    calls = _searched(monkeypatch)
+    assert main([*SEARCH, *flags]) == 2
+    assert re.search(message, capsys.readouterr().err) and calls == []
+
+
+def test_every_bad_search_flag_is_named_in_one_message(capsys, monkeypatch):
+    calls = _searched(monkeypatch)
+    flags = ["--microbatches", "0", "--hosts", "3", "--device-memory", "0", "--remat-policies", "dots"]
+    assert main([*SEARCH, *flags]) == 2
+    err = capsys.readouterr().err
+    assert "plan --search: 4 bad flag(s)" in err and calls == []
+    assert all(f"  - {flag}" in err for flag in ("--microbatches", "--hosts 3", "--device-memory", "--remat-policies"))
+
+
+def test_search_tries_every_policy_remat_takes(capsys, monkeypatch):
+    from torchshard._train.remat import POLICY_NAMES
+
+    calls = _searched(monkeypatch)
+    main([*SEARCH, "--remat-policies", ",".join(["none", *POLICY_NAMES]), "--hosts", "2", "--device-memory", "1GB"])
+    assert calls[0]["remat"] == (None, *POLICY_NAMES) and "matmuls" in POLICY_NAMES
+    assert (calls[0]["hosts"], calls[0]["device_memory"]) == (2, 10**9)
+    ts.Remat("layers", policy="matmuls")  # the policy the search now offers is one Remat takes
+
+
 FAULTY = {"microbatches": (1, 2, 4), "remat": (None,), "scan": (True,), "precision": ("bf16",)}
 
 

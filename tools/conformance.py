@@ -14,6 +14,7 @@ import argparse
 import contextlib
 import dataclasses
 import datetime
+import difflib
 import json
 import os
 import queue
@@ -363,13 +364,15 @@ def _parser() -> argparse.ArgumentParser:
                                      formatter_class=argparse.RawDescriptionHelpFormatter)  # fmt: skip
     parser.add_argument("--families", help="comma-separated model types (default: every causal LM of transformers)")
     parser.add_argument("--only", help="comma-separated capability columns (default: all)")
-    parser.add_argument("--jobs", type=int, default=2, help="worker processes (default: 2)")
-    parser.add_argument("--timeout", type=float, default=900, help="seconds one family may take (default: 900)")
-    parser.add_argument("--check", action="store_true", help="exit 1 if any cell is ✗ (with --baseline: any new ✗)")
+    parser.add_argument("--jobs", type=int, default=2, help="worker processes (>= 1; default: 2)")
+    parser.add_argument("--timeout", type=float, default=900, help="seconds one family may take (> 0; default: 900)")
+    parser.add_argument("--check", action="store_true",
+                        help="exit 1 if any cell is ✗ (with --baseline: any new ✗), or if no cell ran")  # fmt: skip
     parser.add_argument("--baseline", type=Path, help="a results JSON: --check fails only on cells it had as ✓/refused")
-    parser.add_argument("--budget", type=float, default=float("inf"), help="start no family after this many seconds")
+    parser.add_argument("--budget", type=float, default=float("inf"),
+                        help="start no family after this many seconds (> 0; default: no limit)")  # fmt: skip
     parser.add_argument("--skip-slower", type=float, default=float("inf"), metavar="SECONDS",
-                        help="with --baseline: leave out rows that took more CPU seconds there")  # fmt: skip
+                        help="with --baseline: leave out rows that took more CPU seconds there (> 0)")  # fmt: skip
     full = "for a full run without --baseline"
     parser.add_argument("--out", type=Path, help=f"markdown to write (default: {DOC.relative_to(ROOT)} {full})")
     parser.add_argument("--json", type=Path, help=f"results JSON (default: {DATA.relative_to(ROOT)} {full})")
@@ -490,8 +493,44 @@ def destinations(args: argparse.Namespace) -> tuple[Path | None, Path | None]:
     return args.out or (DOC if full else None), args.json or (DATA if full else None)
 
 
+def _numbers(args: argparse.Namespace) -> list[str]:
+    """What is wrong with the numeric flags: each must be positive (a budget of 0 starts no family); ``--slice``."""
+    problems = [] if args.jobs >= 1 else [f"--jobs {args.jobs}: give a number of worker processes >= 1, e.g. 2"]
+    limits = {
+        "--timeout": (args.timeout, "seconds one family may take, e.g. 900"),
+        "--budget": (args.budget, "seconds after which no family starts, e.g. 900 (0 would start none)"),
+        "--skip-slower": (args.skip_slower, "CPU seconds over which a baseline row is left out, e.g. 240"),
+    }
+    problems += [f"{flag} {value:g}: give {what}" for flag, (value, what) in limits.items() if not value > 0]
+    if args.timeout == float("inf"):
+        problems.append("--timeout inf: give a number of seconds, e.g. 900 (a hung worker must be stopped)")
+    if args.skip_slower != float("inf") and not args.baseline:
+        problems.append("--skip-slower reads each row's time from --baseline: add --baseline docs/conformance.json")
+    k, _, n = (args.slice or "").partition("/")
+    if args.slice and not (n.isdecimal() and int(n) >= 1 and (k == "commit" or (k.isdecimal() and int(k) < int(n)))):
+        problems.append(f"--slice {args.slice!r}: give K/N with 0 <= K < N, or commit/N, e.g. 0/4 or commit/4")
+    return problems
+
+
+def _problems(args: argparse.Namespace, names: list[str], keys: list[str] | None) -> list[str]:
+    """Every bad argument of a run, before anything runs or is written: unknown families and columns, the numbers."""
+    from tools.capabilities import COLUMNS
+    from tools.families import causal_lm_types
+
+    known, columns = causal_lm_types(), [c.key for c in COLUMNS]
+    problems = [f"--families: {n!r} is no causal LM of the installed transformers; closest: "
+                f"{difflib.get_close_matches(n, known, n=3, cutoff=0.5)}" for n in names if n not in known]  # fmt: skip
+    problems += [f"--only: {k!r} is no column; choose from {','.join(columns)}" for k in keys or [] if k not in columns]
+    if args.baseline and not args.baseline.is_file():
+        problems.append(
+            f"--baseline {str(args.baseline)!r}: no such file; give a results JSON, e.g. docs/conformance.json"
+        )
+    return problems + _numbers(args)
+
+
 def main(argv: list[str]) -> int:
-    args = _parser().parse_args(argv)
+    parser = _parser()
+    args = parser.parse_args(argv)
     keys = args.only.split(",") if args.only else None
     if args.worker:
         worker(keys)
@@ -502,15 +541,42 @@ def main(argv: list[str]) -> int:
     from tools.capabilities import COLUMNS
     from tools.families import causal_lm_types
 
-    known = causal_lm_types()
-    names = args.families.split(",") if args.families else _suite_first(known)
-    unknown = [n for n in names if n not in known] + [k for k in keys or [] if k not in {c.key for c in COLUMNS}]
-    if unknown or args.jobs < 1:
-        print(f"conformance: unknown families or columns {unknown} (or --jobs < 1)", file=sys.stderr)
-        return 2
+    names = args.families.split(",") if args.families else _suite_first(causal_lm_types())
+    if problems := _problems(args, names, keys):
+        parser.error(
+            f"{len(problems)} bad argument(s), nothing run or written:\n" + "\n".join(f"  - {p}" for p in problems)
+        )
     out, data = destinations(args)
     table = json.loads(args.baseline.read_text()) if args.baseline else {}  # before any rewrite
     baseline = table.get("families") if args.baseline else None
+    names = _chosen(args, names, table, baseline)
+    if not names:  # a table of no rows would replace the committed one, and a check of none would pass
+        print("conformance: no family left to run (see above why each was left out); nothing written", file=sys.stderr)
+        return 1
+    begun = time.perf_counter()
+
+    def save(partial: dict[str, Result]) -> None:  # after each family: a run cut short keeps what it did
+        _write(_report(argv, args, partial, time.perf_counter() - begun, len(names)), out, data)
+
+    columns = keys or [c.key for c in COLUMNS]
+    results = run_pool(names, columns, jobs=args.jobs, timeout=args.timeout, done=save, budget=args.budget)
+    if len(results) < len(names):
+        left = [n for n in names if n not in results]
+        print(f"conformance: {len(left)} families not started within --budget {args.budget:.0f} s: {', '.join(left)}")
+    if not results:
+        print("conformance: no family ran (see above); nothing written or checked", file=sys.stderr)
+        return 1
+    report = _report(argv, args, results, time.perf_counter() - begun, len(names))
+    _write(report, out, data)
+    if not out and (args.families or args.only):  # the whole matrix checked against a baseline: its verdict only
+        print(render(report))
+    cpu = sum(r.cpu_seconds for r in results.values())
+    print(f"conformance: {len(names)} families in {report['seconds'] / 60:.1f} min (CPU {cpu / 60:.1f} min)")
+    return verdict(report, baseline) if args.check else 0
+
+
+def _chosen(args: argparse.Namespace, names: list[str], table: dict[str, Any], baseline: Any) -> list[str]:
+    """The families to run, in order: ``--slice``'s, less the rows ``--baseline`` says not to rerun (each named)."""
     if args.slice:
         from tools.families import REPRESENTATIVE
         from tools.rotation import parse_slice, sliced, touched
@@ -532,28 +598,28 @@ def main(argv: list[str]) -> int:
         if slow:  # CI's time limit: their cells stay as the committed table has them
             print(f"conformance: not rerun, over --skip-slower {args.skip_slower:.0f} CPU s in the baseline: "
                   f"{', '.join(slow)}")  # fmt: skip
-    begun = time.perf_counter()
+    return names
 
-    def save(partial: dict[str, Result]) -> None:  # after each family: a run cut short keeps what it did
-        _write(_report(argv, args, partial, time.perf_counter() - begun, len(names)), out, data)
 
-    columns = keys or [c.key for c in COLUMNS]
-    results = run_pool(names, columns, jobs=args.jobs, timeout=args.timeout, done=save, budget=args.budget)
-    report = _report(argv, args, results, time.perf_counter() - begun, len(names))
-    _write(report, out, data)
-    if not out and (args.families or args.only):  # the whole matrix checked against a baseline: its verdict only
-        print(render(report))
-    cpu = sum(r.cpu_seconds for r in results.values())
-    print(f"conformance: {len(names)} families in {report['seconds'] / 60:.1f} min (CPU {cpu / 60:.1f} min)")
-    if len(results) < len(names):
-        left = [n for n in names if n not in results]
-        print(f"conformance: {len(left)} families not started within --budget {args.budget:.0f} s: {', '.join(left)}")
+def verdict(report: dict[str, Any], baseline: dict[str, Any] | None) -> int:
+    """``--check``'s exit code: 1 for any ✗ cell (with a baseline: any it had as ✓ or refused) or for no cell at all.
+
+    Examples:
+        >>> verdict({"families": {"bert": {"skipped": "not causal", "cells": {}}}}, None)
+        1
+    """
+    ran = sum(len(r["cells"]) for r in report["families"].values() if not r["skipped"])
+    if not ran:
+        skipped = ", ".join(f"{n} ({r['skipped']})" for n, r in report["families"].items())
+        print(f"conformance --check: no cell was compared, so nothing is checked; every family was skipped: {skipped}",
+              file=sys.stderr)  # fmt: skip
+        return 1
     failed = failures(report["families"])
     if baseline is not None:
         failed, unseen = regressions(failed, baseline)
         if unseen:
             print(f"conformance --check: ✗ cells the baseline has no row for (not failing): {', '.join(unseen)}")
-    if args.check and failed:
+    if failed:
         print(f"conformance --check: {len(failed)} ✗ cell(s): {', '.join(failed)}", file=sys.stderr)
         for name in failed:
             family, key = name.split("/", 1)

@@ -273,7 +273,20 @@ def check_compile_args(args: argparse.Namespace) -> int | None:
         raise UsageError(f"{', '.join(given)} given without --compile; add --compile to compile the training step")
     if args.compile and args.batch is None:
         raise UsageError("--compile needs --batch, e.g. --batch 256x4096 for [batch, sequence] token ids")
-    return parse_size(args.device_memory) if args.device_memory is not None else None
+    return parse_device_memory(args.device_memory) if args.device_memory is not None else None
+
+
+def parse_device_memory(text: str) -> int:
+    """``--device-memory``: a size (`parse_size`) of at least one byte, else a `UsageError` saying so.
+
+    Examples:
+        >>> parse_device_memory("80GiB") == 80 * 2**30
+        True
+    """
+    size = parse_size(text)
+    if size < 1:
+        raise UsageError(f"--device-memory {text!r} is {size} bytes; give a device's memory, e.g. 80GiB")
+    return size
 
 
 def run_plan(args: argparse.Namespace) -> tuple[str, bool]:

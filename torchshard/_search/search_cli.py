@@ -6,15 +6,23 @@ import argparse
 import json
 import sys
 import time
-from typing import Any
+from collections.abc import Callable, Sequence
+from typing import Any, TypeVar
 
 from torchshard._base.errors import ArgumentError
 from torchshard._base.format import columns, fmt_bytes
-from torchshard._hlo.hardware import PROFILES, hardware, load_profiles
-from torchshard._report.fit import parse_batch, parse_size, simulated_devices
+from torchshard._hlo.hardware import PROFILES, Hardware, hardware, load_profiles
+from torchshard._report.cli import parse_device_memory
+from torchshard._report.fit import parse_batch, simulated_devices
 from torchshard._report.usage import UsageError
-from torchshard._search.search import REMATS, Candidate, search
+from torchshard._search.search import Candidate, search
 from torchshard._search.space import PRECISIONS, variants
+from torchshard._train.remat import POLICY_NAMES
+
+NO_REMAT = "none"  # --remat-policies' word for no remat
+REMAT_CHOICES = (NO_REMAT, *POLICY_NAMES)
+SCANS = {"true": True, "false": False}
+T = TypeVar("T")
 
 SEARCH_HELP = """\
 --search enumerates the meshes (stage x data/FSDP x context x expert x model degrees dividing the
@@ -34,13 +42,19 @@ def add_search_arguments(parser: argparse.ArgumentParser) -> None:
     s.add_argument("--hardware", default="h100", help=f"profile: {', '.join(PROFILES)} (default: h100)")
     s.add_argument("--hardware-file", metavar="FILE.json", help="more profiles: a list of Hardware fields")
     s.add_argument(
-        "--hosts", type=positive_int, help="hosts the devices span (>= 1; default: the profile's devices per host)"
+        "--hosts",
+        type=positive_int,
+        help="hosts the devices span (>= 1, dividing --devices; default: the profile's devices per host)",
     )
     s.add_argument(
         "--max-compiles", type=positive_int, default=20, help="compile at most this many layouts (>= 1; default: 20)"
     )
-    s.add_argument("--remat-policies", default="none,nothing_saveable,dots_saveable", help="remat values to try")
-    s.add_argument("--microbatches", default="1,2,4", help="grad accumulation / micro-batches per stage to try")
+    s.add_argument(
+        "--remat-policies",
+        default="none,nothing_saveable,dots_saveable",
+        help=f"remat policies to try, of {','.join(REMAT_CHOICES)} (default: %(default)s)",
+    )
+    s.add_argument("--microbatches", default="1,2,4", help="grad accumulation / micro-batches per stage (>= 1) to try")
     s.add_argument("--precisions", default="bf16,fp32", help="precisions to try")
     s.add_argument("--scans", default="true,false", help="scan_layers values to try")
     tried, allowed = variants()
@@ -62,26 +76,75 @@ def positive_int(text: str) -> int:
     return value
 
 
-def _values(text: str, flag: str, convert: Any, allowed: Any = None) -> tuple[Any, ...]:
-    try:
-        values = tuple(convert(v.strip()) for v in text.split(",") if v.strip())
-    except (KeyError, ValueError) as err:
-        raise UsageError(f"{flag} {text!r}: {err}") from err
-    bad = [v for v in values if allowed is not None and v not in allowed]
+def _values(text: str, flag: str, choices: Sequence[str] | None, problems: list[str]) -> tuple[str, ...]:
+    """The comma-separated values of ``flag``; any not in ``choices``, or none at all, goes on ``problems``."""
+    values = tuple(v.strip() for v in text.split(",") if v.strip())
+    bad = [v for v in values if choices is not None and v not in choices]
     if bad or not values:
-        raise UsageError(f"{flag} {text!r}: choose from {list(allowed or [])}")
-    return values
+        what = f"{', '.join(map(repr, bad))} not among them" if bad else "no value"
+        fix = f"choose one or more of {','.join(choices)}" if choices else "give one or more, comma-separated"
+        problems.append(f"{flag} {text!r}: {what}; {fix}")
+    return tuple(v for v in values if v not in bad)
 
 
-def search_options(args: argparse.Namespace) -> dict[str, Any]:
-    """The option values the flags ask to enumerate."""
+def _counts(text: str, flag: str, problems: list[str]) -> tuple[int, ...]:
+    """The comma-separated counts of ``flag``, each >= 1; the others go on ``problems``."""
+    values = _values(text, flag, None, problems)
+    bad = [v for v in values if not (v.isdecimal() and int(v) >= 1)]
+    if bad:
+        problems.append(f"{flag} {text!r}: {', '.join(map(repr, bad))} not counts >= 1; give counts such as 1,2,4")
+    return tuple(int(v) for v in values if v not in bad)
+
+
+def search_options(args: argparse.Namespace, problems: list[str]) -> dict[str, Any]:
+    """The option values the flags ask to enumerate; what is wrong with them goes on ``problems``."""
+    remat = _values(args.remat_policies, "--remat-policies", REMAT_CHOICES, problems)
+    scans = _values(args.scans.lower(), "--scans", tuple(SCANS), problems)
     return {
-        "remat": _values(args.remat_policies, "--remat-policies", lambda v: None if v == "none" else v, REMATS),
-        "microbatches": _values(args.microbatches, "--microbatches", int),
-        "precision": _values(args.precisions, "--precisions", str, tuple(PRECISIONS)),
-        "scan": _values(args.scans, "--scans", lambda v: {"true": True, "false": False}[v.lower()]),
-        "schedules": _values(args.schedules, "--schedules", str, variants()[1]),
+        "remat": tuple(None if r == NO_REMAT else r for r in remat),
+        "microbatches": _counts(args.microbatches, "--microbatches", problems),
+        "precision": _values(args.precisions, "--precisions", tuple(PRECISIONS), problems),
+        "scan": tuple(SCANS[s] for s in scans),
+        "schedules": _values(args.schedules, "--schedules", variants()[1], problems),
     }
+
+
+def _checked(args: argparse.Namespace) -> tuple[Any, Hardware, int | None, dict[str, Any]]:
+    """Every flag of ``--search`` checked before anything runs: (batch leaves, hardware, device memory, options).
+
+    Raises:
+        UsageError: listing every bad flag, each with its fix.
+    """
+    problems: list[str] = []
+    if args.devices is None or args.batch is None:
+        problems.append("--search needs --devices N and --batch BxS, e.g. --devices 64 --batch 64x8192")
+    leaves, hw, memory = None, None, None
+    if args.batch is not None:
+        leaves = _attempt(lambda: parse_batch(args.batch), problems)
+        if leaves is not None and (len(leaves) != 1 or leaves[0].dim() != 2):
+            problems.append(f"--search --batch {args.batch!r}: give BxS token ids, e.g. 64x8192")
+    extra = _attempt(lambda: load_profiles(args.hardware_file), problems) if args.hardware_file else {}
+    if extra is not None:  # a bad --hardware-file is its own problem, not also an unknown --hardware
+        hw = _attempt(lambda: hardware(args.hardware, extra=extra or None), problems)
+    if args.device_memory is not None:
+        memory = _attempt(lambda: parse_device_memory(args.device_memory), problems)
+    if args.hosts is not None and args.devices is not None and args.devices % args.hosts:
+        divisors = [n for n in range(1, args.devices + 1) if args.devices % n == 0]
+        problems.append(f"--hosts {args.hosts} does not divide --devices {args.devices}; give one of {divisors}")
+    options = search_options(args, problems)
+    if problems:
+        raise UsageError(f"plan --search: {len(problems)} bad flag(s):\n" + "\n".join(f"  - {p}" for p in problems))
+    assert leaves is not None and hw is not None  # else a problem was raised above
+    return leaves, hw, memory, options
+
+
+def _attempt(parse: Callable[[], T], problems: list[str]) -> T | None:
+    """``parse()``, or None with its error's message on ``problems``."""
+    try:
+        return parse()
+    except (UsageError, ArgumentError) as err:
+        problems.append(str(err))
+        return None
 
 
 class Bar:
@@ -106,15 +169,7 @@ class Bar:
 
 def search_command(args: argparse.Namespace, load: Any, build: Any) -> tuple[str, bool]:
     """Runs the search the flags describe; returns the table (or JSON) and whether any configuration fits."""
-    if args.devices is None or args.batch is None:
-        raise UsageError("--search needs --devices N and --batch BxS, e.g. --devices 64 --batch 64x8192")
-    leaves = parse_batch(args.batch)
-    if len(leaves) != 1 or leaves[0].dim() != 2:
-        raise UsageError(f"--search --batch {args.batch!r}: give BxS token ids, e.g. 64x8192")
-    try:
-        hw = hardware(args.hardware, extra=load_profiles(args.hardware_file) if args.hardware_file else None)
-    except ArgumentError as err:
-        raise UsageError(str(err)) from err
+    leaves, hw, memory, options = _checked(args)
     simulated_devices(args.devices)  # before the model is built: JAX must start with them
     begun = time.perf_counter()
     rows, seq = leaves[0].shape
@@ -123,11 +178,11 @@ def search_command(args: argparse.Namespace, load: Any, build: Any) -> tuple[str
         devices=args.devices,
         batch=(rows, seq),
         hardware_name=hw,
-        device_memory=parse_size(args.device_memory) if args.device_memory else None,
+        device_memory=memory,
         hosts=args.hosts,
         max_compiles=args.max_compiles,
         progress=Bar(),
-        **search_options(args),
+        **options,
     )
     fits = any(c.fits for c in found)
     top = found[: args.top]

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import inspect
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
@@ -34,6 +35,29 @@ POLICIES = tuple(
 # against a weight, recompute the cheap rest (norms, activations, rotary, softmax) and attention's forward, whose
 # scores are what flash attention exists not to keep
 MATMULS = "matmuls"
+# every name ``Remat(policy=)`` takes: jax's policies and torchshard's own (command lines offer these)
+POLICY_NAMES = (*POLICIES, MATMULS)
+
+
+def _policy_problems(policy: Any) -> list[str]:
+    """Why ``policy`` is neither a name of `POLICY_NAMES` nor a function ``jax.checkpoint`` can call as a policy."""
+    valid = f"one of {list(POLICY_NAMES)} or a function policy(prim, *avals, **params) -> bool"
+    if isinstance(policy, str) and policy in POLICY_NAMES:
+        return []
+    if isinstance(policy, str) or not callable(policy):
+        return [f"remat policy {policy!r} is not {valid}"]
+    if isinstance(policy, type):
+        return [f"remat policy {policy!r} is a class, not a policy function; use {valid}"]
+    try:  # jax.checkpoint calls policy(primitive, *its input avals, **its params)
+        inspect.signature(policy).bind(None, None, None, params=None)
+    except TypeError:
+        return [
+            f"remat policy {policy!r:.60} cannot be called as policy(prim, *avals, **params) (a factory such as "
+            f"jax.checkpoint_policies.save_only_these_names makes a policy when called); use {valid}"
+        ]
+    except ValueError:
+        pass  # no signature to read (a builtin): jax.checkpoint is the judge
+    return []
 
 
 @dataclasses.dataclass(frozen=True)
@@ -48,15 +72,18 @@ class Remat:
 
     Args:
         modules: one regex or several, over module names such as ``model.layers.3``.
-        policy: a ``jax.checkpoint_policies`` name: ``"nothing_saveable"`` (recompute all),
-            ``"dots_saveable"`` (keep matmul outputs), ``"dots_with_no_batch_dims_saveable"``,
+        policy: a name of `POLICY_NAMES`: a ``jax.checkpoint_policies`` name, ``"nothing_saveable"``
+            (recompute all), ``"dots_saveable"`` (keep matmul outputs), ``"dots_with_no_batch_dims_saveable"``,
             ``"everything_saveable"``, or ``"offload_dot_with_no_batch_dims"`` (keep matmul outputs in
             pinned host memory, on backends that have it); ``"matmuls"``, the one to train with on
             GPUs (``dots_with_no_batch_dims_saveable``): keep every matmul against a weight, recompute
-            norms, activations, rotary, softmax and attention's forward; or a policy function.
+            norms, activations, rotary, softmax and attention's forward; or a policy function
+            ``policy(prim, *avals, **params) -> bool``, as ``jax.checkpoint`` calls it.
 
     Raises:
-        ArgumentError: a pattern that is not a valid regex, or an unknown policy.
+        ArgumentError: a pattern that is not a valid regex; a policy that is no name of `POLICY_NAMES`
+            and no policy function (a number, a class, a policy factory not yet called), the valid
+            ones listed. Checked here, before any Trainer traces anything.
 
     Examples:
         >>> Remat(r"model\\.layers\\.\\d+", policy="dots_saveable").modules
@@ -73,8 +100,7 @@ class Remat:
         problems += [f"remat pattern {p!r} {why}" for p in patterns if isinstance(p, str) and (why := regex_problem(p))]
         if not patterns:
             problems.append("remat names no module pattern; pass e.g. r'model\\.layers\\.\\d+'")
-        if not callable(self.policy) and self.policy not in (*POLICIES, MATMULS):
-            problems.append(f"remat policy {self.policy!r} is not one of {[*POLICIES, MATMULS]} or a policy function")
+        problems += _policy_problems(self.policy)
         raise_for_arguments(problems, header="invalid Remat")
 
     def jax_policy(self) -> Callable[..., Any]:
