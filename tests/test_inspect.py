@@ -23,6 +23,7 @@ from torchshard.inspect import (
     CollectiveStats,
     axes_of,
     collectives,
+    matmuls,
     memory,
     parse_hlo,
 )
@@ -220,9 +221,25 @@ def test_table_lists_kind_axes_count_and_bytes():
                            "collective-permute": 0}  # fmt: skip
 
 
-def test_collectives_rejects_what_it_cannot_read():
-    with pytest.raises(ShardingError, match=r"cannot read int; pass a torchshard\.Trainer"):
-        collectives(42)
+HLO = "HloModule jit_step, entry_computation_layout={}"
+MODULE = r"cannot read Linear \(a torch module: build a torchshard\.Trainer on it first\); pass a torchshard\.Trainer"
+# an inspect function given what it cannot read (a torch module, HLO text where a Trainer is wanted, a number)
+UNREADABLE = {
+    "collectives-int": (lambda: collectives(42), r"collectives\(\) cannot read int; pass a torchshard\.Trainer"),
+    "collectives-module": (lambda: collectives(nn.Linear(2, 2), torch.ones(8, 2)), rf"collectives\(\) {MODULE}"),
+    "matmuls-module": (lambda: matmuls(nn.Linear(2, 2), torch.ones(8, 2)),
+                       rf"matmuls\(\) {MODULE} \(or AbstractTrainer\) and a batch"),
+    "matmuls-hlo": (lambda: matmuls(HLO, torch.ones(8, 2)),
+                    r"matmuls\(\) cannot read str 'HloModule jit_step, entry_comp'; pass a torchshard\.Trainer"),
+    "memory-module": (lambda: memory(nn.Linear(2, 2), torch.ones(8, 2)), rf"memory\(\) {MODULE}"),
+    "memory-hlo": (lambda: memory(HLO), r"memory\(\) cannot read str 'HloModule jit_step, entry_comp'; pass a"),
+}  # fmt: skip
+
+
+@pytest.mark.parametrize(("call", "match"), UNREADABLE.values(), ids=UNREADABLE.keys())
+def test_inspect_functions_reject_what_they_cannot_read(call, match):
+    with pytest.raises(ts.ArgumentError, match=match):
+        call()
 
 
 def test_trainer_needs_exactly_one_batch():

@@ -29,7 +29,7 @@ import torchshard as ts
 from torchshard.__main__ import EXIT_OK, EXIT_USAGE, main
 from torchshard._search.search_compile import trainer_options
 from torchshard._search.space import SearchLayout
-from torchshard._strategies import STRATEGIES, register
+from torchshard._strategies import RESERVED, STRATEGIES, register, reserve
 
 PACKAGE = pathlib.Path(ts.__file__).parent
 TOY = binding.STRATEGY
@@ -89,9 +89,60 @@ def test_init_sharded_takes_only_strategies_that_lay_out_layers(toy):
         ts.init_sharded(Stack, ts.make_mesh({"data": 8}), marc=Mark())
 
 
-def test_register_refuses_a_taken_keyword(toy):
-    with pytest.raises(ValueError, match=r"strategy keyword 'pipeline' is taken by Pipeline"):
-        register(dataclasses.replace(TOY, keyword="pipeline"))
+def _never_bound(option, setting):
+    raise AssertionError("a refused strategy is never bound")
+
+
+# fields of the toy's Strategy replaced → what register says; nothing is registered
+REFUSED = {
+    "taken": ({"keyword": "pipeline"}, r"strategy keyword 'pipeline' is taken by Pipeline; give the strategy another"),
+    **{
+        keyword: ({"keyword": keyword}, rf"strategy keyword '{keyword}' of Mark is Trainer's own parameter '{keyword}'")
+        for keyword in ("donate", "plan", "seed", "remat", "model")
+    },
+    "not-an-identifier": ({"keyword": "mark-it"}, r"strategy keyword 'mark-it' is not a Python identifier"),
+    "bind-none": ({"bind": None},
+                  r"strategy 'mark': bind must be a function bind\(option, setting\) -> Bound, got None$"),
+    "bind-not-callable": ({"bind": "bind"}, r"strategy 'mark': bind must be a function .*, got 'bind'"),
+    "option-not-a-class": ({"option": "Mark"},
+                           r"strategy 'mark': option must be the class its keyword takes, got 'Mark'"),
+    "every-problem": ({"keyword": "seed", "bind": None},
+                      r"(?s)cannot register the strategy \(2 problems\).*'seed' of Mark.*bind must be a function"),
+}  # fmt: skip
+
+
+@pytest.mark.parametrize(("fields", "match"), REFUSED.values(), ids=REFUSED.keys())
+def test_register_refuses_a_bad_strategy_before_registering_it(fields, match):
+    before = dict(STRATEGIES)
+    with pytest.raises(ts.ArgumentError, match=match):
+        register(dataclasses.replace(TOY, **{"bind": _never_bound, **fields}))
+    assert before == STRATEGIES
+
+
+def test_register_refuses_what_is_no_strategy():
+    with pytest.raises(ts.ArgumentError, match=r"register\(\) takes a torchshard\._train\.strategy\.Strategy, got"):
+        register(Mark())
+
+
+def test_reserving_a_parameter_a_strategy_takes_is_refused(toy):
+    def build(model, *, mark=None, **strategies):
+        return model
+
+    with pytest.raises(ts.ArgumentError, match=r"strategy keyword 'mark' of Mark is build's own parameter 'mark'"):
+        reserve(build)
+    assert "mark" not in RESERVED
+
+
+@pytest.mark.parametrize("returned", [None, "marked", Mark()], ids=["none", "str", "the-option"])
+def test_a_bind_that_returns_no_bound_is_refused_when_the_trainer_is_built(returned):
+    register(dataclasses.replace(TOY, bind=lambda option, setting: returned))
+    plan = ts.plan(Stack(), ts.make_mesh({"data": 8}), ts.presets.fsdp(min_size=16))
+    what = re.escape(f"returned {returned!r} ({type(returned).__name__}), not a Bound")
+    try:
+        with pytest.raises(ts.ArgumentError, match=rf"strategy 'mark' \(Mark\): bind\(option, setting\) {what}"):
+            ts.Trainer(Stack(), loss_fn, optax.sgd(0.1), plan)
+    finally:
+        STRATEGIES.pop(TOY.keyword)
 
 
 STACK_PY = (

@@ -6,8 +6,9 @@ from typing import Any
 
 import jax
 
-from torchshard._base.errors import ShardingError
+from torchshard._base.errors import ArgumentError
 from torchshard._hlo.memory import CompiledMemory
+from torchshard._report.inspection import unreadable
 from torchshard._trainer.trainer import Trainer
 
 
@@ -23,7 +24,7 @@ def memory(target: Any, batch: Any = None) -> CompiledMemory:
         A `CompiledMemory`: argument, temp, output, aliased and peak bytes per device.
 
     Raises:
-        ShardingError: ``target`` is none of the above, or a Trainer was given no batch.
+        ArgumentError: ``target`` is none of the above (a torch module, say), or a Trainer was given no batch.
 
     Examples:
         >>> import optax
@@ -38,13 +39,12 @@ def memory(target: Any, batch: Any = None) -> CompiledMemory:
     """
     if isinstance(target, Trainer):
         if batch is None:
-            raise ShardingError("memory(trainer, batch): pass the batch the step is compiled for")
+            raise ArgumentError("memory(trainer, batch): pass the batch the step is compiled for")
         target = target.lower(batch)
     if isinstance(target, jax.stages.Lowered):
         target = target.compile()
     if isinstance(target, jax.stages.Compiled):
         return CompiledMemory.of(target)
-    raise ShardingError(
-        f"memory() cannot read {type(target).__name__}; pass a torchshard.Trainer (or AbstractTrainer) and a batch, "
-        f"or a jax Lowered/Compiled stage"
+    raise unreadable(
+        "memory", target, "a torchshard.Trainer (or AbstractTrainer) and a batch, or a jax Lowered/Compiled stage"
     )

@@ -8,9 +8,10 @@ from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
 import jax
+import torch
 from jax.sharding import Mesh, NamedSharding
 
-from torchshard._base.errors import ShardingError
+from torchshard._base.errors import ArgumentError, ShardingError
 from torchshard._base.format import fmt_bytes, table
 from torchshard._base.validate import describe_mesh
 from torchshard._bridge.tensors import unwrap
@@ -125,10 +126,26 @@ def _mesh_of(args: Any) -> Mesh | None:
     return None
 
 
+def unreadable(function: str, target: Any, accepted: str) -> ArgumentError:
+    """The error of ``function`` (a `torchshard.inspect` one) given a ``target`` it cannot read: what it got, what
+    to pass (``accepted``), and for a torch module how to get a Trainer of it.
+
+    Examples:
+        >>> print(unreadable("matmuls", torch.nn.Linear(2, 2), "a torchshard.Trainer and a batch"))
+        matmuls() cannot read Linear (a torch module: build a torchshard.Trainer on it first); pass a ...
+    """
+    got = type(target).__name__
+    if isinstance(target, torch.nn.Module):
+        got += " (a torch module: build a torchshard.Trainer on it first)"
+    elif isinstance(target, str):
+        got += f" {target[:30]!r}"
+    return ArgumentError(f"{function}() cannot read {got}; pass {accepted}")
+
+
 def _hlo_text(target: Any, args: tuple[Any, ...], kwargs: Mapping[str, Any], mesh: Mesh | None) -> str:
     if isinstance(target, Trainer):
         if len(args) != 1 or kwargs:
-            raise ShardingError("collectives(trainer, batch): pass exactly one batch, as for trainer.step(batch)")
+            raise ArgumentError("collectives(trainer, batch): pass exactly one batch, as for trainer.step(batch)")
         target = target.lower(args[0])
     elif hasattr(target, "lower") and callable(target):
         with jax.set_mesh(mesh) if mesh is not None else contextlib.nullcontext():
@@ -139,9 +156,11 @@ def _hlo_text(target: Any, args: tuple[Any, ...], kwargs: Mapping[str, Any], mes
         return str(target.as_text())
     if isinstance(target, str):
         return target
-    raise ShardingError(
-        f"collectives() cannot read {type(target).__name__}; pass a torchshard.Trainer and a batch, a jax.jit "
-        f"function and its arguments, a jax Lowered/Compiled stage, or HLO text"
+    raise unreadable(
+        "collectives",
+        target,
+        "a torchshard.Trainer and a batch, a jax.jit function and its arguments, a jax Lowered/Compiled stage, "
+        "or HLO text",
     )
 
 
@@ -162,7 +181,7 @@ def collectives(target: Any, *args: Any, mesh: Mesh | None = None, **kwargs: Any
         A `CollectiveStats`; ``str()`` of it is a table.
 
     Raises:
-        ShardingError: ``target`` is none of the above.
+        ArgumentError: ``target`` is none of the above (a torch module, say), or a Trainer with no batch or more.
 
     Examples:
         >>> mesh = ts.make_mesh({"data": 4, "model": 2})
@@ -186,6 +205,16 @@ def matmuls(trainer: Trainer, batch: Any) -> tuple[Matmul, ...]:
     Read from the traced program, before XLA: on the CPU, XLA converts bf16 matmuls to float32 when
     it compiles, so the compiled HLO cannot say which the step asks for in float32. Nothing runs.
 
+    Args:
+        trainer: a `Trainer` (or an `AbstractTrainer`).
+        batch: as for ``trainer.step`` (shapes alone for an `AbstractTrainer`).
+
+    Returns:
+        One `Matmul` per matmul of the step, in program order.
+
+    Raises:
+        ArgumentError: ``trainer`` is no Trainer (a torch module or HLO text, say).
+
     Examples:
         >>> model = torch.nn.Linear(16, 4)
         >>> p = ts.plan(model, ts.make_mesh({"data": 8}))
@@ -194,4 +223,6 @@ def matmuls(trainer: Trainer, batch: Any) -> tuple[Matmul, ...]:
         >>> sorted({(m.lhs, m.rhs) for m in matmuls(trainer, torch.randn(32, 16))})
         [('bfloat16', 'bfloat16')]
     """
+    if not isinstance(trainer, Trainer):
+        raise unreadable("matmuls", trainer, "a torchshard.Trainer (or AbstractTrainer) and a batch")
     return matmuls_of(trainer.trace(batch).jaxpr)

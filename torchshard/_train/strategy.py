@@ -154,6 +154,11 @@ class Strategy:
     them that way. ``flag``: its ``plan --compile`` flag. ``searched``: the option a ``plan
     --search`` candidate gives it, from the candidate's `SearchedLayout` (None: off); ``axis``: the
     mesh axis the search lays out for it, and how it splits and costs (`SearchAxis`).
+
+    ``register`` refuses (one `ArgumentError` listing every problem) a keyword that is no Python
+    identifier, one of the Trainer's own parameters (``plan``, ``donate``, ``seed``, ``remat``...)
+    or another strategy's; an ``option`` that is no class; a ``bind`` that is not callable. A
+    ``bind`` that returns anything but a `Bound` is an `ArgumentError` when the Trainer is built.
     """
 
     keyword: str

@@ -25,7 +25,7 @@ from torchshard._bridge.tensors import rebind, unwrap
 from torchshard._multihost.worker import heartbeat
 from torchshard._sharding.placement import put, shard
 from torchshard._sharding.plan import ShardingPlan
-from torchshard._strategies import bind_all
+from torchshard._strategies import bind_all, reserve
 from torchshard._train.batching import BatchLayout
 from torchshard._train.precision import MixedPrecision, store_params
 from torchshard._train.remat import RematLike, as_remat, remat_targets, scan_remat
@@ -388,3 +388,6 @@ class Trainer(Observed, Stateful):
         self._in_flight.append(marker)
         while len(self._in_flight) > self.max_in_flight:
             self._in_flight.popleft().block_until_ready()
+
+
+reserve(Trainer)  # its own parameters: a strategy keyword among them would never reach the strategy
