@@ -168,3 +168,56 @@ def test_a_trainer_on_an_adversary_trains_like_eager_torch(name, caplog):
     assert says in caplog.text
     expected = torch_losses(ref, lm_loss, torch.optim.SGD(ref.parameters(), lr=0.1), data)
     np.testing.assert_allclose(got, expected, rtol=1e-4)
+
+
+# --- constants a trace reads: captured CPU tensors and masks folded while tracing --------------------------------
+
+
+def test_a_captured_tensor_written_in_place_retraces_the_step_and_evaluate_as_eager_torch_reads_it(caplog):
+    """Class weights captured from outside the model are a constant of the compiled step: after
+    ``weights.copy_(...)`` the step and the evaluation are traced again, as eager torch reads them anew."""
+    weights = torch.ones(3)
+    loss_fn = lambda m, b: torch.nn.functional.cross_entropy(m(b[0]), b[1], weight=weights)  # noqa: E731
+    torch.manual_seed(0)
+    ref = torch.nn.Linear(4, 3)
+    model = copy.deepcopy(ref)
+    mesh = ts.make_mesh({"data": 2}, devices=jax.devices()[:2])
+    trainer = ts.Trainer(model, loss_fn, optax.sgd(0.1), ts.plan(model, mesh))
+    batches = [
+        (torch.randn(4, 4, generator=torch.Generator().manual_seed(i)), torch.tensor([0, 1, 2, 0])) for i in range(4)
+    ]
+    news = {2: torch.tensor([5.0, 0.1, 0.1]), 3: torch.tensor([0.2, 3.0, 1.0])}
+    got, evaluated, expected, eager_evaluated = [], [], [], []
+    opt = torch.optim.SGD(ref.parameters(), lr=0.1)
+    with caplog.at_level(logging.INFO, logger="torchshard"):
+        for i, batch in enumerate(batches):
+            if i in news:
+                weights.copy_(news[i])
+            evaluated.append(float(trainer.evaluate(batch)["loss"]))
+            got.append(float(trainer.step(batch)["loss"]))
+            with torch.no_grad():
+                eager_evaluated.append(float(loss_fn(ref, batch)))
+            expected.extend(torch_losses(ref, loss_fn, opt, [batch]))
+    np.testing.assert_allclose(got, expected, rtol=1e-5)
+    np.testing.assert_allclose(evaluated, eager_evaluated, rtol=1e-5)
+    assert caplog.text.count("written in place since the step was traced: tracing the step again") == 2
+
+
+def test_random_ops_on_masks_folded_while_tracing_draw_anew_each_step():
+    """``torch.ones`` is computed while tracing (a mask of constants); dropout over it must still draw a new mask
+    every step, as eager torch does, not one mask baked into the compiled step."""
+
+    class Dropped(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.w = torch.nn.Parameter(torch.ones(64))
+
+        def forward(self, x):
+            return (self.w * x * torch.nn.functional.dropout(torch.ones(64), 0.5, training=True)).sum()
+
+    model = Dropped()
+    mesh = ts.make_mesh({"data": 2}, devices=jax.devices()[:2])
+    trainer = ts.Trainer(model, lambda m, b: m(b), optax.sgd(0.0), ts.plan(model, mesh))
+    x = torch.arange(128.0).reshape(2, 64)
+    losses = {float(trainer.step(x)["loss"]) for _ in range(4)}
+    assert len(losses) == 4, losses  # 4 masks of 64 coins each: equal ones would be a 2**-64 chance

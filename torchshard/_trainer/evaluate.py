@@ -5,6 +5,8 @@ from __future__ import annotations
 import collections
 import contextlib
 import dataclasses
+import functools
+import logging
 from collections.abc import Iterator, Mapping
 from typing import Any
 
@@ -13,11 +15,13 @@ import numpy as np
 import torch
 
 from torchshard._base.validate import raise_for_arguments
+from torchshard._bridge.captures import Captures, changed, recording
 from torchshard._bridge.tensors import is_jax_tensor, unwrap
 from torchshard._bridge.view_infos import materialised
 from torchshard._train.state import Arrays, TrainState
 from torchshard._train.step import LossFn, Runtime, loss_and_aux
 
+logger = logging.getLogger("torchshard")
 CACHE_SIZE = 8  # compiled evaluations kept per Trainer (batch shapes × functions), least recently used dropped
 
 
@@ -77,9 +81,15 @@ class Compiled:
 
     def __call__(self, fn: LossFn | None, *args: Any) -> dict[str, jax.Array]:
         key = (fn, _signature(args))
+        if key in self._cache and (what := changed(self._cache[key][1])) is not None:
+            logger.info("%s was written in place since the evaluation was traced: tracing it again", what)
+            del self._cache[key]
         if key not in self._cache:
+            captures: Captures = []
+            fresh = functools.partial(Evaluation(self.runtime, fn).__call__)  # a new function: JAX traces it anew
             try:
-                self._cache[key] = jax.jit(Evaluation(self.runtime, fn).__call__).lower(*args).compile()
+                with recording(captures):
+                    self._cache[key] = (jax.jit(fresh).lower(*args).compile(), captures)
             except Exception as err:
                 # kept as it is (callers may catch their own errors), with a note of which call raised it
                 if fn is not None:
@@ -88,7 +98,7 @@ class Compiled:
             while len(self._cache) > CACHE_SIZE:
                 self._cache.popitem(last=False)
         self._cache.move_to_end(key)
-        return self._cache[key](*args)
+        return self._cache[key][0](*args)
 
     def __len__(self) -> int:
         return len(self._cache)

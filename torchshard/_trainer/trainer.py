@@ -41,6 +41,7 @@ from torchshard._train.strategy import Bound, Setting, gradient_of, leaf_problem
 from torchshard._trainer.checks import batch_type_problems, check_trainer_args
 from torchshard._trainer.evaluate import Compiled, evaluating, structure, structure_problems
 from torchshard._trainer.observed import Observed
+from torchshard._trainer.retracing import Retracing
 from torchshard._trainer.stateful import Stateful
 from torchshard._trainer.trackers import Tracker
 
@@ -176,7 +177,7 @@ class Trainer(Observed, Stateful):
             tracing_all(bound),
         )
         step = Step(runtime, optimizer, grad_accum_steps, self._batch, skip_nonfinite, gradient_of(bound))
-        self._step_fn = self._compile(step, donate)
+        self._step_fn = Retracing(lambda: self._compile(step, donate))
         self._evaluations = Compiled(runtime)
         self._trained_on: Any = None  # the structure of the batches steps took, which evaluate checks against
         self._start_observing(log_every, trackers, peak_flops)
@@ -235,7 +236,8 @@ class Trainer(Observed, Stateful):
 
     def _compile(self, step: Step, donate: bool) -> Callable[..., Any]:
         out = (self.state_shardings(), self._replicated)
-        return jax.jit(step.__call__, donate_argnums=(0,) if donate else (), out_shardings=out)
+        fresh = lambda *args: step(*args)  # noqa: E731  # a new function: JAX traces it anew (Retracing)
+        return jax.jit(fresh, donate_argnums=(0,) if donate else (), out_shardings=out)
 
     def place_batch(self, batch: Any, *, local: bool = False, steps: int | None = None) -> Any:
         """Places every leaf of ``batch`` (torch CPU/torchax tensors, numpy, jax) with ``batch_spec``.

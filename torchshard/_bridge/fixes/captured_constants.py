@@ -5,7 +5,8 @@ A ``loss_fn`` that captures a CPU tensor from outside the model (class weights f
 torchax with ``AssertionError: Expect a Tensor or a View but got <class 'torch.Tensor'>``, naming no
 tensor and no fix. Such a tensor holds values known before the step, so, as eager torch would, it is
 used as a constant: its values are read once where the op meets it (inside a jitted step, a constant
-of the compiled program). Tensors on ``meta`` have no values and still fail (torchax's message).
+of the compiled program, which `captures` lists so that a step retraces after the tensor is written
+in place). Tensors on ``meta`` have no values and still fail (torchax's message).
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ from typing import Any
 import torch
 import torch.utils._pytree as torch_pytree
 
+from torchshard._bridge import captures
 from torchshard._bridge.loaded import Environment, Tensor, View
 
 
@@ -22,6 +24,7 @@ def _constant(tx: Environment) -> Any:
     def as_constant(x: torch.Tensor) -> Any:
         if isinstance(x, Tensor | View) or x.device.type != "cpu":
             return x
+        captures.record(x)
         return Tensor(tx.t2j_copy(x), tx)  # torchax's own host-to-JAX copy, dtypes as JAX holds them
 
     return as_constant
