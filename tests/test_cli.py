@@ -397,3 +397,15 @@ def test_compile_in_a_fresh_process_simulates_the_devices(tmp_path):
     assert done.stdout.startswith("Sequential on Mesh(data=16) (16 simulated CPU devices)")
     assert "compiled training step per device (XLA:CPU on 16 simulated devices" in done.stdout
     assert re.search(r"^does not fit in 100 B per device: peak .* is .* over$", done.stdout, re.MULTILINE)
+
+
+def test_remat_policy_takes_every_policy_remat_takes():
+    """``plan --compile --remat-policy matmuls`` was refused, though ``Remat(policy="matmuls")`` is the GPU policy."""
+    from torchshard.__main__ import build_parser
+    from torchshard._train.remat import POLICY_NAMES
+
+    for policy in POLICY_NAMES:
+        args = build_parser().parse_args(
+            ["plan", "models:MLP", "--mesh", "data=8", "--compile", "--remat-policy", policy]
+        )
+        assert args.remat_policy == policy

@@ -12,6 +12,7 @@ import torch
 
 from torchshard._base.errors import ArgumentError, ShardingError
 from torchshard._base.format import fmt_bytes
+from torchshard._base.validate import int_problems, raise_for_arguments
 from torchshard._hlo.costs import StepCosts
 from torchshard._hlo.hardware import Hardware, hardware
 from torchshard._report.fit import lm_loss, simulated_devices
@@ -322,7 +323,9 @@ def search(
         (failed ones among them, by their ``note``).
 
     Raises:
-        ArgumentError: an unknown hardware name (the known ones listed).
+        ArgumentError: an unknown hardware name (the known ones listed); ``devices``, ``hosts``,
+            ``device_memory`` or a ``microbatches`` count that is not a positive int, or hosts that do
+            not divide the devices (every problem at once, before anything is built).
         ShardingError: no mesh of ``devices`` fits the model, or no layout splits the batch (the
             nearest device counts or batch sizes named).
 
@@ -337,6 +340,7 @@ def search(
         >>> best.fits, best.step_seconds > 0
         (True, True)
     """
+    raise_for_arguments(_count_problems(devices, device_memory, hosts, microbatches), header="invalid search arguments")
     hw = hardware(hardware_name)
     if not isinstance(model, torch.nn.Module):
         with torch.device("meta"):
@@ -347,7 +351,7 @@ def search(
         tuple(batch),  # type: ignore[arg-type]
         devices,
         hw,
-        device_memory or hw.memory_bytes,
+        hw.memory_bytes if device_memory is None else device_memory,
         max(per_host, 1),
         loss_fn or lm_loss,
     )
@@ -364,6 +368,18 @@ def search(
         "schedules": tuple(schedules),
     }
     return run_search(problem, options, max_compiles=max_compiles, refine_meshes=refine_meshes, progress=progress)
+
+
+def _count_problems(devices: Any, device_memory: Any, hosts: Any, microbatches: Any) -> list[str]:
+    """Why the counts ``search`` takes cannot be searched over (a zero device memory or micro-batch count...)."""
+    problems = int_problems("devices", devices, minimum=1) + int_problems("hosts", hosts, minimum=1, none="by profile")
+    problems += int_problems("device_memory", device_memory, minimum=1, none="the profile's")
+    if not problems and hosts is not None and devices % hosts:
+        divisors = [n for n in range(1, devices + 1) if devices % n == 0]
+        problems.append(f"hosts={hosts} does not divide devices={devices}; give one of {divisors}")
+    if not microbatches or isinstance(microbatches, str | int):
+        return [*problems, f"microbatches={microbatches!r} must be a non-empty sequence of ints ≥ 1, e.g. (1, 2, 4)"]
+    return problems + [p for m in microbatches for p in int_problems("each microbatches", m, minimum=1)]
 
 
 def cache_clear() -> None:
