@@ -13,7 +13,7 @@ import torchax
 from helpers import fresh_process
 
 from torchshard._bridge.env import env
-from torchshard._bridge.fixes import batch_norm_stats, removed_aten
+from torchshard._bridge.fixes import batch_norm_stats, copy_from_views, removed_aten
 from torchshard._bridge.tensors import wrap
 
 
@@ -123,6 +123,19 @@ def test_the_batch_norm_gate_agrees_with_this_torchax():
     bug = batch_norm_stats.BATCH_NORM_STATS.bug
     drops = float(abs(mean.jax()).max()) == 0.0
     assert drops == batch_norm_stats.needs_batch_norm_fix(), f"the gate is wrong for this torchax ({bug})"
+
+
+def test_the_copy_from_views_gate_agrees_with_this_torchax():
+    """When this fails, torchax's own copy_ reads a view it copies from: end COPY_FROM_VIEWS's gate there."""
+    plain = torchax.tensor.Environment()  # torchax's own lowerings, without torchshard's
+    with plain:
+        source = plain.j2t_iso(jnp.arange(6.0).reshape(2, 3))
+        try:
+            plain.j2t_iso(jnp.zeros(3)).copy_(source[1])
+            fails = False
+        except AttributeError:
+            fails = True
+    assert fails == copy_from_views.COPY_FROM_VIEWS.applies(), copy_from_views.COPY_FROM_VIEWS.bug
 
 
 def test_batch_norm_fix_updates_running_stats_like_torch():

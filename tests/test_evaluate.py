@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import dataclasses
 
 import jax
 import numpy as np
@@ -15,6 +16,7 @@ from torch import nn
 from torch.nn import functional as F
 
 import torchshard as ts
+from tools.families import build, family
 from torchshard import ArgumentError, ContextParallel, MixedPrecision, Pipeline, ShardingError, presets
 from torchshard._trainer import evaluate as evaluate_module
 
@@ -175,6 +177,41 @@ def test_every_option_evaluates_the_loss_its_next_step_trains_on(name):
     assert trainer.step_count == 0
     stepped = float(trainer.step(b)["loss"])
     np.testing.assert_allclose(evaluated, stepped, rtol=RTOL)
+
+
+def tiny_xlstm():
+    """transformers' xLSTM (its tiny family) whose inference runs 8 tokens at a time, carrying its state between.
+
+    Hidden 128 rather than the family's 64: xLSTMConfig sizes the state cache by ``qk_dim``, which it
+    rounds up to a multiple of 64, and the layers by ``hidden_size * qk_dim_factor``. Those agree for
+    the real config (4096 * 0.5) and for 128 * 0.5; for 64 * 0.5 eager torch itself fails on chunks.
+    """
+    xlstm = family("xlstm")
+    model = build(dataclasses.replace(xlstm, extra=(*xlstm.extra, ("hidden_size", 128))))
+    model.config.max_inference_chunksize = 8
+    return model
+
+
+def xlstm_loss(model, ids):
+    # without a cache, as the Trainer runs the model (with one, eager torch keeps the chunks' states in float32)
+    return model(input_ids=ids, labels=ids, use_cache=False).loss
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("fused_loss", [False, True])  # True: xLSTM soft-caps its chunked logits in place
+def test_xlstm_evaluates_sequences_longer_than_its_inference_chunks(fused_loss):
+    # each chunk copy_'s its recurrent state (a view) into the cache: torchax's copy_ could not read a view
+    model = tiny_xlstm()
+    reference = copy.deepcopy(model).eval()
+    plan = ts.plan(model, ts.make_mesh({"data": 8}), presets.hf_rules(model, axis=None))
+    trainer = ts.Trainer(model, xlstm_loss, optax.adamw(1e-3), plan, fused_loss=fused_loss)
+    batch = ids(seq=5 * 8)
+    with torch.no_grad():
+        expected = xlstm_loss(reference, batch)
+
+    # the loss, not each logit: the chunks pass their state on in a bfloat16 cache (transformers' choice), where
+    # states one float32 rounding apart may round to neighbouring bfloat16 values (logits then differ by ~2e-4)
+    assert_close(trainer.evaluate(batch)["loss"], expected, tol=RTOL)
 
 
 class Weighted(nn.Module):

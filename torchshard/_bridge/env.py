@@ -10,7 +10,13 @@ import jax
 import torch
 
 from torchshard._bridge import autocast, grad_mode, init_ops, xla_flags
-from torchshard._bridge.fixes import batch_norm_stats, captured_constants, narrow_dtypes, ragged_dot_dims
+from torchshard._bridge.fixes import (
+    batch_norm_stats,
+    captured_constants,
+    copy_from_views,
+    narrow_dtypes,
+    ragged_dot_dims,
+)
 from torchshard._bridge.loaded import Environment, torchax
 from torchshard._bridge.ops import (
     asserts,
@@ -47,6 +53,7 @@ def _install_lowerings(tx: Environment) -> None:
     batch_norm_stats.install(tx)  # google/torchax#22
     narrow_dtypes.install(tx)
     captured_constants.install(tx)
+    copy_from_views.install(tx)  # torchax's copy_ reads a view's missing _elem
     init_ops.install(tx)
     gather.install(tx)
     embedding.install(tx)
