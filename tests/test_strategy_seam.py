@@ -124,6 +124,29 @@ def test_register_refuses_what_is_no_strategy():
         register(Mark())
 
 
+SCHEDULE_REFUSED = {
+    "taken": ({"name": "gpipe"}, r"pipeline schedule 'gpipe' is taken by another schedule"),
+    "empty-name": ({"name": ""}, r"pipeline schedule name '' must be a non-empty string"),
+    "bubble-none": ({"bubble": None}, r"schedule 'toy': bubble must be a function, got None"),
+    "loop-not-callable": ({"loop": 3}, r"schedule 'toy': loop must be None or a function"),
+    "searched-not-searchable": ({"searched": True, "searchable": False}, r"searched but not searchable"),
+    "every-problem": ({"name": "gpipe", "in_flight": 2}, r"(?s)\(2 problems\).*taken.*in_flight must be"),
+}
+
+
+@pytest.mark.parametrize(("fields", "match"), SCHEDULE_REFUSED.values(), ids=SCHEDULE_REFUSED.keys())
+def test_the_schedule_registry_refuses_a_bad_schedule_before_registering_it(fields, match):
+    from torchshard._strategies.pipeline.schedule import SCHEDULES, Schedule
+    from torchshard._strategies.pipeline.schedule import register as register_schedule
+
+    before = dict(SCHEDULES)
+    with pytest.raises(ts.ArgumentError, match=match):
+        register_schedule(Schedule(**{"name": "toy", "summary": "a toy", **fields}))
+    with pytest.raises(ts.ArgumentError, match=r"register takes a Schedule\(name=..., summary=..., ...\), got str"):
+        register_schedule("gpipe")  # type: ignore[arg-type]
+    assert before == SCHEDULES
+
+
 def test_reserving_a_parameter_a_strategy_takes_is_refused(toy):
     def build(model, *, mark=None, **strategies):
         return model

@@ -10,6 +10,8 @@ import dataclasses
 from collections.abc import Callable
 from typing import Any
 
+from torchshard._base.validate import raise_for_arguments
+
 
 def lockstep_bubble(stages: int, microbatches: int, repeats: int = 1) -> float:
     """The idle fraction of a loop of ``repeats·M + S - 1`` iterations: ``(S-1)/(repeats*M + S-1)``; 0 for one stage.
@@ -53,9 +55,43 @@ SCHEDULES: dict[str, Schedule] = {}
 
 
 def register(schedule: Schedule) -> Schedule:
-    """Adds ``schedule`` under its name (a name taken by another schedule is a `ValueError`)."""
-    taken = SCHEDULES.get(schedule.name)
-    if taken is not None and taken != schedule:
-        raise ValueError(f"pipeline schedule {schedule.name!r} is taken")
+    """Adds ``schedule`` under its name.
+
+    Raises:
+        ArgumentError: ``schedule`` is no `Schedule`, its name is no non-empty string or is taken by
+            another schedule, a function of it is not callable, or it is ``searched`` but not
+            ``searchable``; every problem at once, before anything is registered.
+
+    Examples:
+        >>> register(Schedule(name="gpipe", summary="?"))
+        Traceback (most recent call last):
+        ...
+        torchshard._base.errors.ArgumentError: invalid pipeline schedule (1 problem):
+          - pipeline schedule 'gpipe' is taken by another schedule; give yours another name
+    """
+    raise_for_arguments(_problems(schedule), header="invalid pipeline schedule")
     SCHEDULES[schedule.name] = schedule
     return schedule
+
+
+def _problems(schedule: Any) -> list[str]:
+    if not isinstance(schedule, Schedule):
+        return [f"register takes a Schedule(name=..., summary=..., ...), got {type(schedule).__name__}"]
+    name = schedule.name
+    if not (isinstance(name, str) and name and name == name.strip()):
+        return [f"pipeline schedule name {name!r} must be a non-empty string, as Pipeline(schedule=) takes it"]
+    taken = SCHEDULES.get(name)
+    problems = [f"pipeline schedule {name!r} is taken by another schedule; give yours another name"] * (
+        taken is not None and taken != schedule
+    )
+    functions = {"bubble": schedule.bubble, "in_flight": schedule.in_flight}
+    problems += [
+        f"schedule {name!r}: {k} must be a function, got {v!r:.40}" for k, v in functions.items() if not callable(v)
+    ]
+    if schedule.loop is not None and not callable(schedule.loop):
+        problems.append(
+            f"schedule {name!r}: loop must be None or a function returning the loop, got {schedule.loop!r:.40}"
+        )
+    if schedule.searched and not schedule.searchable:
+        problems.append(f"schedule {name!r} is searched but not searchable: the search could not try it")
+    return problems
