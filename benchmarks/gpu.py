@@ -42,12 +42,14 @@ from gpu_worker import SHAPES, TORCH_VARIANTS, variant_problems
 
 ROOT = Path(__file__).resolve().parent.parent
 WORKER = Path(__file__).resolve().parent / "gpu_worker.py"
-# eager torch first (before JAX takes the GPU's memory), then torch.compile, then torchshard: its library default
-# attention kernel ("auto" once the Trainer has the keyword), the same with scan and remat, and today's tiled loop
-# eager torch first (before JAX takes the GPU's memory), then torch.compile, then torchshard: its defaults (cuDNN
-# attention, the fused loss, the GPU XLA flags), then each of them turned back one at a time, then scan + remat
+# eager torch first (before JAX takes the GPU's memory), then torch.compile, then torchshard: its defaults (auto
+# attention: cuDNN on a GPU, the fused loss, the GPU XLA flags), then each turned back one at a time, scan + remat,
+# and last the attention kernels forced one by one (auto's is named in its row's kernels), which a spent budget
+# leaves out first
 VARIANTS = ("eager", "compile", "fsdp+bf16", "fsdp+bf16+attn=tiled", "fsdp+bf16+xla=default",
-            "fsdp+bf16+loss=unfused", "fsdp+bf16+scan+remat=matmuls")  # fmt: skip
+            "fsdp+bf16+loss=unfused", "fsdp+bf16+scan+remat=matmuls", "fsdp+bf16+attn=cudnn",
+            "fsdp+bf16+attn=xla")  # fmt: skip
+GPU_ONLY = ("fsdp+bf16+attn=cudnn",)  # left out of --smoke's default variants: the CPU has no such kernel
 LABELS = {"eager": "eager torch, bf16 autocast, SDPA", "compile": "torch.compile, bf16 autocast, SDPA"}
 CAPS_S = {"eager": 90, "compile": 180}  # per variant; torchshard's get --cap
 # module → the wheel that provides it, for the imports a device image may lack
@@ -66,7 +68,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--smoke", action="store_true", help="the toy shape on the CPU, torch.compile via aot_eager")
     parser.add_argument("--out", help="where gpu.json and gpu.md go (default build/gpu, build/gpu-smoke)")
-    parser.add_argument("--variants", default=",".join(VARIANTS),
+    parser.add_argument("--variants",
                         help="comma list: eager, compile, fsdp[+bf16][+scan][+remat][+attn=K][+remat=P][+loss=unfused]"
                         "[+xla=default]")  # fmt: skip
     parser.add_argument("--steps", type=int, help="timed steps per variant (>= 1; default 5; smoke 2)")
@@ -84,7 +86,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args = build_parser().parse_args(argv)
     smoke = args.smoke
     defaults = {"steps": 2 if smoke else 5, "warmup": 1 if smoke else 2, "cap": 120 if smoke else 150,
-                "budget": 300 if smoke else 480}  # fmt: skip
+                "budget": 300 if smoke else 480,
+                "variants": ",".join(v for v in VARIANTS if not (smoke and v in GPU_ONLY))}  # fmt: skip
     for name, default in defaults.items():
         if getattr(args, name) is None:  # not `or`: a 0 given is checked, not replaced
             setattr(args, name, default)
@@ -261,6 +264,19 @@ def table(rows: list[dict[str, Any]]) -> str:
     return "\n".join(lines)
 
 
+def profiles(rows: list[dict[str, Any]]) -> str:
+    """Each run's top ops by device time (``"profile"``, from the worker's profiler), as markdown tables."""
+    parts = []
+    for r in rows:
+        if not r.get("profile"):
+            continue
+        label = LABELS.get(r["variant"], f"torchshard {r['variant']}")
+        lines = [f"### {label}", "", "| op | ms/step | share |", "|---|---|---|"]
+        lines += [f"| `{p['op'][:80].replace('|', '/')}` | {p['ms']:.3f} | {p['share']:.1%} |" for p in r["profile"]]
+        parts.append("\n".join(lines))
+    return "\n\n".join(["## Where the time goes (top ops by device time)", *parts]) if parts else ""
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     site = Path(tempfile.mkdtemp(prefix="torchshard-gpu-site-"))  # not under --out: it is not a result
@@ -282,7 +298,7 @@ def main(argv: list[str] | None = None) -> int:
     stack = ", ".join(f"{k} {v}" for k, v in found.items())
     head = (f"{device}, {datetime.date.today()}; Llama {shape}, tied embeddings, AdamW, {args.warmup} warmup + "
             f"{args.steps} timed steps; peak {cell(peak, '.3g')} TFLOP/s ({peak_source}); {stack}")  # fmt: skip
-    markdown = f"{head}\n\n{table(rows)}\n"
+    markdown = f"{head}\n\n{table(rows)}\n" + (f"\n{ops}\n" if (ops := profiles(rows)) else "")
     result = {"date": datetime.datetime.now().isoformat(timespec="seconds"), "smoke": args.smoke, "device": device,
               "versions": found, "shape": shape, "steps": args.steps,
               "warmup": args.warmup, "peak_tflops": peak, "peak_source": peak_source, "loss_rtol": LOSS_RTOL,

@@ -25,6 +25,7 @@ from pathlib import Path
 from typing import Any
 
 from llama_train import PRESETS, Preset, loss_fn, mesh_and_rules, model_flops, variant_kwargs
+from op_profile import jax_profile, torch_profile
 
 # Llama-3.2-1B's shapes (vocabulary 128,256, tied embeddings), 8 × 2,048 tokens; the smoke shape keeps its
 # relations (tied embeddings, 4 query heads per KV head, intermediate 4× hidden) at toy sizes
@@ -35,6 +36,7 @@ SHAPES = {
 ROPE_THETA = 500_000.0  # Llama 3's
 LR, WEIGHT_DECAY = 1e-4, 0.1  # both optimizers get both explicitly: their default weight decays differ
 N_BATCHES = 3  # step i trains on batch i % 3
+PROFILED_STEPS = 2  # after the timed steps, under the profiler: where a step's time goes, op by op
 TORCH_VARIANTS = ("eager", "compile")
 # a torchshard variant: MESH+FLAG+...; one device, so one mesh (llama_train's fsdp_tp would run as plain fsdp)
 MESHES = ("fsdp",)
@@ -145,6 +147,14 @@ def train(step: Callable[[int], float], preset: Preset, args: argparse.Namespace
     row.update(step_s=step_s, tokens_per_s=preset.batch * preset.seq / step_s, compile_s=max(first - step_s, 0.0))
 
 
+def profile(row: Row, run: Callable[[], list[dict[str, Any]]]) -> None:
+    """The row's ``profile`` (its top ops, see op_profile.py); a profiler that fails leaves the timings standing."""
+    try:
+        row.update(profile=run())
+    except Exception as err:  # the profile explains a time; it never voids one
+        row.update(profile=[], profile_error=f"{type(err).__name__}: {str(err)[:300]}")
+
+
 def host_peak_bytes() -> int:
     """This process's peak resident memory: the CPU's stand-in for a device's peak (Linux reports KiB)."""
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
@@ -202,6 +212,7 @@ def run_torch(preset: Preset, args: argparse.Namespace, row: Row) -> None:
         row.update(peak_bytes=torch.cuda.max_memory_allocated(), peak_kind="device")
     else:
         row.update(peak_bytes=host_peak_bytes(), peak_kind="host RSS")
+    profile(row, lambda: torch_profile(step, PROFILED_STEPS, cuda=device == "cuda"))
 
 
 def kernel_summary(trainer: Any) -> str | None:
@@ -250,7 +261,8 @@ def run_torchshard(preset: Preset, args: argparse.Namespace, row: Row) -> None:
     batches = [ts.shard_batch(b, mesh) for b in batches_of(preset)]
     device = jax.devices()[0]
     row.update(device=device.device_kind, platform=device.platform, trainer_kwargs=sorted(kwargs))
-    train(lambda i: float(trainer.step(batches[i % N_BATCHES])["loss"]), preset, args, row)
+    step = lambda i: float(trainer.step(batches[i % N_BATCHES])["loss"])  # noqa: E731  # float() waits for it
+    train(step, preset, args, row)
     stats = device.memory_stats() or {}
     if "peak_bytes_in_use" in stats:
         row.update(peak_bytes=stats["peak_bytes_in_use"], peak_kind="device")
@@ -258,6 +270,7 @@ def run_torchshard(preset: Preset, args: argparse.Namespace, row: Row) -> None:
         row.update(peak_bytes=host_peak_bytes(), peak_kind="host RSS")
     if summary := kernel_summary(trainer):
         row.update(kernels=summary)
+    profile(row, lambda: jax_profile(step, PROFILED_STEPS))
 
 
 def main(argv: list[str] | None = None) -> int:

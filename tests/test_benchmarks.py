@@ -236,15 +236,21 @@ def test_gpu_check_smoke_runs_every_variant_in_its_own_process(tmp_path):
     result = json.loads((tmp_path / "gpu.json").read_text())
     rows = {r["variant"]: r for r in result["rows"]}
     assert list(rows) == ["eager", "compile", "fsdp+bf16", "fsdp+bf16+attn=tiled", "fsdp+bf16+xla=default",
-                          "fsdp+bf16+loss=unfused", "fsdp+bf16+scan+remat=matmuls"]  # fmt: skip
+                          "fsdp+bf16+loss=unfused", "fsdp+bf16+scan+remat=matmuls", "fsdp+bf16+attn=xla"]  # fmt: skip
     for name, row in rows.items():
         assert "error" not in row and "skipped" not in row, row
+        # where the time went: the top ops (torch.profiler's, or the XLA:CPU thunks jax.profiler traced)
+        profile = row["profile"]
+        assert 0 < len(profile) <= 15 and "profile_error" not in row, (name, row.get("profile_error"))
+        assert all(p["op"] and p["ms"] > 0 and 0 < p["share"] <= 1 for p in profile), profile
+        assert sum(p["share"] for p in profile) <= 1.0001 and profile == sorted(profile, key=lambda p: -p["ms"])
         assert row["tokens_per_s"] > 0 and row["mfu"] > 0 and row["peak_bytes"] > 0 and row["compile_s"] >= 0
         assert len(row["losses"]) == 3
         if name != "eager":  # the same weights, batches and AdamW as eager torch: the same bf16 losses
             assert row["losses_match"], (name, row["losses"], rows["eager"]["losses"])
     assert rows["eager"]["platform"] == "cpu" and result["shape"]["layers"] == 2
     assert (tmp_path / "gpu.md").read_text() in stdout
+    assert "## Where the time goes" in stdout and "### torchshard fsdp+bf16+attn=xla" in stdout
 
 
 def _gpu_check(monkeypatch):
