@@ -296,7 +296,7 @@ def test_bad_batch_sizes_raise(batch, kwargs, match):
         ((), {"max_in_flight": 0}, r"max_in_flight=0"),
         ((), {"max_in_flight": 32}, r"max_in_flight=32: XLA on CPU aborts with ~30 steps queued; use at most 16"),
         ((), {"donate": "yes", "seed": -1}, r"(?s)seed=-1 must be an int ≥ 0.*donate='yes' must be True or False"),
-        ((mse, torch.optim.SGD([torch.zeros(1)], lr=0.1)), {}, r"optimizer is a torch SGD; pass its optax"),
+        ((mse, torch.optim.SGD([torch.zeros(1)], lr=0.1)), {}, r"1 parameter\(s\) of the optimizer are not MLP's"),
         ((mse, optax.adam), {}, r"optimizer is the function adam, not a GradientTransformation; call it"),
         (("mse", optax.sgd(0.1)), {}, r"loss_fn must be a function loss_fn\(model, batch\), got 'mse'"),
         ((mse, optax.sgd(0.1)), {"remat": 3}, r"remat=3 must be a module-name regex"),

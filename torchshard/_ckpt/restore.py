@@ -194,7 +194,7 @@ def trainer_read(meta: Meta, trainer: Trainer, plan: Mapping[str, Recipe], item:
     """The tree to read a Trainer's optimizer state into: the optimizer's own state for the checkpoint's params."""
     source_params = list(dict.fromkeys(s.key for k in trainer.state.params for s in plan[k].sources))
     abstract = {k: jax.ShapeDtypeStruct(item[k].shape, item[k].dtype) for k in source_params}
-    opt = jax.eval_shape(trainer.optimizer.init, abstract)
+    opt = jax.eval_shape(trainer.transform.init, abstract)
     tree = {"opt_state": opt, "step": trainer.state.step, "rng": trainer.rng_key}
     replicated = NamedSharding(trainer.mesh, PartitionSpec())
 

@@ -65,7 +65,7 @@ class _Optimizer:
         rename_one = renamer(rename)
         self.entries = {(rename_one(p), f): n for n, (p, f) in stored.items()}
         self.trainer, self.dest = trainer, dest
-        self.abstract = jax.eval_shape(trainer.optimizer.init, dict(trainer.state.params))
+        self.abstract = jax.eval_shape(trainer.transform.init, dict(trainer.state.params))
         self.slots = dcp_names.optax_slots(self.abstract, trainer.state.params)
 
     def layers(self, param: str) -> list[str]:
@@ -131,7 +131,7 @@ class _Optimizer:
     ) -> tuple[Any, int | None]:
         """The optax state (mapped leaves from the checkpoint, the rest as ``optimizer.init`` makes them), and step."""
         shardings = self.trainer.state_shardings()
-        fresh = jax.jit(self.trainer.optimizer.init, out_shardings=shardings.opt_state)(dict(params))
+        fresh = jax.jit(self.trainer.transform.init, out_shardings=shardings.opt_state)(dict(params))
         count = self.step(reader, strict=strict)
         leaves = {}
         for path, like in jax.tree_util.tree_leaves_with_path(fresh):

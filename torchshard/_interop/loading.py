@@ -242,7 +242,7 @@ def bind(target: Target, dest: Destination, arrays: dict[str, jax.Array], plan: 
     if isinstance(target, Trainer):
         params = {k: arrays[k] for k in target.state.params}
         shardings = target.state_shardings()
-        opt_state = jax.jit(target.optimizer.init, out_shardings=shardings.opt_state)(params)
+        opt_state = jax.jit(target.transform.init, out_shardings=shardings.opt_state)(params)
         step = jax.device_put(np.int32(0), shardings.step)
         load_trainer(target, arrays, {"opt_state": opt_state, "step": step, "rng": target.rng_key})
     else:

@@ -275,6 +275,12 @@ def _all_finite(tree: Any) -> jax.Array:
     return jnp.stack(leaves).all() if leaves else jnp.bool_(True)
 
 
+def clip_grad_norm(grads: Any, norm: jax.Array, max_norm: float) -> Any:
+    """``grads`` scaled as ``torch.nn.utils.clip_grad_norm_`` does: by ``max_norm / (norm + 1e-6)``, at most 1."""
+    scale = jnp.minimum(max_norm / (norm + 1e-6), 1.0)
+    return jax.tree.map(lambda g: (g * scale).astype(g.dtype), grads)
+
+
 @dataclasses.dataclass(frozen=True)
 class Step:
     """One training step as a pure function of (state, frozen params, batch, base key)."""
@@ -286,6 +292,7 @@ class Step:
     skip_nonfinite: bool = False
     # a strategy's own value_and_grad of runtime.loss (a 1F1B pipeline's), made from the runtime
     gradient: Callable[[Runtime], Callable[..., Any]] | None = None
+    max_grad_norm: float | None = None  # clips the gradients' global norm as torch's clip_grad_norm_ does
 
     def grads(self, state: TrainState, frozen: Arrays, batch: Any, key: jax.Array):
         """(mean loss, mean grads, new buffers, mean aux) over ``grad_accum_steps`` micro-batches."""
@@ -316,9 +323,12 @@ class Step:
     def __call__(self, state: TrainState, frozen: Arrays, batch: Any, base_key: jax.Array):
         key = jax.random.fold_in(jax.random.wrap_key_data(base_key), state.step)
         loss, grads, buffers, aux = self.grads(state, frozen, batch, jax.random.key_data(key))
+        norm = optax.tree.norm(grads)
+        if self.max_grad_norm is not None:
+            grads = clip_grad_norm(grads, norm, self.max_grad_norm)
         updates, opt_state = self.optimizer.update(grads, state.opt_state, state.params)
         params = optax.apply_updates(state.params, updates)
-        metrics = {"loss": loss, "grad_norm": optax.tree.norm(grads), **aux}
+        metrics = {"loss": loss, "grad_norm": norm, **aux}
         if self.skip_nonfinite:  # a non-finite step changes nothing but the step counter (and so the next key)
             ok = jnp.isfinite(loss) & _all_finite(grads)
             keep = lambda new, old: jax.tree.map(lambda n, o: jnp.where(ok, n, o), new, old)  # noqa: E731

@@ -70,7 +70,7 @@ class AbstractTrainer(Trainer):
     def _initial_state(self) -> TrainState:
         params_names, buffer_names, _ = self._names
         params, buffers = self._structs(params_names), self._structs(buffer_names)
-        return train_state_structs(self.optimizer, params, buffers, self._replicated)
+        return train_state_structs(self.transform, params, buffers, self._replicated)
 
     def _views(self) -> None:
         pass  # no arrays to view: the traced step binds every tensor of the model

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import jax
@@ -13,6 +14,7 @@ from jax.sharding import Mesh
 from torchshard._base.specs import SPEC_HINT, parse_spec, spec_axes
 from torchshard._base.validate import instance_problems, int_problems, raise_for_arguments
 from torchshard._sharding.plan import ShardingPlan
+from torchshard._train.optim.groups import torch_optimizer_problems
 from torchshard._train.precision import MixedPrecision
 from torchshard._trainer.trackers import tracker_problems
 
@@ -34,16 +36,35 @@ def batch_type_problems(leaves: list[Any]) -> list[str]:
     return problems
 
 
-def _optimizer_problems(optimizer: Any) -> list[str]:
+def _optimizer_problems(optimizer: Any, model: Any) -> list[str]:
     if isinstance(optimizer, optax.GradientTransformation):
         return []
     if isinstance(optimizer, torch.optim.Optimizer):
-        return [f"optimizer is a torch {type(optimizer).__name__}; pass its optax equivalent, e.g. optax.adamw(1e-3)"]
+        return torch_optimizer_problems(optimizer, model)
+    if isinstance(optimizer, type) and issubclass(optimizer, torch.optim.Optimizer):
+        name = optimizer.__name__
+        return [f"optimizer is the class torch.optim.{name}; build it on the model, e.g. {name}(model.parameters())"]
     if callable(optimizer):
         name = getattr(optimizer, "__name__", type(optimizer).__name__)
         return [f"optimizer is the function {name}, not a GradientTransformation; call it, e.g. optax.{name}(1e-3)"]
     return [
-        f"optimizer must be an optax GradientTransformation such as optax.adamw(1e-3), got {type(optimizer).__name__}"
+        f"optimizer must be a torch.optim.Optimizer on the model's parameters or an optax GradientTransformation "
+        f"such as optax.adamw(1e-3), got {type(optimizer).__name__}"
+    ]
+
+
+def max_grad_norm_problems(value: Any) -> list[str]:
+    """``Trainer(max_grad_norm=)`` must be None or a positive finite number.
+
+    Examples:
+        >>> max_grad_norm_problems(0.0)
+        ['max_grad_norm=0.0 must be a positive number (clip the global gradient norm to it, e.g. 1.0) or None']
+    """
+    number = isinstance(value, int | float) and not isinstance(value, bool)
+    if value is None or (number and math.isfinite(value) and value > 0):
+        return []
+    return [
+        f"max_grad_norm={value!r} must be a positive number (clip the global gradient norm to it, e.g. 1.0) or None"
     ]
 
 
@@ -60,12 +81,13 @@ def check_trainer_args(
     donate: Any,
     seed: Any,
     skip_nonfinite: Any,
+    max_grad_norm: Any = None,
     observing: tuple[Any, Any, Any] = (None, (), None),
 ) -> None:
     """Raises one `ArgumentError` listing every argument of ``Trainer(...)`` that is unusable."""
     problems = instance_problems("model", model, torch.nn.Module, "a torch.nn.Module")
     problems += [] if callable(loss_fn) else [f"loss_fn must be a function loss_fn(model, batch), got {loss_fn!r:.40}"]
-    problems += _optimizer_problems(optimizer)
+    problems += _optimizer_problems(optimizer, model) + max_grad_norm_problems(max_grad_norm)
     problems += instance_problems("plan", plan, ShardingPlan, "a ShardingPlan from torchshard.plan()")
     if isinstance(plan, ShardingPlan) and not isinstance(plan.mesh, Mesh):
         problems.append("plan is over an AbstractMesh (no devices): plan the model on a mesh from make_mesh to train")

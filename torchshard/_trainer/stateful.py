@@ -31,7 +31,7 @@ class Stateful:
 
     plan: ShardingPlan
     layout: StateLayout
-    optimizer: optax.GradientTransformation
+    transform: optax.GradientTransformation
     precision: MixedPrecision | None
     _model: torch.nn.Module
     _tensors: dict[str, Any]
@@ -66,7 +66,7 @@ class Stateful:
     def _initial_state(self) -> TrainState:
         params, buffers, _ = self._names
         return initial_state(
-            self.optimizer, self._physical(params), self._physical(buffers), self._structs(params), self._replicated
+            self.transform, self._physical(params), self._physical(buffers), self._structs(params), self._replicated
         )
 
     def _views(self) -> None:

@@ -5,9 +5,8 @@ from __future__ import annotations
 import collections
 import threading
 import time
-import types
 import weakref
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import jax
@@ -27,6 +26,7 @@ from torchshard._sharding.placement import put, shard
 from torchshard._sharding.plan import ShardingPlan
 from torchshard._strategies import bind_all, reserve
 from torchshard._train.batching import BatchLayout
+from torchshard._train.optim.given import given_optimizer
 from torchshard._train.precision import MixedPrecision, store_params
 from torchshard._train.remat import RematLike, as_remat, remat_targets, scan_remat
 from torchshard._train.scan import ScanLike, find_groups
@@ -37,22 +37,25 @@ from torchshard._train.state import (
     stack_problems,
 )
 from torchshard._train.step import LossFn, Runtime, Step
-from torchshard._train.strategy import Bound, Setting, gradient_of, leaf_problems, tracing_all
+from torchshard._train.strategy import Setting, gradient_of, leaf_problems, tracing_all
 from torchshard._trainer.checks import batch_type_problems, check_trainer_args
 from torchshard._trainer.evaluate import Compiled, evaluating, structure, structure_problems
 from torchshard._trainer.observed import Observed
 from torchshard._trainer.retracing import Retracing
 from torchshard._trainer.stateful import Stateful
+from torchshard._trainer.strategic import Strategic
 from torchshard._trainer.trackers import Tracker
 
 
-class Trainer(Observed, Stateful):
+class Trainer(Observed, Stateful, Strategic):
     """Trains a sharded torch module with one fused, jitted, donated step per call.
 
     Args:
         model: the module; its tensors are placed by ``plan`` (CPU tensors are moved).
         loss_fn: ``loss_fn(model, batch) -> loss`` in plain torch (or ``(loss, {name: metric})``).
-        optimizer: an optax ``GradientTransformation``.
+        optimizer: an optax ``GradientTransformation``, or a ``torch.optim`` optimizer built on ``model``'s
+            parameters, stepped with torch's arithmetic: ``trainer.optimizer``, whose param groups each step
+            reads (step a ``torch.optim.lr_scheduler`` on it after `step`; the "From torch.optim" page).
         plan: the `ShardingPlan` of ``model``.
         batch_spec: spec for every batch leaf (default: leading dim over ``"data"``).
         grad_accum_steps: micro-batches per step, accumulated inside the jitted step.
@@ -68,6 +71,8 @@ class Trainer(Observed, Stateful):
             list of names.
         skip_nonfinite: a step whose loss or gradients are not finite changes no parameter,
             buffer or optimizer state; its metrics say ``"skipped": 1.0``.
+        max_grad_norm: clip the gradients' global norm to it before the update, as
+            ``torch.nn.utils.clip_grad_norm_(model.parameters(), max_grad_norm)`` does.
         log_every: every N steps, loss, throughput, MFU and memory to logger ``torchshard`` and the trackers.
         trackers: `torchshard.track` trackers, or objects with ``log``/``close``; a failing one: `TrackerError`.
         peak_flops: FLOP/s per device for MFU (default: the device's hardware profile; none on CPU).
@@ -104,7 +109,7 @@ class Trainer(Observed, Stateful):
         self,
         model: torch.nn.Module,
         loss_fn: LossFn,
-        optimizer: optax.GradientTransformation,
+        optimizer: optax.GradientTransformation | torch.optim.Optimizer,
         plan: ShardingPlan,
         *,
         batch_spec: SpecLike = ("data",),
@@ -116,6 +121,7 @@ class Trainer(Observed, Stateful):
         remat: RematLike = None,
         scan_layers: ScanLike = False,
         skip_nonfinite: bool = False,
+        max_grad_norm: float | None = None,
         log_every: int | None = None,
         trackers: Sequence[Tracker] = (),
         peak_flops: float | None = None,
@@ -133,10 +139,10 @@ class Trainer(Observed, Stateful):
             donate=donate,
             seed=seed,
             skip_nonfinite=skip_nonfinite,
+            max_grad_norm=max_grad_norm,
             observing=(log_every, trackers, peak_flops),
         )
         remat_ = as_remat(remat)
-        self.optimizer = optimizer
         self.precision = precision
         self.batch_spec = parse_spec(batch_spec) or PartitionSpec()
         self.grad_accum_steps = grad_accum_steps
@@ -148,6 +154,8 @@ class Trainer(Observed, Stateful):
         body_policies, targets = scan_remat(setting.groups, targets, remat_)
         raise_if_any(stack_problems(setting.groups, plan), header="scan_layers cannot stack this plan")
         self.layout = StateLayout(setting.groups)
+        self._given = given_optimizer(optimizer, model, plan, self.layout)  # read before the model moves
+        self.optimizer, self.transform = self._given.optimizer, self._given.transform
         self._batch = BatchLayout(self.mesh, self.batch_spec)
         self._lock = threading.RLock()
         self._model = self._own(model)
@@ -162,6 +170,7 @@ class Trainer(Observed, Stateful):
         self._frozen = self._physical(self._names[2])
         self._state = self._initial_state()
         self._views()
+        self._given.settle(self._model)
         bound, policy = list(self._strategies.values()), remat_.jax_policy() if remat_ is not None else None
         shardings = shardings_by_key({**self._state.params, **self._frozen})
         runtime = Runtime(
@@ -176,28 +185,13 @@ class Trainer(Observed, Stateful):
             self._batch,
             tracing_all(bound),
         )
-        step = Step(runtime, optimizer, grad_accum_steps, self._batch, skip_nonfinite, gradient_of(bound))
+        step = Step(
+            runtime, self.transform, grad_accum_steps, self._batch, skip_nonfinite, gradient_of(bound), max_grad_norm
+        )
         self._step_fn = Retracing(lambda: self._compile(step, donate))
         self._evaluations = Compiled(runtime)
         self._trained_on: Any = None  # the structure of the batches steps took, which evaluate checks against
         self._start_observing(log_every, trackers, peak_flops)
-
-    @property
-    def strategies(self) -> Mapping[str, Bound]:
-        """Trainer keyword → its bound strategy (``.option`` is what the keyword resolved to: e.g.
-        ``strategies["expert_dispatch"].option`` is ``ExpertDispatch()`` where all-to-all runs), read-only."""
-        return types.MappingProxyType(self._strategies)
-
-    @property
-    def idle_fraction(self) -> float:
-        """The fraction of the devices' time the strategies leave idle: a pipeline's bubble,
-        ``(S-1)/(repeats*M + S-1)`` (``2(S-1)/(3M + 2(S-1))`` under ``"zero_bubble"``); 0.0 without one."""
-        return sum(s.idle_fraction for s in self._strategies.values())
-
-    @property
-    def kernels(self) -> dict[str, Any]:
-        """The kernel each attention call site got and why (``attention_kernel=``), once the step is traced."""
-        return {site: choice for s in self._strategies.values() for site, choice in s.kernels().items()}
 
     def _own(self, model: torch.nn.Module) -> torch.nn.Module:
         """Places ``model``'s tensors as the plan says and makes this Trainer their owner; scanned layers are
@@ -384,6 +378,7 @@ class Trainer(Observed, Stateful):
 
     def _step_args(self, batch: Any, *, local: bool = False, steps: int | None = None) -> tuple[Any, ...]:
         placed = self.place_batch(jax.tree.map(unwrap, batch), local=local, steps=steps)
+        self._state = self._given.refresh(self._state)  # a torch optimizer's values now: inputs of the step
         return self._state, self._frozen, placed, self._base_key
 
     def _throttle(self, marker: jax.Array) -> None:
