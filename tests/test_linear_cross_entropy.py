@@ -189,7 +189,10 @@ BAD = {
         _bad(labels=torch.tensor([0, 16, 3, 20])),
         r"labels hold 16 \(and 1 more out of range\), outside the vocabulary's \[0, 16\) and not ignore_index=-100",
     ),
-    "label_negative": (_bad(labels=torch.tensor([0, -5, 3, -100])), r"labels hold -5, outside the vocabulary's \[0, 16\)"),
+    "label_negative": (
+        _bad(labels=torch.tensor([0, -5, 3, -100])),
+        r"labels hold -5, outside the vocabulary's \[0, 16\)",
+    ),
     "meta_weight": (
         _bad(weight=torch.empty(16, 8, device="meta")),
         r"weight on the meta device, which holds shapes but no values",
