@@ -62,6 +62,8 @@ def test_auto_picks_the_fused_kernel_of_the_platform_where_it_takes_the_call(cal
         ("xla", _call(q=(2, 8, 256, 24), k=(2, 8, 256, 24), v=(2, 8, 256, 16)), "cpu", r"'xla' .*\(MLA\)"),
         ("cudnn", _call(dtype=F32), "gpu", r"float32 inputs .*use MixedPrecision"),
         ("tiled", _call(dropout=True), "cpu", r"dropout"),
+        # where tokamax is missing, forcing it names that first (and Trainer/generate refuse it when built)
+        ("tokamax", _call(dropout=True), "cpu", r"'tokamax' cannot take .*self_attn .*(dropout|pip install tokamax)"),
     ],
 )
 def test_a_forced_kernel_that_cannot_take_a_call_is_an_argument_error_naming_it(requested, call, platform, match):
@@ -172,7 +174,7 @@ def test_the_kernels_say_what_auto_picked_and_the_context_parallel_ring_says_so(
     ("kwargs", "match"),
     [
         ({"attention_kernel": "flash"}, r"attention_kernel must be one of 'auto', 'cudnn', 'splash', 'xla', 'tiled', "),
-        ({"attention_kernel": 3}, r"attention_kernel must be one of .*got 3"),
+        ({"attention_kernel": 3}, r"attention_kernel must be one of .*'tiled', 'tokamax', got 3"),
     ],
 )
 def test_a_bad_kernel_name_is_refused_by_the_trainer_and_generate(kwargs, match):

@@ -2,14 +2,14 @@
 
 The tiled kernel (`flash`: no saved scores) everywhere it must; cuDNN's fused flash attention on GPUs
 and splash attention on TPUs where they take the call; ``jax.nn.dot_product_attention``'s XLA form
-when forced.
+or tokamax's implementations when forced. A library kernel is probed (`probes`) before its first use.
 """
 
 from __future__ import annotations
 
 import functools
 from collections.abc import Callable
-from typing import Any, Literal
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -17,7 +17,8 @@ import numpy as np
 import torch
 
 from torchshard._bridge.loaded import Environment, interop
-from torchshard._bridge.ops import flash, kernels, splash
+from torchshard._bridge.ops import flash, kernels, probes, splash, tokamax_attention
+from torchshard._bridge.ops.fused import fused_jax
 from torchshard._bridge.registry import register
 from torchshard._bridge.scopes import current_module
 
@@ -51,28 +52,6 @@ def attention_jax(query, key, value, attn_mask, is_causal, scale, *, tiles: tupl
     rows, keys = tiles or (flash.tile_size(s), flash.tile_size(t))
     tiling = flash.Tiling(rows, keys, is_causal)
     return flash.attend(tiling, q, key, value, mask, bias).reshape(b, n, s, value.shape[-1])
-
-
-def fused_jax(kernel: Literal["xla", "cudnn"], query, key, value, attn_mask, is_causal, scale):
-    """``jax.nn.dot_product_attention(implementation=kernel)`` ("xla" or "cudnn") on torch's [b, heads, s, d] layout.
-
-    Its grouping of query heads over KV heads is torch's ``enable_gqa``'s (head ``n`` reads KV head
-    ``n // group``). A mask or bias is broadcast to the full [s, t] (cuDNN takes no broadcast sequence dims).
-    """
-    q, k, v = (jnp.swapaxes(x, 1, 2) for x in (query, key, value))  # [b, s, heads, d]
-    mask = bias = None
-    seen = jnp.bool_(True)
-    if attn_mask is not None:
-        m = attn_mask.reshape((1,) * (4 - attn_mask.ndim) + attn_mask.shape)
-        m = jnp.broadcast_to(m, (*m.shape[:2], query.shape[2], key.shape[2]))
-        # a row that sees no key: torch's SDPA gives it zeros (and zero gradients); JAX's softmax over no
-        # key averages every value, or is nan. So such rows see every key, and their output is zeroed.
-        seen = (m if m.dtype == jnp.bool_ else m > -jnp.inf).any(-1, keepdims=True)
-        m = m | ~seen if m.dtype == jnp.bool_ else jnp.where(seen, m, 0)
-        mask, bias = (m, None) if m.dtype == jnp.bool_ else (None, m.astype(query.dtype))
-    scale = query.shape[-1] ** -0.5 if scale is None else scale
-    out = jax.nn.dot_product_attention(q, k, v, bias, mask, scale=scale, is_causal=is_causal, implementation=kernel)
-    return jnp.where(seen, jnp.swapaxes(out, 1, 2), 0)
 
 
 ATTENTION_OPS = (torch.nn.functional.scaled_dot_product_attention, torch.ops.aten.scaled_dot_product_attention)
@@ -128,19 +107,39 @@ def attention(reference: Callable[..., Any], call_jax: Callable[..., Any]) -> Ca
             return torchax_sdpa(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa, env)
         policy = kernels.current(_platform())
         call = _call(query, key, value, attn_mask, dropout_p, is_causal)
-        choice = kernels.choose(policy.requested, call, policy.platform, devices=policy.devices)
+        mask_shape = None if attn_mask is None else tuple(attn_mask.shape)
+        probe = functools.partial(_probe, call=call, platform=policy.platform, mask_shape=mask_shape)
+        choice = kernels.choose(policy.requested, call, policy.platform, devices=policy.devices, probe=probe)
         if policy.record is not None:
             policy.record.setdefault(call.site, choice)
         if choice.kernel == "reference":
             return torchax_sdpa(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa, env)
-        if choice.kernel == "xla" or choice.kernel == "cudnn":
-            fused = functools.partial(fused_jax, "xla" if choice.kernel == "xla" else "cudnn")
-            return call_jax(fused, query, key, value, attn_mask, is_causal, scale)
-        if choice.kernel == "splash":
-            return call_jax(splash.splash_attention, query, key, value, causal=bool(is_causal), scale=scale)
-        return call_jax(attention_jax, query, key, value, attn_mask, is_causal, scale)
+        return call_jax(form(choice.kernel), query, key, value, attn_mask, bool(is_causal), scale)
 
     return sdpa
+
+
+def _splash(query, key, value, attn_mask, is_causal, scale):
+    return splash.splash_attention(query, key, value, causal=is_causal, scale=scale)  # it takes no mask
+
+
+def form(kernel: str) -> Callable[..., Any]:
+    """The JAX function of ``kernel`` (a `kernels.Choice`'s) on torch's layout:
+    ``(query, key, value, attn_mask, is_causal, scale) -> out``.
+
+    Examples:
+        >>> form("tokamax:xla").func is tokamax_attention.attend
+        True
+    """
+    if kernel in ("xla", "cudnn"):
+        return functools.partial(fused_jax, "xla" if kernel == "xla" else "cudnn")
+    if kernel.startswith("tokamax:"):
+        return functools.partial(tokamax_attention.attend, kernel.removeprefix("tokamax:"))
+    return _splash if kernel == "splash" else attention_jax
+
+
+def _probe(kernel: str, *, call: kernels.Call, platform: str, mask_shape: tuple[int, ...] | None) -> str | None:
+    return probes.failure(kernel, form(kernel), call, platform, mask_shape)
 
 
 def _platform() -> str:

@@ -4,8 +4,12 @@
 attention on a TPU where it applies, and torchshard's tiled online-softmax kernel everywhere else
 (the CPU always). ``cudnn``, ``splash``, ``xla`` (``jax.nn.dot_product_attention``'s XLA
 implementation) and ``tiled`` force one: a forced kernel that cannot take a call is an
-`ArgumentError` naming the call and why. A `Policy` set for a trace (`choosing`) says what was asked
-and collects each call site's `Choice`, which ``trainer.kernels`` shows.
+`ArgumentError` naming the call and why. ``tokamax`` takes tokamax's ``dot_product_attention`` in its
+own order of implementations (`tokamax_attention.IMPLEMENTATIONS`), the first that takes the call.
+A library kernel (`PROBED`) is probed on its first use (`probes.failure`, passed in as ``probe``);
+one that fails its probe falls back to ``auto``'s choice, with the failure as the reason. A `Policy`
+set for a trace (`choosing`) says what was asked and collects each call site's `Choice`, which
+``trainer.kernels`` shows.
 """
 
 from __future__ import annotations
@@ -13,15 +17,18 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import dataclasses
-from collections.abc import Iterator, MutableMapping
+from collections.abc import Callable, Iterator, MutableMapping
 
 import jax.numpy as jnp
 import numpy as np
 
 from torchshard._base.errors import ArgumentError
+from torchshard._bridge.ops import tokamax_attention
 
-KERNELS = ("auto", "cudnn", "splash", "xla", "tiled")
+KERNELS = ("auto", "cudnn", "splash", "xla", "tiled", "tokamax")
+PROBED = ("cudnn", "splash", "xla")  # library kernels, and each of tokamax's implementations ("tokamax:xla")
 CUDNN_DTYPES = (jnp.bfloat16, jnp.float16)
+DROPOUT = "dropout: only torchax's reference attention draws its mask"
 SPLASH_BLOCK = 128  # splash attention's default query/key block: sequences must be multiples of it
 
 
@@ -43,7 +50,7 @@ class Call:
 class Choice:
     """The kernel one call site got, and why (what ruled out the kernels ``auto`` prefers)."""
 
-    kernel: str
+    kernel: str  # a name of KERNELS, "reference", "ring", or "tokamax:<implementation>" (the one that ran)
     reason: str
 
     def __str__(self) -> str:
@@ -83,10 +90,12 @@ def check_kernel(kernel: object, *, what: str) -> list[str]:
 
     Examples:
         >>> check_kernel("flash", what="Trainer(attention_kernel=)")
-        ["Trainer(attention_kernel=) must be one of 'auto', 'cudnn', 'splash', 'xla', 'tiled', got 'flash'"]
+        ["Trainer(attention_kernel=) must be one of 'auto', 'cudnn', 'splash', 'xla', 'tiled', 'tokamax', got 'flash'"]
     """
     if isinstance(kernel, str) and kernel in KERNELS:
-        return []
+        # a package missing here is refused up front, not probed: no step could ever run it
+        missing = tokamax_attention.missing() if kernel == "tokamax" else None
+        return [] if missing is None else [f"{what}='tokamax' cannot run here: {missing}"]
     names = ", ".join(repr(k) for k in KERNELS)
     return [f"{what} must be one of {names}, got {kernel!r:.40}"]
 
@@ -94,7 +103,7 @@ def check_kernel(kernel: object, *, what: str) -> list[str]:
 def _xla_problem(call: Call) -> str | None:
     """Why ``jax.nn.dot_product_attention`` cannot take the call (its XLA and cuDNN forms share these limits)."""
     if call.dropout:
-        return "dropout: only torchax's reference attention draws its mask"
+        return DROPOUT
     if call.value[-1] != call.query[-1]:
         return f"values of head dim {call.value[-1]} against queries' {call.query[-1]} (MLA): it needs them equal"
     if call.query[1] % call.key[1]:
@@ -143,11 +152,86 @@ def _problem(kernel: str, call: Call, platform: str, devices: int) -> str | None
         return _splash_problem(call, platform, devices)
     if kernel == "xla":
         return _xla_problem(call)
-    return "dropout: only torchax's reference attention draws its mask" if call.dropout else None
+    return DROPOUT if call.dropout else None
 
 
-def choose(requested: str, call: Call, platform: str, *, devices: int = 1) -> Choice:
+Probe = Callable[[str], str | None]  # a kernel's name -> why it failed its probe on this call, or None
+
+
+def _tokamax_problem(implementation: str, call: Call, platform: str, devices: int) -> str | None:
+    """Why tokamax's ``implementation`` cannot take the call, known before tracing it (tokamax says the rest)."""
+    if implementation == "xla":
+        return None
+    if platform != "gpu":
+        return f"GPU kernels; this step runs on {platform}"
+    if implementation == "cudnn":
+        return _cudnn_problem(call, platform)
+    if devices > 1:
+        # a Pallas kernel is one device's program, as splash is: GSPMD would gather its operands whole
+        return f"a mesh of {devices} devices (a Pallas kernel runs per device; torchshard does not shard_map it yet)"
+    return None
+
+
+def _refuse(requested: str, call: Call, problem: str) -> ArgumentError:
+    where = call.site or "the top level"
+    return ArgumentError(
+        f"attention_kernel={requested!r} cannot take the attention called by {where} "
+        f"(query {list(call.query)}, key {list(call.key)}, value {list(call.value)}, {call.dtype}): "
+        f"{problem}; use attention_kernel='auto' to fall back where a kernel cannot"
+    )
+
+
+def _passed(kernel: str) -> str | None:
+    return None
+
+
+def _auto(call: Call, platform: str, devices: int, probe: Probe) -> Choice:
+    if platform not in ("gpu", "tpu"):
+        return Choice("reference" if call.dropout else "tiled", f"{platform}: no fused attention kernel there")
+    preferred = "splash" if platform == "tpu" else "cudnn"
+    problem = _problem(preferred, call, platform, devices)
+    if problem is None and (failure := probe(preferred)) is not None:
+        problem = f"{preferred} failed its probe ({failure})"
+    if problem is None:
+        return Choice(preferred, "")
+    return Choice("reference" if call.dropout else "tiled", problem)
+
+
+def _fallback(why: str, call: Call, platform: str, devices: int, probe: Probe) -> Choice:
+    """``auto``'s choice for a call the forced kernel failed, saying why first."""
+    auto = _auto(call, platform, devices, probe)
+    return Choice(auto.kernel, why if auto.reason in ("", why) else f"{why}; {auto.reason}")
+
+
+def _tokamax(call: Call, platform: str, devices: int, probe: Probe) -> Choice:
+    """tokamax's first implementation, in its own order, that takes the call and passes its probe."""
+    if (problem := tokamax_attention.missing() or (DROPOUT if call.dropout else None)) is not None:
+        raise _refuse("tokamax", call, problem)
+    skipped: dict[str, list[str]] = {}  # why -> the implementations skipped for it, in order
+    for implementation in tokamax_attention.IMPLEMENTATIONS:
+        why = _tokamax_problem(implementation, call, platform, devices)
+        if why is None and (failure := probe(f"tokamax:{implementation}")) is not None:
+            why = f"failed its probe ({failure})"
+        if why is None:
+            return Choice(f"tokamax:{implementation}", "; ".join(["forced", *_said(skipped)]))
+        skipped.setdefault(why, []).append(implementation)
+    return _fallback("tokamax: " + "; ".join(_said(skipped)), call, platform, devices, probe)
+
+
+def _said(skipped: dict[str, list[str]]) -> list[str]:
+    return [f"{', '.join(names)}: {why}" for why, names in skipped.items()]
+
+
+def choose(requested: str, call: Call, platform: str, *, devices: int = 1, probe: Probe | None = None) -> Choice:
     """The kernel ``call`` gets when ``requested`` (a name of `KERNELS`) on ``platform``, on a mesh of ``devices``.
+
+    Args:
+        requested: a name of `KERNELS`.
+        call: the attention call.
+        platform: where the step runs.
+        devices: the mesh's size.
+        probe: why a kernel (a name of `PROBED`, or ``tokamax:<implementation>``) failed its probe on this
+            call, or None where it passed (`probes.failure`); by default every kernel passes.
 
     Raises:
         ArgumentError: a forced kernel that cannot take the call, naming the call site and why.
@@ -157,26 +241,20 @@ def choose(requested: str, call: Call, platform: str, *, devices: int = 1) -> Ch
         ...             np.dtype(jnp.bfloat16), causal=True)
         >>> str(choose("auto", call, "gpu"))
         'cudnn'
+        >>> str(choose("auto", call, "gpu", probe=lambda kernel: "RuntimeError: no cuDNN"))
+        'tiled (cudnn failed its probe (RuntimeError: no cuDNN))'
         >>> str(choose("auto", call, "cpu"))
         'tiled (cpu: no fused attention kernel there)'
         >>> str(choose("auto", call, "tpu", devices=8))
         'tiled (a mesh of 8 devices (splash runs per device; torchshard does not shard_map it yet))'
     """
-    if requested != "auto":
-        if (problem := _problem(requested, call, platform, devices)) is not None:
-            where = call.site or "the top level"
-            raise ArgumentError(
-                f"attention_kernel={requested!r} cannot take the attention called by {where} "
-                f"(query {list(call.query)}, key {list(call.key)}, value {list(call.value)}, {call.dtype}): "
-                f"{problem}; use attention_kernel='auto' to fall back where a kernel cannot"
-            )
-        return Choice(requested, "forced")
-    if platform not in ("gpu", "tpu"):
-        return Choice("reference" if call.dropout else "tiled", f"{platform}: no fused attention kernel there")
-    preferred = "splash" if platform == "tpu" else "cudnn"
-    problem = _problem(preferred, call, platform, devices)
-    if problem is None:
-        return Choice(preferred, "")
-    if call.dropout:
-        return Choice("reference", problem)
-    return Choice("tiled", problem)
+    probe = probe or _passed
+    if requested == "auto":
+        return _auto(call, platform, devices, probe)
+    if requested == "tokamax":
+        return _tokamax(call, platform, devices, probe)
+    if (problem := _problem(requested, call, platform, devices)) is not None:
+        raise _refuse(requested, call, problem)
+    if requested in PROBED and (failure := probe(requested)) is not None:
+        return _fallback(f"{requested} failed its probe ({failure})", call, platform, devices, probe)
+    return Choice(requested, "forced")
