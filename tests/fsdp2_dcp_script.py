@@ -6,6 +6,9 @@
   full state dict at the save (model and AdamW state, as lists).
 * ``load DIR``: a fresh FSDP2 model on this many ranks reads ``DIR`` with plain
   ``dcp.load({"model": model.state_dict()})``; rank 0 writes ``DIR/loaded.json``: the full state dict it got.
+* ``resume DIR``: a fresh FSDP2 model and torch AdamW read ``DIR`` (model and optimizer, through ``get_state_dict``,
+  ``dcp.load`` and ``set_state_dict``) and train steps ``SAVED_AT`` to ``STEPS``; rank 0 writes
+  ``DIR/resumed.json``: their losses.
 """
 
 from __future__ import annotations
@@ -18,7 +21,12 @@ import sys
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, get_state_dict
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_model_state_dict,
+    get_state_dict,
+    set_state_dict,
+)
 from torch.distributed.fsdp import fully_shard
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
@@ -38,6 +46,11 @@ def model() -> torch.nn.Module:  # as mp_torchrun_script.model, sharded by FSDP2
     return fully_shard(net)
 
 
+def adamw(params) -> torch.optim.AdamW:
+    """The optimizer of the FSDP2 runs (a Trainer given it resumes them)."""
+    return torch.optim.AdamW(params, lr=1e-2, eps=1e-8, weight_decay=1e-4)
+
+
 def lists(state: dict) -> dict:
     """A (nested) state dict as JSON: tensors as nested lists."""
     if isinstance(state, dict):
@@ -47,7 +60,7 @@ def lists(state: dict) -> dict:
 
 def save(root: pathlib.Path) -> None:
     net = model()
-    opt = torch.optim.AdamW(net.parameters(), lr=1e-2, eps=1e-8, weight_decay=1e-4)
+    opt = adamw(net.parameters())
     losses, saved = [], {}
     rank = dist.get_rank()
     for step in range(STEPS):
@@ -76,7 +89,26 @@ def load(root: pathlib.Path) -> None:
         (root / "loaded.json").write_text(json.dumps(lists(full)))
 
 
+def resume(root: pathlib.Path) -> None:
+    net = model()
+    opt = adamw(net.parameters())
+    model_state, optim_state = get_state_dict(net, opt)
+    state = {"model": model_state, "optimizer": optim_state}
+    dcp.load(state, checkpoint_id=str(root))
+    set_state_dict(net, opt, model_state_dict=state["model"], optim_state_dict=state["optimizer"])
+    losses = []
+    for step in range(SAVED_AT, STEPS):
+        x, y = batch(step)
+        loss = torch.nn.functional.mse_loss(net(x), y)
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        losses.append(loss.item())
+    if dist.get_rank() == 0:
+        (root / "resumed.json").write_text(json.dumps({"losses": losses}))
+
+
 if __name__ == "__main__":
     dist.init_process_group("gloo")
-    {"save": save, "load": load}[sys.argv[1]](pathlib.Path(sys.argv[2]))
+    {"save": save, "load": load, "resume": resume}[sys.argv[1]](pathlib.Path(sys.argv[2]))
     dist.destroy_process_group()

@@ -52,9 +52,12 @@ def _loss(m, b):
     return torch.nn.functional.mse_loss(m(b[0]), b[1])
 
 
-def _trainer(optimizer=None, mesh_axes=None) -> ts.Trainer:
+def _trainer(optimizer=None, mesh_axes=None, *, torch_optimizer=None) -> ts.Trainer:
+    """A Trainer of the MLP on ``optimizer`` (optax), or on ``torch_optimizer(model.parameters())``."""
     model = _mlp()
     plan = ts.plan(model, ts.make_mesh(mesh_axes or {"data": 4, "model": 2}), ts.presets.fsdp(min_size=0))
+    if torch_optimizer is not None:
+        optimizer = torch_optimizer(model.parameters())
     return ts.Trainer(model, _loss, optimizer or optax.adamw(1e-2), plan)
 
 
@@ -87,6 +90,30 @@ def test_an_fsdp2_checkpoint_resumes_in_a_trainer_with_its_adamw_state(fsdp2_sav
     losses = [float(trainer.step(fsdp2.batch(s))["loss"]) for s in range(fsdp2.SAVED_AT, fsdp2.STEPS)]
     assert_close(losses, torch_run["losses"][fsdp2.SAVED_AT :], tol=1e-4, what="losses after the load")
     assert "param_groups" in caplog.text  # the non-tensor entries are reported as not read
+
+
+@pytest.mark.slow
+def test_an_fsdp2_checkpoint_resumes_in_a_trainer_on_the_same_torch_optimizer(fsdp2_save):
+    folder, torch_run = fsdp2_save
+    trainer = ts.load_dcp(folder, _trainer(torch_optimizer=fsdp2.adamw))
+    saved, exported = torch_run["saved"]["optimizer"], ts.optimizer_state_dict(trainer)
+    names = saved["param_groups"][0]["params"]  # get_state_dict's names, in torch's order
+    assert {names[i]: _values(s) for i, s in exported["state"].items()} == saved["state"]
+    assert trainer.step_count == fsdp2.SAVED_AT
+    losses = [float(trainer.step(fsdp2.batch(s))["loss"]) for s in range(fsdp2.SAVED_AT, fsdp2.STEPS)]
+    assert_close(losses, torch_run["losses"][fsdp2.SAVED_AT :], tol=1e-4, what="losses after the load")
+
+
+@pytest.mark.slow
+def test_fsdp2_on_three_ranks_resumes_a_trainer_on_torch_adamw(tmp_path):
+    trainer = _trainer(torch_optimizer=fsdp2.adamw)
+    for s in range(fsdp2.SAVED_AT):
+        trainer.step(fsdp2.batch(s))
+    ts.save_dcp(tmp_path, trainer)
+    _torchrun(3, "resume", tmp_path)
+    theirs = json.loads((tmp_path / "resumed.json").read_text())["losses"]
+    ours = [float(trainer.step(fsdp2.batch(s))["loss"]) for s in range(fsdp2.SAVED_AT, fsdp2.STEPS)]
+    assert_close(theirs, ours, tol=1e-4, what="FSDP2's losses after reading save_dcp's torch AdamW state")
 
 
 @pytest.mark.slow

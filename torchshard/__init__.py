@@ -12,6 +12,7 @@ from torchshard._interop.adapters import save_adapters
 from torchshard._interop.dcp_load import load_dcp
 from torchshard._interop.dcp_save import save_dcp
 from torchshard._interop.export import from_torch_state_dict, to_torch_state_dict
+from torchshard._interop.optim_state import optimizer_state_dict
 from torchshard._interop.pretrained import load_safetensors
 from torchshard._interop.safetensors import save_safetensors
 from torchshard._report.visualize import visualize, visualize_plan
@@ -69,6 +70,7 @@ __all__ = [
     "load_dcp",
     "load_safetensors",
     "make_mesh",
+    "optimizer_state_dict",
     "plan",
     "prefetch",
     "presets",

@@ -41,7 +41,9 @@ def placed_arrays(model: torch.nn.Module, *, doing: str) -> dict[str, jax.Array]
 
 def trainer_tree(trainer: Trainer) -> dict[str, Any]:
     """The non-module part of a trainer: optimizer state, step counter and RNG base key."""
-    state = trainer.state
+    # a torch optimizer's hyperparameters as its param groups hold them now (a scheduler stepped since the last
+    # step): what `load` hands back to the resumed optimizer's groups
+    state = trainer.given_optimizer.refresh(trainer.state)
     return {"opt_state": state.opt_state, "step": state.step, "rng": trainer.rng_key}
 
 

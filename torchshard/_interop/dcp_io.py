@@ -13,6 +13,7 @@ from __future__ import annotations
 import base64
 import dataclasses
 import errno
+import io
 import itertools
 import os
 import pathlib
@@ -27,6 +28,7 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner, DefaultSavePlanner
 from torch.distributed.checkpoint.metadata import (
+    BytesStorageMetadata,
     ChunkStorageMetadata,
     Metadata,
     MetadataIndex,
@@ -79,6 +81,26 @@ def stored_tensors(root: pathlib.Path, metadata: Metadata) -> dict[str, Stored]:
             dtype = md.properties.dtype
             found[name] = Stored(tuple(md.size), _CODES.get(dtype, str(dtype)), dtype, root / ".metadata")
         # BytesStorageMetadata: param_groups, schedulers, data loaders: reported by the caller
+    return found
+
+
+def stored_objects(metadata: Metadata) -> list[str]:
+    """Every non-tensor entry (``param_groups``' values, pickled by ``torch.save``)."""
+    return [n for n, md in metadata.state_dict_metadata.items() if isinstance(md, BytesStorageMetadata)]
+
+
+def read_objects(root: pathlib.Path, metadata: Metadata, names: Sequence[str]) -> dict[str, Any]:
+    """The non-tensor entries ``names``, unpickled as ``dcp.load`` unpickles them (``torch.load``, not weights-only:
+    read only checkpoints you trust, as for ``dcp.load``)."""
+    found: dict[str, Any] = dict.fromkeys(names)
+    if not names:
+        return found
+    with warnings.catch_warnings():  # DCP warns on every load without a process group, no_dist or not
+        warnings.filterwarnings("ignore", "torch.distributed is disabled", UserWarning)
+        try:
+            dcp.load(found, storage_reader=_CachedReader(root, metadata), planner=DefaultLoadPlanner(), no_dist=True)
+        except CheckpointException as e:
+            raise CheckpointError(damage(root, metadata, names[0], e)) from e
     return found
 
 
@@ -273,18 +295,25 @@ class Chunk:
 class _ChunkPlanner(DefaultSavePlanner):
     """DefaultSavePlanner (its global plan and metadata) over chunks given directly instead of a state_dict."""
 
-    def __init__(self, chunks: Sequence[Chunk]) -> None:
+    def __init__(self, chunks: Sequence[Chunk], objects: Mapping[str, Any]) -> None:
         super().__init__(flatten_state_dict=False)
         self.chunks = {MetadataIndex(c.name, torch.Size(c.offsets)): c for c in chunks}
+        self.objects = dict(objects)
 
     def set_up_planner(self, state_dict: Any, storage_meta: Any = None, is_coordinator: bool = False) -> None:
         self.state_dict, self.storage_meta, self.is_coordinator = {}, storage_meta, is_coordinator
 
     def create_local_plan(self) -> SavePlan:
-        self.plan = SavePlan([_write_item(index, c) for index, c in self.chunks.items()])
+        items = [_write_item(index, c) for index, c in self.chunks.items()]
+        items += [WriteItem(index=MetadataIndex(name), type=WriteItemType.BYTE_IO) for name in self.objects]
+        self.plan = SavePlan(items)
         return self.plan
 
-    def resolve_data(self, write_item: WriteItem) -> torch.Tensor:
+    def resolve_data(self, write_item: WriteItem) -> torch.Tensor | io.BytesIO:
+        if write_item.type == WriteItemType.BYTE_IO:  # as DefaultSavePlanner writes a non-tensor: torch.save
+            buffer = io.BytesIO()
+            torch.save(self.objects[write_item.index.fqn], buffer)
+            return buffer
         return self.chunks[write_item.index].data
 
 
@@ -323,14 +352,22 @@ def _unpack(text: str) -> Any:
     return pickle.loads(base64.b64decode(text))
 
 
-def write_chunks(folder: pathlib.Path, chunks: Sequence[Chunk], *, rank: int, coordinator: bool) -> None:
-    """Every process writes its chunks into ``folder`` with DCP's writer; process 0 writes the metadata.
+def write_chunks(
+    folder: pathlib.Path,
+    chunks: Sequence[Chunk],
+    *,
+    rank: int,
+    coordinator: bool,
+    objects: Mapping[str, Any] | None = None,
+) -> None:
+    """Every process writes its chunks (and ``objects``, non-tensor entries) into ``folder`` with DCP's writer;
+    process 0 writes the metadata.
 
     The steps of ``dcp.save``: local plans, one global plan (every process computes the same one
     from all local plans), the writes, then the metadata from every process's write results.
     """
     writer = dcp.FileSystemWriter(str(folder), overwrite=False)
-    planner = _ChunkPlanner(chunks)
+    planner = _ChunkPlanner(chunks, objects or {})
     planner.set_up_planner({}, writer.storage_meta(), coordinator)
     writer.set_up_storage_writer(coordinator, rank=rank)
     local = writer.prepare_local_plan(planner.create_local_plan())

@@ -19,6 +19,7 @@ from torchshard._ckpt.restore import Destination, destination, load_trainer
 from torchshard._ckpt.state import Target, model_of, torch_dtypes
 from torchshard._ckpt.stepdir import PathLike
 from torchshard._interop import dcp_names
+from torchshard._interop.dcp_optim import TorchOptimizer
 from torchshard._interop.loading import (
     SliceBuilder,
     bind,
@@ -104,8 +105,9 @@ class _Optimizer:
         unkept = sorted({field for _, field in self.entries} - kept)
         if not unkept:
             return []
+        kind = "AdamW" if set(unkept) <= set(dcp_names.OPTAX_FIELDS.values()) else "torch optimizer"
         return [
-            f"the checkpoint holds AdamW state ({', '.join(unkept)}) that the Trainer's optimizer keeps no state "
+            f"the checkpoint holds {kind} state ({', '.join(unkept)}) that the Trainer's optimizer keeps no state "
             f"for: build the Trainer with the optimizer that saved it (e.g. optax.adamw) to resume it, or load "
             f"with strict=False for the weights and step count alone"
         ]
@@ -171,7 +173,19 @@ def _log_skipped(entries: dcp_names.Entries, others: list[str], target: Target, 
         )
 
 
-_Read = tuple[dict[str, jax.Array], "_Optimizer | None", "BoxReader", dict[str, torch.dtype]]
+_Read = tuple[dict[str, jax.Array], "_Optimizer | TorchOptimizer | None", "BoxReader", dict[str, torch.dtype]]
+
+
+def _optimizer(
+    target: Target, dest: Destination, entries: dcp_names.Entries, objects: list[str], rename: Rename | None
+) -> _Optimizer | TorchOptimizer | None:
+    """How the checkpoint's optimizer entries map onto a Trainer's optimizer (None: nothing to map, or a module)."""
+    if not isinstance(target, Trainer):
+        return None
+    if target.optimizer is None:
+        return _Optimizer(target, dest, entries.optimizer, rename) if entries.optimizer else None
+    groups = dcp_names.group_entries(objects)
+    return TorchOptimizer(target, dest, entries.optimizer, groups, rename) if entries.optimizer or groups else None
 
 
 def _read(root: pathlib.Path, target: Target, dest: Destination, *, rename: Rename | None, strict: bool) -> _Read:
@@ -187,8 +201,9 @@ def _read(root: pathlib.Path, target: Target, dest: Destination, *, rename: Rena
     entries = dcp_names.split(reader.tensors)
     sources, problems = _sources(entries.model, expected, rename)
     chosen, found = name_problems(expected, dest, sources, reader, dtypes, strict=strict)  # type: ignore[arg-type]
-    optimizer = _Optimizer(target, dest, entries.optimizer, rename) if isinstance(target, Trainer) else None
-    if optimizer is not None and entries.optimizer:
+    objects = [n for n in metadata.state_dict_metadata if n not in reader.tensors]
+    optimizer = _optimizer(target, dest, entries, objects, rename)
+    if optimizer is not None:
         found += optimizer.problems(reader, strict=strict)
     header = f"DCP checkpoint {root} does not fit {type(model).__name__}"
     raise_if_any(
@@ -196,12 +211,13 @@ def _read(root: pathlib.Path, target: Target, dest: Destination, *, rename: Rena
         header=f"{header}; pass rename= for other names, or strict=False to load what fits",
         error=CheckpointError,
     )
-    _log_skipped(entries, [n for n in metadata.state_dict_metadata if n not in reader.tensors], target, root)
+    read = optimizer.groups if isinstance(optimizer, TorchOptimizer) else {}
+    _log_skipped(entries, [n for n in objects if n not in read], target, root)
     _plan_reads(reader, dest, chosen, sources)
     build = SliceBuilder(reader, sources, dtypes)  # type: ignore[arg-type]
     arrays = destination_arrays(target, dest, chosen, build)
     raise_if_any(build.problems, header="checkpoint values JAX cannot hold")
-    return arrays, optimizer if entries.optimizer else None, reader, dtypes
+    return arrays, optimizer, reader, dtypes
 
 
 def load_dcp(
@@ -219,11 +235,14 @@ def load_dcp(
     stored chunks, single-rank or FSDP2/DTensor shards, into it), so no process holds the whole
     model. Names are found in any of the usual layouts: ``model.state_dict()`` saved as is,
     ``{"model": ..., "optimizer": ...}`` (``get_state_dict``, torchtitan), or another prefix. A
-    Trainer also gets torch AdamW's ``exp_avg`` / ``exp_avg_sq`` / ``step`` as optax's ``mu`` /
-    ``nu`` / ``count`` and its step count from ``step`` (a checkpoint without optimizer state: a
-    fresh one, step 0). Training-loop state (``train_state``, ``lr_scheduler``, ``dataloader``)
-    and non-tensor entries (``param_groups``) are not read (logged). Checked like a strict
-    ``load_state_dict``, all problems at once and nothing changed on error.
+    Trainer on optax gets torch AdamW's ``exp_avg`` / ``exp_avg_sq`` / ``step`` as optax's ``mu``
+    / ``nu`` / ``count``; a Trainer on a torch optimizer gets its own fields (``get_optimizer_state_dict``'s
+    ``optimizer.state.<name>.<field>``) and the checkpoint's ``param_groups`` values into
+    ``trainer.optimizer``'s groups, as ``set_optimizer_state_dict`` gives them. Either takes its
+    step count from ``step`` (a checkpoint without optimizer state: a fresh one, step 0).
+    Training-loop state (``train_state``, ``lr_scheduler``, ``dataloader``) and other non-tensor
+    entries are not read (logged). Checked like a strict ``load_state_dict``, all problems at once
+    and nothing changed on error.
 
     Args:
         path: the folder ``dcp.save`` wrote (its ``checkpoint_id``).
@@ -242,8 +261,9 @@ def load_dcp(
             named, its exception the ``__cause__``).
         CheckpointError: not a DCP folder (a file in it: its folder named); a data file missing, cut
             short or corrupted (named); missing, unexpected, mis-shaped or uncastable tensors, AdamW
-            state the Trainer's optimizer does not keep (``optax.sgd``), or optimizer state that does
-            not map (each named with its shapes). Nothing changes on any error.
+            state the Trainer's optimizer does not keep (``optax.sgd``), optimizer state that does
+            not map (each named with its shapes), or param groups that do not fit a torch optimizer's
+            (their number, parameters, or an option that changes its state). Nothing changes on any error.
 
     Examples:
         >>> import tempfile

@@ -1,10 +1,11 @@
-"""Which DCP entries are the model's, which its AdamW state's, which the training loop's; and optax's names for them.
+"""Which DCP entries are the model's, which its optimizer's, which the training loop's; and optax's names for them.
 
 Layouts read: torchtitan's (model tensors at the top level or under ``model.``, ``optimizer.state.
 <param>.<field>``, and ``train_state`` / ``lr_scheduler`` / ``dataloader``), ``get_state_dict``'s
 (``{"model": ..., "optimizer": ...}``, nested or ``flatten_optimizer_state_dict``), and a bare
 ``model.state_dict()``. torch AdamW's ``exp_avg`` / ``exp_avg_sq`` / ``step`` are optax's
-``mu`` / ``nu`` / ``count`` (``scale_by_adam``'s state, as ``optax.adamw`` and ``optax.adam`` hold it).
+``mu`` / ``nu`` / ``count`` (``scale_by_adam``'s state, as ``optax.adamw`` and ``optax.adam`` hold it); a Trainer
+on a torch optimizer keeps torch's fields under torch's names.
 """
 
 from __future__ import annotations
@@ -18,7 +19,12 @@ from typing import Any
 import jax
 
 OPTAX_FIELDS = {"mu": "exp_avg", "nu": "exp_avg_sq", "count": "step"}
-_OPTIMIZER = re.compile(r"(?:(?:.*\.)?optim(?:izer)?\.)?state\.(?P<param>.+)\.(?P<field>exp_avg|exp_avg_sq|step)")
+# every per-parameter field of the torch optimizers a Trainer translates (torchshard/_train/optim/rules.py)
+TORCH_FIELDS = ("exp_avg", "exp_avg_sq", "max_exp_avg_sq", "step", "momentum_buffer", "sum", "square_avg", "grad_avg",
+                "row_var", "col_var", "variance")  # fmt: skip
+_PREFIX = r"(?:(?:.*\.)?optim(?:izer)?\.)?"
+_OPTIMIZER = re.compile(_PREFIX + r"state\.(?P<param>.+)\.(?P<field>" + "|".join(TORCH_FIELDS) + ")")
+_GROUP = re.compile(_PREFIX + r"param_groups\.(?P<group>\d+|.+)\.(?P<key>\w+)")
 _LOOP = ("train_state.", "lr_scheduler.", "dataloader.")  # torchtitan's training-loop state: not model tensors
 
 
@@ -47,6 +53,17 @@ def split(names: Iterable[str]) -> Entries:
         else:
             model.append(name)
     return Entries(model, optimizer, loop)
+
+
+def group_entries(names: Iterable[str]) -> dict[str, tuple[str, str]]:
+    """Stored name → (group index, or a parameter's name in ``flatten_optimizer_state_dict``'s layout; key) of the
+    ``param_groups`` entries among ``names``.
+
+    Examples:
+        >>> group_entries(["optimizer.param_groups.0.lr", "param_groups.fc.weight.lr", "model.w"])
+        {'optimizer.param_groups.0.lr': ('0', 'lr'), 'param_groups.fc.weight.lr': ('fc.weight', 'lr')}
+    """
+    return {n: (m["group"], m["key"]) for n in names if (m := _GROUP.fullmatch(n)) is not None}
 
 
 def model_prefix(stored: Iterable[str], expected: Iterable[str]) -> str:

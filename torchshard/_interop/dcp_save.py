@@ -19,6 +19,7 @@ from torchshard._ckpt.processes import primary, together
 from torchshard._ckpt.state import Target, export_arrays, model_of, target_problems, torch_dtypes
 from torchshard._ckpt.stepdir import TMP, PathLike, commit, discard, path_problems, settle, write_failure
 from torchshard._interop import dcp_names
+from torchshard._interop.dcp_optim import torch_entries
 from torchshard._interop.safetensors_files import normalized
 from torchshard._multihost.agree import gathered
 from torchshard._trainer.trainer import Trainer
@@ -77,14 +78,30 @@ def _optimizer_arrays(trainer: Trainer) -> dict[str, tuple[jax.Array, torch.dtyp
 
 
 def _chunks(target: Target) -> Iterator[Chunk]:
-    """Every chunk this process writes: ``model.<state_dict name>`` (tied names each), then the AdamW state."""
+    """Every chunk this process writes: ``model.<state_dict name>`` (tied names each), then the optimizer state."""
     model = model_of(target)
     arrays, dtypes, canonical = export_arrays(target, doing="save_dcp()"), torch_dtypes(target), canonical_names(model)
     for name in state_dict_names(model):
         yield from _owned(arrays[canonical[name]], dtypes[canonical[name]], f"model.{name}")
-    if isinstance(target, Trainer):
+    if isinstance(target, Trainer) and target.optimizer is not None:
+        for name, array in torch_entries(target)[0].items():
+            yield from _owned(array, getattr(torch, np.dtype(array.dtype).name), name)
+    elif isinstance(target, Trainer):
         for name, (array, dtype) in _optimizer_arrays(target).items():
             yield from _owned(array, dtype, name)
+
+
+def _objects(target: Target) -> tuple[list[Chunk], dict[str, Any]]:
+    """What process 0 alone writes: a torch optimizer's param groups (a tensor value, such as a tensor ``lr``, as
+    a tensor entry, which is where DCP's loader looks for it)."""
+    from torchshard._interop.dcp_io import Chunk  # see _write
+
+    if not (isinstance(target, Trainer) and target.optimizer is not None and primary()):
+        return [], {}
+    objects = torch_entries(target)[1]
+    tensors = {n: v.detach().cpu().contiguous() for n, v in objects.items() if isinstance(v, torch.Tensor)}
+    chunks = [Chunk(n, tuple(t.shape), (0,) * t.ndim, t) for n, t in tensors.items()]
+    return chunks, {n: v for n, v in objects.items() if n not in tensors}
 
 
 def _begin(out: pathlib.Path, staging: pathlib.Path) -> str:
@@ -109,11 +126,12 @@ def _write(out: pathlib.Path, target: Target) -> None:
 
     staging = out.with_name(TMP + out.name)
     chunks = list(_chunks(target))  # before the staging folder is made: a module that cannot be saved leaves none
+    scalars, objects = _objects(target)
     # every process meets here, failed or not: the staging folder exists before any process writes
     if problem := next(filter(None, gathered("dcp-save-begin", _begin(out, staging))), ""):
         raise CheckpointError(problem)
     try:
-        write_chunks(staging, chunks, rank=jax.process_index(), coordinator=primary())
+        write_chunks(staging, chunks + scalars, rank=jax.process_index(), coordinator=primary(), objects=objects)
     except OSError as e:
         if primary():
             discard(staging)
@@ -128,8 +146,12 @@ def save_dcp(path: PathLike, target: Target) -> pathlib.Path:
     The layout is ``get_state_dict``'s: ``{"model": model.state_dict(), "optimizer": ...}``, so
     ``dcp.load({"model": model.state_dict()}, checkpoint_id=path)`` fills a torch model, FSDP2- or
     DTensor-sharded on any number of ranks or not at all. Every ``state_dict`` name is written
-    (tied ones each), in the model's torch dtypes. A Trainer also writes its optax AdamW state
-    as torch AdamW's ``optimizer.state.<name>.exp_avg`` / ``exp_avg_sq`` / ``step`` (hyper-
+    (tied ones each), in the model's torch dtypes. A Trainer on a torch optimizer also writes its
+    state as ``get_optimizer_state_dict`` names it (``optimizer.state.<name>.<field>``, each
+    parameter by its name in ``model.named_parameters()``, a scanned stack per layer) and its
+    param groups (``optimizer.param_groups.<i>.<key>``, ``params`` as names), so torch's
+    ``dcp.load`` + ``set_optimizer_state_dict`` resume it. A Trainer on optax writes its AdamW
+    state as torch AdamW's ``optimizer.state.<name>.exp_avg`` / ``exp_avg_sq`` / ``step`` (hyper-
     parameters live in optax, not in the state: build the torch optimizer with the same ones and
     load with ``DefaultLoadPlanner(allow_partial_load=True)``). Each process writes the distinct
     shards it is the first to hold, through DCP's ``FileSystemWriter`` and ``DefaultSavePlanner``;

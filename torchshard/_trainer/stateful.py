@@ -13,6 +13,7 @@ from torchshard._bridge.layer_view import LayerView, StackedArray
 from torchshard._bridge.module_tensors import named_tensors
 from torchshard._bridge.tensors import set_array, unwrap
 from torchshard._sharding.plan import ShardingPlan
+from torchshard._train.optim.given import GivenOptimizer
 from torchshard._train.precision import MixedPrecision, stored_dtypes
 from torchshard._train.state import (
     Arrays,
@@ -43,10 +44,17 @@ class Stateful:
     _base_key: jax.Array
     _window: Any
     _lock: Any
+    _given: GivenOptimizer
 
     @property
     def state(self) -> TrainState:
         return self._state
+
+    @property
+    def given_optimizer(self) -> GivenOptimizer:
+        """The optimizer as the step applies it: its optax transformation and, for a torch optimizer, its
+        translation and each parameter's place in the train state (what torch-format exports read)."""
+        return self._given
 
     @property
     def step_count(self) -> int:
@@ -101,6 +109,8 @@ class Stateful:
     def load_state(self, state: TrainState, *, rng_key: jax.Array | None = None, frozen: Arrays | None = None) -> None:
         """Replaces the training state (e.g. from a checkpoint); arrays must already be placed.
 
+        A torch optimizer's param groups take the state's hyperparameters (a checkpoint's ``lr``, ``betas``...).
+
         Args:
             state: the new `TrainState`, sharded as `state_shardings` says.
             rng_key: the `rng_key` to continue from (kept if None).
@@ -108,6 +118,7 @@ class Stateful:
         """
         with self._lock:
             self._state, self._window = state, None  # the step count may have changed: read it again
+            self._given.adopt(state.opt_state)
             if rng_key is not None:
                 self._base_key = rng_key
             if frozen:

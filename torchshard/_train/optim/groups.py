@@ -8,6 +8,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from torchshard._train.optim.loaded import state_problems
 from torchshard._train.optim.rules import RULES, Rule
 
 # the classes with a rule, by name; Adafactor where the installed torch has it
@@ -95,7 +96,7 @@ def torch_optimizer_problems(optimizer: torch.optim.Optimizer, model: Any) -> li
     problems += _membership_problems(optimizer, model)
     rule = rule_for(optimizer)
     if rule is not None:
-        problems += hyperparameters(rule, optimizer.param_groups)[1]
+        problems += hyperparameters(rule, optimizer.param_groups)[1] + state_problems(rule, optimizer, model)
     return problems + _complex_problems(model)
 
 

@@ -34,6 +34,7 @@ class Rule:
         fields: torch's state fields of a parameter and their shapes, from its flags, shape and per-layer axes.
         update: ``(grad, param, state, hyper, flags, layer axes) -> (param delta, new state)``.
         fills: state field → the optimizer default its fresh state is filled with (Adagrad's ``sum``).
+        hidden: fields the translation keeps that torch's ``optimizer.state`` does not (SGD's ``step``).
     """
 
     hyper: Mapping[str, tuple[str, int | None]]
@@ -41,6 +42,7 @@ class Rule:
     fields: Callable[[Flags, Shape, tuple[int, ...]], dict[str, Shape]]
     update: Update
     fills: Mapping[str, str] = dataclasses.field(default_factory=dict)
+    hidden: frozenset[str] = frozenset()
 
 
 def lerp(start: jax.Array, end: jax.Array, weight: jax.Array) -> jax.Array:
@@ -175,6 +177,7 @@ RULES: dict[str, Rule] = {
         _with(_flags("maximize", "nesterov"), momentum=lambda g: float(g["momentum"]) != 0),
         _sgd_fields,
         _sgd,
+        hidden=frozenset({"step"}),
     ),
     "Adam": _adam_rule(decoupled=False),
     "AdamW": _adam_rule(decoupled=True),

@@ -20,10 +20,9 @@ from torchshard._base.validate import raise_for_arguments
 from torchshard._sharding.placement import put
 from torchshard._sharding.plan import ShardingPlan
 from torchshard._train.optim.groups import flag_problems, group_names, hyperparameters, rule_for
+from torchshard._train.optim.loaded import Start, stacked, start
 from torchshard._train.optim.rules import Rule
 from torchshard._train.state import StateLayout, TrainState
-
-Start = dict[str, dict[str, np.ndarray]]
 
 
 class TorchState(NamedTuple):
@@ -130,6 +129,19 @@ class Translation:
         raise_for_arguments(problems, header="trainer.optimizer's param groups cannot be stepped")
         return rows
 
+    def adopt(self, hyper: np.ndarray) -> None:
+        """Writes a train state's hyperparameters (a checkpoint's) into ``param_groups``, where they differ from
+        what the groups hold to float32 precision (the precision the step reads them in); each as the shortest
+        decimal that float32 value prints as, so an ``lr`` of 0.025 comes back as 0.025."""
+        groups = self.optimizer.param_groups
+        now, _ = hyperparameters(self.rule, groups)
+        if now.shape != hyper.shape:
+            return  # another optimizer's: a checkpoint's loader names it
+        for group, row, current in zip(groups, hyper, now, strict=True):
+            for (key, index), value, was in zip(self.rule.hyper.values(), row, current, strict=True):
+                if value != was:
+                    _set(group, key, index, float(str(np.float32(value))))
+
     def refresh(self, state: TrainState) -> TrainState:
         """``state`` with the hyperparameters ``param_groups`` holds now (an input of the compiled step)."""
         hyper = put(self.hyperparameters(), self.replicated, what="the optimizer's hyperparameters")
@@ -138,28 +150,14 @@ class Translation:
         return state._replace(opt_state=state.opt_state._replace(hyper=hyper))
 
 
-def _start(optimizer: torch.optim.Optimizer, names: Mapping[int, str]) -> dict[str, dict[str, np.ndarray]]:
-    """What ``optimizer.state`` holds, by parameter name (SGD's momentum buffer says a step was taken)."""
-    found = {}
-    for p, fields in optimizer.state.items():
-        if id(p) not in names:
-            continue
-        arrays = {f: v.detach().cpu().float().numpy() for f, v in fields.items() if isinstance(v, torch.Tensor)}
-        if "momentum_buffer" in arrays and "step" not in arrays:
-            arrays["step"] = np.ones((), np.float32)
-        found[names[id(p)]] = arrays
-    return found
-
-
-def _stacked(start: Start, key: str, stacks: Mapping[str, list[str]]) -> dict[str, np.ndarray]:
-    """One train-state key's start: its parameter's, or a scanned stack's layers' stacked on dim 0 (where all have)."""
-    if key not in stacks:
-        return start.get(key, {})
-    layers = stacks[key]
-    if not all(n in start for n in layers):
-        return {}
-    fields = set.intersection(*(set(start[n]) for n in layers))
-    return {f: np.stack([start[n][f] for n in layers]) for f in fields}
+def _set(group: dict[str, Any], key: str, index: int | None, value: float) -> None:
+    """``group[key]`` (or its ``index``-th item, as in ``betas``) set to ``value``; a tensor is filled in place."""
+    if index is not None:
+        group[key] = tuple(value if i == index else v for i, v in enumerate(group[key]))
+    elif isinstance(group[key], torch.Tensor):
+        group[key].fill_(value)
+    else:
+        group[key] = value
 
 
 def translate(
@@ -182,13 +180,14 @@ def translate(
                 f"stacks them into one array stepped with one group's values; put them in one group"
             )
     raise_for_arguments(problems, header="invalid Trainer arguments")
-    start = _start(optimizer, {id(p): plan.canonical(n) for n, p in model.named_parameters()})
+    held = start(optimizer, {id(p): plan.canonical(n) for n, p in model.named_parameters()})
+    fills = {f: float(optimizer.defaults[d]) for f, d in rule.fills.items()}
     keys = layout.keys(list(by_name))
     return Translation(
         optimizer,
         rule,
         tuple(rule.flags(g) for g in optimizer.param_groups),
         by_name,
-        {k: s for k in keys if (s := _stacked(start, k, stacks))},
+        {k: s for k in keys if (s := stacked(held, k, stacks, fills))},
         NamedSharding(plan.mesh, PartitionSpec()),
     )
