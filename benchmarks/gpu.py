@@ -24,6 +24,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import datetime
+import functools
 import importlib.metadata
 import importlib.util
 import json
@@ -48,8 +49,10 @@ WORKER = Path(__file__).resolve().parent / "gpu_worker.py"
 # leaves out first
 VARIANTS = ("eager", "compile", "fsdp+bf16", "fsdp+bf16+attn=tiled", "fsdp+bf16+xla=default",
             "fsdp+bf16+loss=unfused", "fsdp+bf16+scan+remat=matmuls", "fsdp+bf16+attn=cudnn",
-            "fsdp+bf16+attn=xla")  # fmt: skip
+            "fsdp+bf16+attn=xla", "fsdp+bf16+attn=tokamax")  # fmt: skip
 GPU_ONLY = ("fsdp+bf16+attn=cudnn",)  # left out of --smoke's default variants: the CPU has no such kernel
+# left out of --smoke's default variants where tokamax cannot be imported (it needs Python >= 3.12, jax >= 0.11.1)
+NEEDS_TOKAMAX = ("fsdp+bf16+attn=tokamax",)
 LABELS = {"eager": "eager torch, bf16 autocast, SDPA", "compile": "torch.compile, bf16 autocast, SDPA"}
 CAPS_S = {"eager": 90, "compile": 180}  # per variant; torchshard's get --cap
 # module → the wheel that provides it, for the imports a device image may lack
@@ -81,13 +84,22 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+@functools.cache
+def tokamax_imports() -> bool:
+    """Whether ``import tokamax`` works in the workers' Python (this one), tried in a process of its own: importing
+    it here would start JAX in the parent, which runs eager torch first."""
+    probe = subprocess.run([sys.executable, "-c", "import tokamax"], capture_output=True, timeout=120, check=False)
+    return probe.returncode == 0
+
+
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     """The options, with the defaults of a full or a ``--smoke`` run where one is not given (checked by `problems`)."""
     args = build_parser().parse_args(argv)
     smoke = args.smoke
+    left_out = (GPU_ONLY + (() if tokamax_imports() else NEEDS_TOKAMAX)) if smoke else ()
     defaults = {"steps": 2 if smoke else 5, "warmup": 1 if smoke else 2, "cap": 120 if smoke else 150,
                 "budget": 300 if smoke else 480,
-                "variants": ",".join(v for v in VARIANTS if not (smoke and v in GPU_ONLY))}  # fmt: skip
+                "variants": ",".join(v for v in VARIANTS if v not in left_out)}  # fmt: skip
     for name, default in defaults.items():
         if getattr(args, name) is None:  # not `or`: a 0 given is checked, not replaced
             setattr(args, name, default)

@@ -342,8 +342,25 @@ def test_soft_capped_logits_fall_back_to_the_models_own_loss(caplog):
     assert _full_logits(trainer.lower(data[0]).compile().as_text(), 96)
 
 
-@pytest.mark.parametrize("value", ["yes", 1, 0.0])
-def test_fused_loss_must_be_a_bool(mesh_fsdp, value):
+BAD_FUSED_LOSS = [
+    ("yes", r"fused_loss must be True, False or 'tokamax', got 'yes'"),
+    (1, r"fused_loss must be True, False or 'tokamax', got 1"),
+    (0.0, r"fused_loss must be True, False or 'tokamax', got 0.0"),
+    ("Tokamax", r"fused_loss must be True, False or 'tokamax', got 'Tokamax'"),
+    (np.array([1, 2]), r"fused_loss must be True, False or 'tokamax', got array"),
+    ("missing tokamax", r"fused_loss='tokamax' cannot run here: tokamax cannot be imported .*: pip install tokamax"),
+]
+
+
+@pytest.mark.parametrize(("value", "match"), BAD_FUSED_LOSS, ids=[repr(v)[:20] for v, _ in BAD_FUSED_LOSS])
+def test_bad_fused_loss_is_an_argument_error(mesh_fsdp, monkeypatch, value, match):
+    from torchshard._bridge.ops import tokamax_attention
+
+    if isinstance(value, str) and value == "missing tokamax":  # where it cannot be imported (the pinned lane), by name
+        monkeypatch.setattr(
+            tokamax_attention, "missing", lambda: "tokamax cannot be imported (...): pip install tokamax"
+        )
+        value = "tokamax"
     model = torch.nn.Linear(4, 4)
-    with pytest.raises(ArgumentError, match=r"fused_loss must be True or False, got"):
+    with pytest.raises(ArgumentError, match=match):
         ts.Trainer(model, lambda m, b: m(b).sum(), optax.sgd(0.1), ts.plan(model, mesh_fsdp), fused_loss=value)

@@ -11,23 +11,30 @@ place since the head made them (Chameleon masks its image tokens' logits so, xLS
 place), a head with forward hooks of its own or an instance ``forward``, a model class that
 overrides transformers' ``loss_function``, and a head that is not a bias-free ``nn.Linear`` (a
 peft LoRA layer). The full logits stay the model's output; when nothing reads them, XLA drops them
-from the compiled step.
+from the compiled step. ``fused_loss="tokamax"`` computes it by tokamax's fused linear softmax
+cross-entropy where one of its implementations takes the call (`tokamax_loss.choose`), else by
+torchshard's own chunks, saying why; the choice is in ``trainer.kernels`` under the head's name.
 """
 
 from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import inspect
 import logging
 import sys
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
+import jax.numpy as jnp
+import numpy as np
 import torch
 
 from torchshard._base.validate import raise_for_arguments
+from torchshard._bridge.ops import kernels, tokamax_attention, tokamax_loss
 from torchshard._bridge.ops.linear_cross_entropy import head_loss
+from torchshard._train.kernel_choice import where
 from torchshard._train.strategy import Bound, Setting, Strategy
 
 _log = logging.getLogger(__name__)
@@ -68,6 +75,8 @@ class _Record:
 
 
 Records = dict[int, _Record]  # id(logits) → the head call that made them
+# (the model's name, the head's name, the loss' call) → tokamax's implementation, or None: torchshard's chunks
+Chooser = Callable[[str, str, tokamax_loss.LossCall], str | None]
 
 
 def _loss_utils() -> Any:
@@ -151,11 +160,13 @@ def causal_lm_loss(
     weight: torch.Tensor,
     logits_dtype: torch.dtype,
     arguments: dict[str, Any],
+    implementation: str | None = None,
 ) -> torch.Tensor:
     """transformers' ``ForCausalLMLoss(logits, ...)`` for ``logits = hidden @ weight.T``, without the logits.
 
     Labels are shifted left (the last position ignored) unless ``shift_labels`` is given; the mean
     is over labels that are not ``ignore_index``, or the sum over ``num_items_in_batch``. In float32.
+    ``implementation``: tokamax's (`tokamax_loss.IMPLEMENTATIONS`) instead of torchshard's chunks.
     """
     ignore_index = arguments.get("ignore_index", -100)
     shift = arguments.get("shift_labels")
@@ -168,14 +179,28 @@ def causal_lm_loss(
     # the head's own operands: under autocast (or mixed dtypes, which torchax promotes) F.linear cast them so
     hidden, weight = hidden.to(logits_dtype), weight.to(logits_dtype)
     loss = head_loss(
-        hidden, weight, shift, ignore_index=ignore_index, reduction="mean" if items is None else "sum", float32_out=True
+        hidden,
+        weight,
+        shift,
+        ignore_index=ignore_index,
+        reduction="mean" if items is None else "sum",
+        float32_out=True,
+        implementation=implementation,
     )
     return loss if items is None else loss / items
 
 
-def _fused(original: Callable[..., Any], records: Records, owner: str) -> Callable[..., Any]:
+def _loss_call(head: str, hidden: torch.Tensor, weight: torch.Tensor, dtype: torch.dtype) -> tokamax_loss.LossCall:
+    tokens = hidden.numel() // max(hidden.shape[-1], 1)
+    as_numpy = np.dtype(jnp.dtype(str(dtype).removeprefix("torch.")))  # torch's float dtypes are named as JAX's
+    return tokamax_loss.LossCall(head, tokens, weight.shape[1], weight.shape[0], as_numpy)
+
+
+def _fused(
+    original: Callable[..., Any], records: Records, owner: str, head: str, choose: Chooser | None
+) -> Callable[..., Any]:
     """``original`` (transformers' causal-LM loss of model ``owner``) computed by `causal_lm_loss` on logits a
-    head recorded."""
+    head (named ``head``) recorded; ``choose`` says whose loss computes it."""
     signature = inspect.signature(original)
 
     def loss_function(*args: Any, **kwargs: Any) -> Any:
@@ -196,8 +221,11 @@ def _fused(original: Callable[..., Any], records: Records, owner: str) -> Callab
         if not _fits(logits, seen.hidden, seen.weight, arguments):
             _log.info("%s: its loss was called with arguments the fused loss does not take: not fused", owner)
             return original(*args, **kwargs)
-        _log.debug("%s: loss fused with its LM head (linear_cross_entropy)", owner)
-        return causal_lm_loss(seen.hidden, seen.weight, logits.dtype, arguments)
+        implementation = None
+        if choose is not None:
+            implementation = choose(owner, head, _loss_call(head, seen.hidden, seen.weight, logits.dtype))
+        _log.debug("%s: loss fused with its LM head (%s)", owner, implementation or "linear_cross_entropy")
+        return causal_lm_loss(seen.hidden, seen.weight, logits.dtype, arguments, implementation)
 
     return loss_function
 
@@ -218,8 +246,9 @@ def _loss_replaced(module: torch.nn.Module, loss_function: Callable[..., Any]) -
 
 
 @contextlib.contextmanager
-def fused_head_losses(model: torch.nn.Module) -> Iterator[None]:
-    """Inside the block, every transformers causal LM in ``model`` computes its loss by `causal_lm_loss`.
+def fused_head_losses(model: torch.nn.Module, choose: Chooser | None = None) -> Iterator[None]:
+    """Inside the block, every transformers causal LM in ``model`` computes its loss by `causal_lm_loss`
+    (with the implementation ``choose`` gives, where given).
 
     Examples:
         >>> with fused_head_losses(torch.nn.Linear(2, 2)):  # no transformers model inside: nothing changes
@@ -232,6 +261,7 @@ def fused_head_losses(model: torch.nn.Module) -> Iterator[None]:
         return
     found = [(m, h) for m in model.modules() if (h := _head(m, causal, utils.LOSS_MAPPING)) is not None]
     records: Records = {}
+    names = {id(m): name for name, m in model.named_modules()}
     with contextlib.ExitStack() as stack:
         for module, head in found:
             owner = type(module).__name__
@@ -239,7 +269,8 @@ def fused_head_losses(model: torch.nn.Module) -> Iterator[None]:
                 _log.info("%s: loss not fused: %s", owner, reason)
                 continue
             stack.callback(head.register_forward_hook(_recorder(records, owner)).remove)
-            stack.enter_context(_loss_replaced(module, _fused(causal, records, owner)))
+            fused = _fused(causal, records, owner, names.get(id(head), ""), choose)
+            stack.enter_context(_loss_replaced(module, fused))
         try:
             yield
         finally:
@@ -248,28 +279,51 @@ def fused_head_losses(model: torch.nn.Module) -> Iterator[None]:
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class FusedLoss(Bound):
-    """While the step is traced, transformers causal LMs in the model take their loss from the LM head's input."""
+    """While the step is traced, transformers causal LMs in the model take their loss from the LM head's input
+    (``option="tokamax"``: by tokamax's fused loss where it takes the call; the choices are kept by head)."""
 
-    option: bool = True
+    option: bool | str = True
     model: Any = dataclasses.field(default=None, compare=False, repr=False)
+    platform: str = "cpu"
+    devices: int = 1
+    chosen: dict[str, kernels.Choice] = dataclasses.field(default_factory=dict, compare=False, repr=False)
 
     def tracing(self) -> contextlib.AbstractContextManager[Any]:
-        return fused_head_losses(self.model)
+        return fused_head_losses(self.model, self._choose if self.option == "tokamax" else None)
+
+    def _choose(self, owner: str, head: str, call: tokamax_loss.LossCall) -> str | None:
+        probe = functools.partial(tokamax_loss.failure, call=call, platform=self.platform)
+        choice = tokamax_loss.choose(call, self.platform, devices=self.devices, probe=probe)
+        self.chosen.setdefault(head, choice)
+        if choice.kernel == tokamax_loss.CHUNKED:
+            _log.info("%s: loss fused by torchshard's chunks, not tokamax's (%s)", owner, choice.reason)
+            return None
+        return choice.kernel.removeprefix("tokamax:")
+
+    def kernels(self) -> Mapping[str, Any]:
+        return dict(self.chosen)
+
+
+OPTIONS = "True, False or 'tokamax'"
 
 
 def bind(fused: Any, setting: Setting) -> Bound:
-    """``Trainer(fused_loss=)``: on unless ``False``.
+    """``Trainer(fused_loss=)``: on unless ``False``; ``"tokamax"``: by tokamax's fused loss where it can.
 
     Raises:
-        ArgumentError: ``fused`` is not a bool.
+        ArgumentError: ``fused`` is none of True, False, None and "tokamax", or is "tokamax" where tokamax
+            cannot be imported.
     """
-    if fused is not None and not isinstance(fused, bool):
-        raise_for_arguments(
-            [f"fused_loss must be True or False, got {fused!r:.40}"], header="invalid Trainer arguments"
-        )
+    problems, tokamax = [], isinstance(fused, str) and fused == "tokamax"
+    if fused is not None and not isinstance(fused, bool) and not tokamax:
+        problems.append(f"fused_loss must be {OPTIONS}, got {fused!r:.40}")
+    elif tokamax and (missing := tokamax_attention.missing()) is not None:
+        problems.append(f"fused_loss='tokamax' cannot run here: {missing}")
+    raise_for_arguments(problems, header="invalid Trainer arguments")
     if fused is False:
         return Bound(option=False)
-    return FusedLoss(option=True, model=setting.model)
+    platform, devices = where(setting)
+    return FusedLoss(option="tokamax" if tokamax else True, model=setting.model, platform=platform, devices=devices)
 
 
-STRATEGY = Strategy(keyword="fused_loss", option=bool, bind=bind)
+STRATEGY = Strategy(keyword="fused_loss", option=object, bind=bind)

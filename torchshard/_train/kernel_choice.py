@@ -1,4 +1,5 @@
-"""``Trainer(attention_kernel=)``: which kernel each attention call gets, chosen while the step is traced."""
+"""``Trainer(attention_kernel=)``: which kernel each attention call (and, under ``"tokamax"``, each grouped
+matmul of experts) gets, chosen while the step is traced."""
 
 from __future__ import annotations
 
@@ -19,7 +20,8 @@ logger = logging.getLogger("torchshard")
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class KernelChoice(Bound):
-    """Every attention call traced in the step picks its kernel by the option; the choices are kept, by call site."""
+    """Every attention call and grouped matmul traced in the step picks its kernel by the option; the choices are
+    kept, by call site."""
 
     option: str = "auto"
     platform: str = "cpu"
@@ -32,13 +34,21 @@ class KernelChoice(Bound):
         with kernels.choosing(kernels.Policy(self.option, self.platform, self.devices, self.chosen)):
             yield
         if self.chosen != before:
-            logger.info("attention kernels: %s", "; ".join(f"{s or '<top>'}: {c}" for s, c in self.chosen.items()))
+            logger.info("kernels: %s", "; ".join(f"{s or '<top>'}: {c}" for s, c in self.chosen.items()))
 
     def tracing(self) -> contextlib.AbstractContextManager[Any]:
         return self._choosing()
 
     def kernels(self) -> Mapping[str, Any]:
         return dict(self.chosen)
+
+
+def where(setting: Setting) -> tuple[str, int]:
+    """The platform the plan's mesh is on and its number of devices (a plan without a mesh: one CPU)."""
+    mesh = setting.plan.mesh
+    device = mesh.devices.flat[0] if isinstance(mesh, Mesh) else None
+    platform = device.platform if device is not None else "cpu"
+    return platform, mesh.devices.size if isinstance(mesh, Mesh) else 1
 
 
 def bind(option: Any, setting: Setting) -> Bound:
@@ -49,10 +59,7 @@ def bind(option: Any, setting: Setting) -> Bound:
     """
     option = "auto" if option is None else option
     raise_for_arguments(kernels.check_kernel(option, what="attention_kernel"), header="invalid Trainer arguments")
-    mesh = setting.plan.mesh
-    device = mesh.devices.flat[0] if isinstance(mesh, Mesh) else None
-    platform = device.platform if device is not None else "cpu"
-    devices = mesh.devices.size if isinstance(mesh, Mesh) else 1
+    platform, devices = where(setting)
     return KernelChoice(option=option, platform=platform, devices=devices)
 
 

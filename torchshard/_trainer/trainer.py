@@ -84,7 +84,8 @@ class Trainer(Observed, Stateful, Strategic):
             "context")``. ``expert_dispatch=`` an `ExpertDispatch`: how tokens meet experts the plan shards
             by expert. ``None`` moves them by all-to-all where the batch is split over the expert axis and
             leaves them to the plan's sharding otherwise; ``trainer.strategies["expert_dispatch"]`` says which.
-            ``fused_loss=False``: HF causal LMs' loss as written, not chunked by `linear_cross_entropy`.
+            ``fused_loss=False``: HF causal LMs' loss as written, not chunked by `linear_cross_entropy`;
+            ``fused_loss="tokamax"``: by tokamax's fused loss where it takes the call (docs/large-models.md).
 
     Raises:
         TypeError: a keyword that is no argument and no registered strategy's.

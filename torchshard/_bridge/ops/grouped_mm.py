@@ -1,7 +1,12 @@
-"""torch ops of mixture-of-experts layers lowered to JAX (transformers' grouped_mm experts)."""
+"""torch ops of mixture-of-experts layers lowered to JAX (transformers' grouped_mm experts).
+
+Rows grouped by expert take the grouped matmul `tokamax_ragged.choose` picks (``jax.lax.ragged_dot``,
+or tokamax's ``ragged_dot`` under ``attention_kernel="tokamax"``), recorded by call site.
+"""
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 import jax
@@ -10,7 +15,9 @@ import numpy as np
 import torch
 
 from torchshard._bridge.loaded import Environment
+from torchshard._bridge.ops import kernels, tokamax_ragged
 from torchshard._bridge.registry import register
+from torchshard._bridge.scopes import current_module
 
 
 def _group_sizes(offs: jax.Array) -> jax.Array:
@@ -34,6 +41,19 @@ def _out_dtype(out_dtype: Any, like: jax.Array) -> np.dtype:
     return np.dtype(jnp.dtype(str(out_dtype).removeprefix("torch.")))
 
 
+def _ragged(lhs: jax.Array, rhs: jax.Array, offs: jax.Array, dtype: np.dtype) -> jax.Array:
+    """``[m, k] × [g, k, n]`` by groups of rows, through the kernel the trace's policy picks (recorded there)."""
+    policy = kernels.current(jax.default_backend())
+    call = tokamax_ragged.GroupedCall(
+        current_module(), lhs.shape[0], rhs.shape[0], lhs.shape[1], rhs.shape[2], np.dtype(lhs.dtype), dtype
+    )
+    probe = functools.partial(tokamax_ragged.failure, call=call, platform=policy.platform)
+    choice = tokamax_ragged.choose(policy.requested, call, policy.platform, devices=policy.devices, probe=probe)
+    if policy.record is not None:
+        policy.record.setdefault(call.site, choice)
+    return tokamax_ragged.form(choice.kernel)(lhs, rhs, _group_sizes(offs), dtype)
+
+
 def _form_problem(a: jax.Array, b: jax.Array, offs: jax.Array | None) -> str | None:
     if a.ndim not in (2, 3) or b.ndim not in (2, 3):
         return f"operands must be 2-D or 3-D, got {a.ndim}-D × {b.ndim}-D"
@@ -50,7 +70,8 @@ def grouped_mm(mat_a, mat_b, offs=None, bias=None, out_dtype=None):
     The forms torch defines (``offs`` holds cumulative *end* offsets, ``offs[-1]`` of the grouped dim):
 
     * 2-D × 3-D, ``a [M, K]``, ``b [G, K, N]``: rows ``offs[g-1]:offs[g]`` of ``a`` times ``b[g]`` →
-      ``[M, N]`` (transformers' experts: tokens sorted by expert). ``jax.lax.ragged_dot``.
+      ``[M, N]`` (transformers' experts: tokens sorted by expert). ``jax.lax.ragged_dot``, or tokamax's
+      ``ragged_dot`` under ``attention_kernel="tokamax"`` (`tokamax_ragged`).
     * 3-D × 2-D, ``a [G, M, K]``, ``b [K, N]``: ``a[g]`` times columns ``offs[g-1]:offs[g]`` → ``[M, N]``.
     * 2-D × 2-D, ``a [M, K]``, ``b [K, N]``: the product over ``K`` slice ``g`` → ``[G, M, N]``.
     * 3-D × 3-D without ``offs``: a batched product ``[G, M, N]``.
@@ -68,10 +89,10 @@ def grouped_mm(mat_a, mat_b, offs=None, bias=None, out_dtype=None):
     if offs is None:
         return jnp.matmul(mat_a, mat_b, preferred_element_type=dtype).astype(dtype)
     if mat_a.ndim == 2 and mat_b.ndim == 3:
-        out = jax.lax.ragged_dot(mat_a, mat_b, _group_sizes(offs), preferred_element_type=dtype)
+        out = _ragged(mat_a, mat_b, offs, dtype)
     elif mat_a.ndim == 3 and mat_b.ndim == 2:
         # the transpose of the 2-D × 3-D form: columns of b are the ragged rows of b.T
-        out = jax.lax.ragged_dot(mat_b.T, jnp.swapaxes(mat_a, 1, 2), _group_sizes(offs), preferred_element_type=dtype).T
+        out = _ragged(mat_b.T, jnp.swapaxes(mat_a, 1, 2), offs, dtype).T
     else:
         # ragged contracting dim: JAX's ragged_dot_general has no gradient for it, a masked einsum has
         mask = _group_mask(offs, mat_a.shape[1]).astype(mat_a.dtype)

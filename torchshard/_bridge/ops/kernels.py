@@ -213,12 +213,18 @@ def _tokamax(call: Call, platform: str, devices: int, probe: Probe) -> Choice:
         if why is None and (failure := probe(f"tokamax:{implementation}")) is not None:
             why = f"failed its probe ({failure})"
         if why is None:
-            return Choice(f"tokamax:{implementation}", "; ".join(["forced", *_said(skipped)]))
+            return Choice(f"tokamax:{implementation}", "; ".join(["forced", *said(skipped)]))
         skipped.setdefault(why, []).append(implementation)
-    return _fallback("tokamax: " + "; ".join(_said(skipped)), call, platform, devices, probe)
+    return _fallback("tokamax: " + "; ".join(said(skipped)), call, platform, devices, probe)
 
 
-def _said(skipped: dict[str, list[str]]) -> list[str]:
+def said(skipped: dict[str, list[str]]) -> list[str]:
+    """Each reason, after the implementations it skipped: ``["mosaic, triton: GPU kernels; ..."]``.
+
+    Examples:
+        >>> said({"GPU kernels": ["mosaic", "triton"]})
+        ['mosaic, triton: GPU kernels']
+    """
     return [f"{', '.join(names)}: {why}" for why, names in skipped.items()]
 
 

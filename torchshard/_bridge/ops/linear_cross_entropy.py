@@ -12,7 +12,7 @@ import torch
 import torch.utils.checkpoint
 
 from torchshard._base.validate import int_problems, raise_for_arguments
-from torchshard._bridge.ops import tokens
+from torchshard._bridge.ops import tokamax_loss, tokens
 from torchshard._bridge.ops.flash import RECOMPUTE_SCOPE
 from torchshard._bridge.ops.loss_edges import mean_over_valid, out_of_range_nan
 from torchshard._bridge.tensors import call_jax
@@ -155,9 +155,11 @@ def loss_jax(
     chunk_tokens: int | None,
     reduction: Reduction,
     float32_out: bool = False,
+    implementation: str | None = None,
 ) -> jax.Array:
     """The chunked loss of ``hidden [..., h]`` against ``labels [...]``, reduced over valid tokens, in ``hidden``'s
-    dtype (``float32_out``: in float32).
+    dtype (``float32_out``: in float32); with ``implementation``, tokamax's (`tokamax_loss.IMPLEMENTATIONS`)
+    computes each token's loss instead of torchshard's chunks.
 
     Examples:
         >>> h, w, y = jnp.ones((2, 3, 4)), jnp.zeros((5, 4)), jnp.array([[0, 1, -100], [2, 3, 4]])
@@ -166,6 +168,9 @@ def loss_jax(
     """
     out_dtype = jnp.float32 if float32_out else hidden.dtype
     hidden, labels = _flat(hidden, labels)
+    if implementation is not None:
+        total = tokamax_loss.summed(implementation, hidden, weight, labels, ignore_index)
+        return _reduced(total, labels, ignore_index, weight.shape[0], reduction).astype(out_dtype)
     n = labels.shape[0]
     chunks, per = chunk_count(n, weight.shape[0], chunk_tokens)
     if chunks * per > n:  # padding tokens carry the ignored label
@@ -177,8 +182,13 @@ def loss_jax(
             total = _forward(ignore_index, hidden.reshape(per, 1, -1), weight, labels.reshape(per, 1))[0]
     else:
         total = summed_loss(ignore_index, hidden.reshape(per, chunks, -1), weight, labels.reshape(per, chunks))
-    total = total * out_of_range_nan(labels, ignore_index, weight.shape[0])
-    return mean_over_valid(total, labels != ignore_index, reduction).astype(out_dtype)
+    return _reduced(total, labels, ignore_index, weight.shape[0], reduction).astype(out_dtype)
+
+
+def _reduced(total: jax.Array, labels: jax.Array, ignore_index: int, vocab: int, reduction: Reduction) -> jax.Array:
+    """The summed loss, nan where a label is out of range, over the valid tokens' count for a mean."""
+    total = total * out_of_range_nan(labels, ignore_index, vocab)
+    return mean_over_valid(total, labels != ignore_index, reduction)
 
 
 def _torch_chunk_sum(h: torch.Tensor, w: torch.Tensor, y: torch.Tensor, ignore_index: int) -> torch.Tensor:
@@ -272,9 +282,11 @@ def head_loss(
     chunk_tokens: int | None = None,
     reduction: Reduction = "mean",
     float32_out: bool = False,
+    implementation: str | None = None,
 ) -> torch.Tensor:
     """`linear_cross_entropy` with a ``reduction`` and, with ``float32_out``, the loss in float32 whatever the
-    inputs' dtype (as transformers' causal-LM loss returns it)."""
+    inputs' dtype (as transformers' causal-LM loss returns it); on torchax tensors, ``implementation`` (one of
+    `tokamax_loss.IMPLEMENTATIONS`) computes it by tokamax's fused loss."""
     header = "invalid linear_cross_entropy arguments"
     raise_for_arguments(_problems(hidden, weight, labels, ignore_index, chunk_tokens, reduction), header=header)
     if not _on_jax(hidden):
@@ -282,7 +294,8 @@ def head_loss(
         labels = labels.long()  # torch's cross entropy takes int64 class indices only
         loss = _loss_torch(hidden, weight, labels, ignore_index, chunk_tokens, reduction)
         return loss if float32_out else loss.to(hidden.dtype)
-    return call_jax(loss_jax, hidden, weight, labels, ignore_index, chunk_tokens, reduction, float32_out)
+    arguments = (ignore_index, chunk_tokens, reduction, float32_out, implementation)
+    return call_jax(loss_jax, hidden, weight, labels, *arguments)
 
 
 def linear_cross_entropy(

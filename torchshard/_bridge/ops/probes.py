@@ -1,4 +1,4 @@
-"""A fused attention kernel's first use on a platform, probed: traced at the call's shapes, then run on a tiny case.
+"""A library kernel's first use on a platform, probed: traced at the call's shapes, then run on a tiny case.
 
 A library kernel can fail where its rules say it should work: cuDNN's flash attention through
 ``jax.nn.dot_product_attention`` on CUDA 13 (jax#32430), a Pallas kernel on an unexpected GPU.
@@ -7,16 +7,18 @@ shapes, then compiles and runs a tiny case of the call's signature (dtype, head 
 causality, grouped heads) on the platform's first device, forward and backward, against a dense
 reference. The tiny case runs once per process per (platform, kernel, signature); its verdict is
 cached. `kernels.choose` falls back to ``auto``'s choice where a probe fails, with the failure as
-the reason ``trainer.kernels`` shows.
+the reason ``trainer.kernels`` shows. `probed` is the cache and runner any library kernel's probe shares
+(tokamax's ragged dot and its fused loss use it too).
 """
 
 from __future__ import annotations
 
 import concurrent.futures
 import dataclasses
+import functools
 import logging
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Hashable
 
 import jax
 import jax.numpy as jnp
@@ -34,8 +36,8 @@ SEQUENCE = 128  # the tiny case's queries and keys: a block of every kernel (spl
 TOLERANCE = {"float32": 2e-2, "bfloat16": 1e-1, "float16": 1e-1}  # loose: it catches garbage, not rounding
 
 _LOCK = threading.Lock()
-_VERDICTS: dict[tuple[str, str, Signature], str | None] = {}
-_TRACED: dict[tuple[str, Call, tuple[int, ...] | None], str | None] = {}
+_VERDICTS: dict[tuple[str, str, Hashable], str | None] = {}  # (platform, kernel, signature) -> why it failed
+_TRACED: dict[tuple[str, Hashable], str | None] = {}  # (kernel, the call's shapes) -> why its trace failed
 
 
 def signature(call: Call) -> Signature:
@@ -62,17 +64,44 @@ def failure(kernel: str, form: Form, call: Call, platform: str, mask_shape: tupl
     Returns:
         What the trace at the call's shapes raised, or what the tiny case raised or got wrong, or None.
     """
-    traced = (kernel, dataclasses.replace(call, site=""), mask_shape)
+    shapes = (dataclasses.replace(call, site=""), mask_shape)
+    trace = functools.partial(_traces, form, call, mask_shape)
+    tiny = functools.partial(_tiny, form, call)
+    return probed(kernel, shapes, trace, signature(call), platform, tiny, TOLERANCE.get(str(call.dtype), 1e-1))
+
+
+Errors = Callable[[jax.Device], list[float]]  # a tiny case run on a device -> each output's error, relative to scale
+
+
+def probed(
+    kernel: str, shapes: Hashable, trace: Callable[[], None], signature: Hashable, platform: str, tiny: Errors,
+    tolerance: float,
+) -> str | None:  # fmt: skip
+    """Why ``kernel`` fails a call, or None where it passes: ``trace()`` raising at the call's ``shapes``, or the
+    tiny case of its ``signature`` raising on ``platform``'s first device or off by more than ``tolerance``.
+
+    Each verdict is cached: the trace per (kernel, shapes), the tiny case per (platform, kernel, signature).
+
+    Examples:
+        >>> forget()
+        >>> probed("demo", (), lambda: None, ("float32",), "cpu", lambda device: [0.0, 1e-7], 1e-2) is None
+        True
+        >>> probed("demo", (), lambda: None, ("float32",), "cpu", lambda device: 1 / 0, 1e-2)  # cached: not rerun
+        >>> probed("demo", (), lambda: None, ("bfloat16",), "cpu", lambda device: [0.5], 1e-1)
+        'a tiny case is off by 0.5 (relative to scale) against its reference (at most 0.1)'
+        >>> forget()
+    """
     with _LOCK:
+        traced = (kernel, shapes)
         if traced not in _TRACED:
-            _TRACED[traced] = _traces(form, call, mask_shape)
+            _TRACED[traced] = _traced(trace)
         if _TRACED[traced] is not None:
             return _TRACED[traced]
-        verdict = (platform, kernel, signature(call))
+        verdict = (platform, kernel, signature)
         if verdict not in _VERDICTS:
-            _VERDICTS[verdict] = _tiny(form, call, platform)
+            _VERDICTS[verdict] = _ran(tiny, platform, tolerance)
             if _VERDICTS[verdict] is not None:
-                logger.warning("attention kernel %s failed its probe on %s: %s", kernel, platform, _VERDICTS[verdict])
+                logger.warning("kernel %s failed its probe on %s: %s", kernel, platform, _VERDICTS[verdict])
         return _VERDICTS[verdict]
 
 
@@ -95,16 +124,20 @@ def _loss(form: Form, mask: jax.Array | None, causal: bool, weight: jax.Array) -
     return loss
 
 
-def _traces(form: Form, call: Call, mask_shape: tuple[int, ...] | None) -> str | None:
-    """What tracing ``form``'s forward and backward at the call's own shapes raises (where a kernel refuses one)."""
+def _traces(form: Form, call: Call, mask_shape: tuple[int, ...] | None) -> None:
+    """Traces ``form``'s forward and backward at the call's own shapes (where a kernel refuses one, it raises)."""
     q, k, v = (jax.ShapeDtypeStruct(s, call.dtype) for s in (call.query, call.key, call.value))
     mask = None
     if mask_shape is not None:
         mask = jax.ShapeDtypeStruct(mask_shape, jnp.bool_ if call.mask == "bool" else call.dtype)
     weight = jax.ShapeDtypeStruct((*call.query[:3], call.value[-1]), jnp.float32)
+    jax.eval_shape(lambda q, k, v, m, w: jax.grad(_loss(form, m, call.causal, w), (0, 1, 2))(q, k, v),
+                   q, k, v, mask, weight)  # fmt: skip
+
+
+def _traced(trace: Callable[[], None]) -> str | None:
     try:
-        jax.eval_shape(lambda q, k, v, m, w: jax.grad(_loss(form, m, call.causal, w), (0, 1, 2))(q, k, v),
-                       q, k, v, mask, weight)  # fmt: skip
+        trace()
     except Exception as err:  # whatever a kernel raises while tracing is its refusal
         return f"tracing it: {_say(err)}"
     return None
@@ -147,27 +180,29 @@ def dense(query, key, value, attn_mask, is_causal, scale) -> jax.Array:
     return jax.nn.softmax(scores, axis=-1) @ v
 
 
-def _tiny(form: Form, call: Call, platform: str) -> str | None:
-    """What running the tiny case of ``call``'s signature raises or gets wrong on ``platform``'s first device."""
+def _tiny(form: Form, call: Call, device: jax.Device) -> list[float]:
+    """``form``'s errors against dense attention on a tiny case of ``call``'s signature on ``device``."""
+    inputs = tiny_case(call, device)
+    value, grads = run_case(form, inputs, call.causal)
+    want, want_grads = run_case(dense, inputs, call.causal)
+    return [error(a, b) for a, b in zip((value, *grads), (want, *want_grads), strict=True)]
 
-    def run() -> list[float]:
-        inputs = tiny_case(call, jax.devices(platform)[0])
-        value, grads = run_case(form, inputs, call.causal)
-        want, want_grads = run_case(dense, inputs, call.causal)
-        return [_error(a, b) for a, b in zip((value, *grads), (want, *want_grads), strict=True)]
 
+def _ran(tiny: Errors, platform: str, tolerance: float) -> str | None:
+    """What running ``tiny`` on ``platform``'s first device raises or gets wrong, or None."""
     try:
         # on a thread of its own: it runs now, outside the trace that asked and the mesh that trace is under
         with concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="torchshard-probe") as pool:
-            errors = pool.submit(run).result()
+            errors = pool.submit(lambda: tiny(jax.devices(platform)[0])).result()
     except Exception as err:  # a kernel that cannot compile or run the tiny case fails its probe
         return f"running a tiny case: {_say(err)}"
-    worst, tolerance = max(errors), TOLERANCE.get(str(call.dtype), 1e-1)
+    worst = max(errors)
     if not worst <= tolerance:  # nan included
-        return f"a tiny case is off by {worst:.3g} (relative to scale) against dense attention (at most {tolerance})"
+        return f"a tiny case is off by {worst:.3g} (relative to scale) against its reference (at most {tolerance})"
     return None
 
 
-def _error(got: jax.Array, want: jax.Array) -> float:
+def error(got: jax.Array, want: jax.Array) -> float:
+    """The largest difference of ``got`` from ``want``, relative to ``want``'s scale (at least 1)."""
     a, b = np.asarray(got, np.float64), np.asarray(want, np.float64)
     return float(np.abs(a - b).max()) / max(1.0, float(np.abs(b).max()))
