@@ -10,6 +10,7 @@ import sys
 import textwrap
 
 import pytest
+from packaging.version import Version
 
 import torchshard as ts
 from tools import capabilities, cells, conformance, rotation, tiny
@@ -33,7 +34,13 @@ def test_one_row_llama_is_within_tolerance_or_refused_in_every_column():
 
 
 def test_every_family_the_suite_trains_is_enumerated():
-    assert {f.model_type for f in DENSE + MOE} <= set(causal_lm_types())
+    import transformers
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING_NAMES
+
+    trained = {f.model_type for f in DENSE + MOE}
+    if Version(transformers.__version__) < Version("5.23"):  # the floor lane's 5.17 predates kolibri1, flint, ...:
+        trained &= set(CONFIG_MAPPING_NAMES)  # the pinned lane (5.23) checks those
+    assert trained <= set(causal_lm_types())
 
 
 @pytest.mark.parametrize("model_type", ["blt", "kimi_linear"])

@@ -12,12 +12,16 @@ import pytest
 import torch
 from helpers import assert_close, torch_losses
 from jax.sharding import PartitionSpec as P
+from packaging.version import Version
 
 import torchshard as ts
 from torchshard import ShardingError, presets
 from torchshard._bridge.env import env
 
 transformers = pytest.importorskip("transformers")
+# transformers 5.21 put the input embeddings in a model's own tp_plan (embedding_rowwise); before, TP left them out
+PLANS_EMBEDDINGS = Version(transformers.__version__) >= Version("5.21")
+OWN_EMBEDDINGS_PLAN = "transformers < 5.21 leaves the input embeddings out of a model's own tp_plan"
 
 SMALL = {
     "hidden_size": 64,
@@ -81,6 +85,8 @@ def test_base_model_tp_plan_on_real_state_dict_names(mesh_dm, name, spec):
 )
 @pytest.mark.parametrize("tied", [False, True])
 def test_hf_rules_use_the_models_own_plan_and_fsdp(mesh_dm, name, spec, tied):
+    if name == "model.embed_tokens.weight" and not tied and not PLANS_EMBEDDINGS:
+        pytest.skip(OWN_EMBEDDINGS_PLAN)
     model = llama(meta=True, tie_word_embeddings=tied)
     plan = ts.plan(model, mesh_dm, presets.hf_rules(model, fsdp_min_size=1024))
     assert plan.spec(name) == spec
@@ -94,6 +100,7 @@ def test_hf_rules_use_the_models_own_plan_and_fsdp(mesh_dm, name, spec, tied):
         (132, P("model", "data")),  # 132 rows do not split 8 ways: FSDP falls back to the hidden dim
     ],
 )
+@pytest.mark.skipif(not PLANS_EMBEDDINGS, reason=OWN_EMBEDDINGS_PLAN)
 def test_fsdp_shards_the_vocabulary_dim_of_embeddings(mesh_dm, vocab, spec):
     model = llama(meta=True, vocab_size=vocab)
     plan = ts.plan(model, mesh_dm, presets.hf_rules(model, fsdp_min_size=1024))
@@ -145,6 +152,7 @@ def test_validate_hf_config(heads, kv_heads, mesh_axes, problems):
         assert re.search(pattern, problem), problem
 
 
+@pytest.mark.skipif(not hasattr(transformers, "Dots3NoteTextConfig"), reason="Dots3-Note is new in transformers 5.23")
 def test_a_config_whose_layers_differ_is_checked_layer_by_layer():
     # Dots3-Note keeps heads per layer (128 or 64): a global read is transformers' AmbiguousGlobalPerLayerAttributeError
     from tools.tiny import tiny_kwargs

@@ -28,9 +28,20 @@ MIXTRAL = {
 EXPERTS = "model.layers.1.mlp.experts"
 
 
+# Mixtral's expert styles as transformers 5.17-5.24 plan them; 5.25 leaves the experts out of its tp_plan (its
+# moe_tp_experts style is deprecated for expert parallelism), so they are given here to test how they split
+EXPERT_TP = {
+    "layers.*.mlp.experts.gate_up_proj": "packed_colwise",
+    "layers.*.mlp.experts.down_proj": "rowwise",
+    "layers.*.mlp.experts": "moe_tp_experts",
+}
+
+
 def mixtral() -> torch.nn.Module:
+    config = transformers.MixtralConfig(**MIXTRAL)
+    config.base_model_tp_plan = config.base_model_tp_plan | EXPERT_TP
     with torch.device("meta"):
-        return transformers.MixtralForCausalLM(transformers.MixtralConfig(**MIXTRAL))
+        return transformers.MixtralForCausalLM(config)
 
 
 @pytest.mark.parametrize(

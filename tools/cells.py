@@ -6,6 +6,7 @@ import dataclasses
 import time
 import warnings
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -13,6 +14,8 @@ import numpy as np
 import torchshard as ts
 
 TYPED = (ts.ShardingError, ts.ArgumentError, ts.CheckpointError)
+# torchshard's own folder: a venv's site-packages may lie under one called torchshard too (dev.py compat's)
+OURS = str(Path(ts.__file__).parent)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -42,7 +45,7 @@ def first_line(err: BaseException) -> str:
 
 def _noted(caught: list[warnings.WarningMessage]) -> str:
     """torchshard's own warnings (not UnusedRuleWarning: plans name modules a config leaves out), once each."""
-    ours = [w for w in caught if w.category.__module__.startswith("torchshard") or "/torchshard/" in w.filename]
+    ours = [w for w in caught if w.category.__module__.startswith("torchshard") or w.filename.startswith(OURS)]
     texts = dict.fromkeys(str(w.message).splitlines()[0][:160] for w in ours if w.category is not ts.UnusedRuleWarning)
     return "".join(f" (warned: {t})" for t in texts)
 

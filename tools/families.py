@@ -154,6 +154,9 @@ OTHER = [
     # conv beside hidden 64); its reference chunked kernel holds [batch, heads, chunks, 64, 64, head_dim]
     # float32 decays, 256 MiB a device under data=2 × expert=4 and 15 GB for the 8 simulated devices
     _f("kimi_linear", moe=True, linear_num_heads=4, linear_head_dim=16),
+    # Kolibri-1.1 (transformers 5.25) rounds keys and values to NVFP4, which needs a head_dim that is a multiple of
+    # 16: tools.tiny gives its 12 query heads per KV head (24 tiny ones) heads of 8
+    _f("kolibri1_1", moe=True, head_dim=16),
 ]  # fmt: skip
 # MoE families whose experts module is not called with the router's choice, so the Trainer leaves
 # token movement to the plan's sharding (ExpertDispatch's default falls back)

@@ -255,7 +255,7 @@ def _per_layer(default: Any, kw: dict[str, Any], depth: int) -> None:
         cycled = key == "block_types"  # a pattern the layers repeat (RecurrentGemma's recurrent, recurrent, attention)
         per_layer = cycled or (layers and len(value) == layers) if isinstance(value, list | tuple) else False
         if not key.startswith("_") and per_layer:
-            kw.setdefault(key, (_two_layers(list(value)) * depth)[:depth])
+            kw.setdefault(key, _cut(list(value), depth))
         if isinstance(value, float) and value and _DROPOUT.search(key):
             kw[key] = 0.0  # so that two train-mode forwards agree
 
@@ -263,6 +263,28 @@ def _per_layer(default: Any, kw: dict[str, Any], depth: int) -> None:
 def _two_layers(values: list[Any]) -> list[Any]:
     other = next((v for v in values[1:] if v != values[0]), None)
     return [values[0], other] if other is not None else values[:2]
+
+
+def _cut(values: list[Any], depth: int) -> list[Any]:
+    """``values``' two kinds repeated to ``depth`` layers; a list of layer indices (Kolibri-1.1's kv_source_layers:
+    the earlier layer whose keys and values each layer reads) moves with its layers, so each repeat reads its own.
+
+    Examples:
+        >>> _cut(["sliding", "sliding", "full"], 4), _cut([0, 1, 2, 1], 4)
+        (['sliding', 'full', 'sliding', 'full'], [0, 1, 2, 3])
+    """
+    two = _two_layers(values)
+    cut = (two * depth)[:depth]
+    if not _layer_indices(values):
+        return cut
+    return [v + len(two) * (i // len(two)) for i, v in enumerate(cut)]
+
+
+def _layer_indices(values: list[Any]) -> bool:
+    """Whether ``values`` name, for each layer, itself or an earlier layer it reads (not 0/1 flags, and not a set
+    of layer indices that happens to list every layer, as Llama-4's moe_layers do)."""
+    ints = all(type(v) is int and 0 <= v <= i for i, v in enumerate(values))
+    return ints and max(values, default=0) > 1 and any(v < i for i, v in enumerate(values))
 
 
 def tiny_kwargs(default: Any, *, layers: int = 2) -> dict[str, Any]:

@@ -34,8 +34,7 @@ def layer_kinds(model: torch.nn.Module) -> tuple[tuple[str, ...], list[str]]:
     hold other state (linear attention or convolution states, sparse-attention indexers, compressed
     keys, keys shared between layers) are refused: their updates are not ones this cache reproduces.
     """
-    from transformers import StaticCache
-    from transformers.cache_utils import DummyLayer, StaticLayer, StaticSlidingWindowLayer
+    from transformers import StaticCache, cache_utils
 
     config: Any = model.config
     name = f"{type(model).__name__} ({getattr(config, 'model_type', '?')})"
@@ -54,7 +53,11 @@ def layer_kinds(model: torch.nn.Module) -> tuple[tuple[str, ...], list[str]]:
             f"{name}: transformers cannot lay out a static KV cache for its config ({type(err).__name__}: {err}); "
             f"generate decodes over full-attention and sliding-window caches only, so it refuses this model"
         ]
-    kinds = {StaticLayer: FULL, StaticSlidingWindowLayer: SLIDING, DummyLayer: NONE}
+    kinds: dict[type, str] = {cache_utils.StaticLayer: FULL, cache_utils.StaticSlidingWindowLayer: SLIDING}
+    # transformers < 5.23 has no DummyLayer: its static caches give every layer state (an "mlp" or "moe" layer a
+    # linear-attention one, which is refused below) or leave KV-shared layers out, so no layer is "none" there
+    if dummy := getattr(cache_utils, "DummyLayer", None):
+        kinds[dummy] = NONE
     found = tuple(kinds.get(type(layer), type(layer).__name__) for layer in layers)
     others = sorted({k for k in found if k not in (FULL, SLIDING, NONE)})
     problems = []
@@ -64,7 +67,10 @@ def layer_kinds(model: torch.nn.Module) -> tuple[tuple[str, ...], list[str]]:
             f"{[i for i, k in enumerate(found) if k in others][:8]}); generate decodes over full-attention and "
             f"sliding-window caches only, so it refuses this model rather than decode it differently"
         )
-    if getattr(config.get_text_config(decoder=True), "kv_sharing_modes", None) and NONE in found:
+    text = config.get_text_config(decoder=True)
+    # transformers < 5.23 has no kv_sharing_modes: it leaves the last num_kv_shared_layers out of the cache instead
+    shared = getattr(text, "num_kv_shared_layers", 0) or 0
+    if (getattr(text, "kv_sharing_modes", None) and NONE in found) or shared > 0:
         problems.append(f"{name} shares keys and values between layers; generate does not decode such caches")
     return found, problems
 
@@ -124,15 +130,15 @@ def _layer_class() -> type:
 def array_cache(kinds: tuple[str, ...], length: int, start: jax.Array, kv: list[KV] | None = None) -> Any:
     """A transformers ``Cache`` of ``length`` positions whose attention layers hold ``kv`` (None: empty), and
     whose next write is at position ``start``."""
-    from transformers.cache_utils import Cache, DummyLayer
+    from transformers import cache_utils
 
     kv = kv if kv is not None else [None] * len(kinds)
     layer = _layer_class()
     layers = [
-        DummyLayer() if kind == NONE else layer(length, wrap(start), kind == SLIDING, held)
+        cache_utils.DummyLayer() if kind == NONE else layer(length, wrap(start), kind == SLIDING, held)
         for kind, held in zip(kinds, kv, strict=True)
     ]
-    return Cache(layers=layers)
+    return cache_utils.Cache(layers=layers)
 
 
 def held(cache: Any) -> list[KV]:

@@ -13,7 +13,13 @@ from torchshard._train.traced_errors import value_dependent_call
 # what tracing raises where the model's code needs what a traced tensor does not have yet: JAX's own errors
 # (ConcretizationTypeError, TracerBoolConversionError are TypeErrors) and torch code meeting torchax tensors
 TRACING_ERRORS = (TypeError, jax.errors.JAXIndexError)
-_LIBRARIES = ("/jax/", "/jaxlib/", "/torchax/", "/torch/", "/torchshard/", "/numpy/", "/opt_einsum/", "/contextlib")
+_LIBRARIES = {"jax", "jaxlib", "torchax", "torch", "torchshard", "numpy", "opt_einsum", "contextlib"}
+
+
+def _skipped(frame: types.FrameType) -> bool:
+    """Whether ``frame`` runs torchshard's, a numerics library's or contextlib's code. Told by its module, not by
+    its file's path: a venv may lie under a folder named torchshard (dev.py compat's), a torchax outside one."""
+    return str(frame.f_globals.get("__name__", "")).partition(".")[0] in _LIBRARIES
 
 
 def _where(trace: types.TracebackType | None) -> str:
@@ -21,7 +27,7 @@ def _where(trace: types.TracebackType | None) -> str:
     found = ""
     while trace is not None:
         code = trace.tb_frame.f_code
-        if not any(part in code.co_filename for part in _LIBRARIES):
+        if not _skipped(trace.tb_frame):
             path = code.co_filename.rsplit("site-packages/", 1)[-1]
             line = " ".join(linecache.getline(code.co_filename, trace.tb_lineno).split())
             found = f"{path}:{trace.tb_lineno} (`{line[:140]}`)" if line else f"{path}:{trace.tb_lineno}"

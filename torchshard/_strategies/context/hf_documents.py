@@ -2,11 +2,13 @@
 
 transformers (5.x) reads packed rows from ``position_ids`` (no ``attention_mask``, no cache): it
 finds each token's document (``find_packed_sequence_indices``), wraps the causal mask function
-with ``packed_sequence_compatibility_function`` and has the ``"sdpa"`` mask interface build a
-``[B, 1, S, S]`` mask from it. That mask is computed from the batch, so context-parallel attention
-could not split it. Here the wrapped function keeps the document ids it was built from, and the
-mask interface returns them (`documents.document_mask`'s integer form) when the mask is exactly
-documents × causal; any other mask (sliding windows, padding, extra mask functions) is built as before,
+with ``packed_sequence_compatibility_function`` (5.23; other releases ``and_masks`` it with
+``packed_sequence_mask_function``, ≥ 5.24 after ``remap_positions_for_packed_sequence``) and has
+the ``"sdpa"`` mask interface build a ``[B, 1, S, S]`` mask from it. That mask is computed from the
+batch, so context-parallel attention could not split it. Here the wrapped function keeps the
+document ids it was built from, and the mask interface returns them (`documents.document_mask`'s
+integer form) when the mask is exactly documents × causal; any other mask (sliding windows,
+padding, extra mask functions) is built as before,
 and what it was built from is kept for the refusal that names it (`built_from`).
 """
 
@@ -49,6 +51,53 @@ def _compatibility(original: Callable[..., Any], causal: Callable[..., Any]) -> 
         return _Documents(combined, packed_sequence_mask, mask_function is causal)
 
     return wrapped
+
+
+@dataclasses.dataclass(frozen=True)
+class _Made:
+    """A mask function transformers made, remembering what from: the document ids ``[B, S]`` it compares
+    (``packed_sequence_mask_function``) or the function whose positions it remaps to each document's own
+    (``remap_positions_for_packed_sequence``, transformers ≥ 5.24)."""
+
+    function: Callable[..., Any]
+    segments: torch.Tensor | None = None
+    remapped: Callable[..., Any] | None = None
+
+    def __call__(self, *args: Any) -> Any:
+        return self.function(*args)
+
+
+def _and_masks(original: Callable[..., Any], causal: Callable[..., Any]) -> Callable[..., Any]:
+    """``and_masks``, whose result for a mask function and the packed documents is `_Documents`: transformers other
+    than 5.23 packs by ``and_masks(function, packed_sequence_mask_function(ids))`` (≥ 5.24: the function remapped)."""
+
+    def wrapped(*mask_functions):
+        combined = original(*mask_functions)
+        last = mask_functions[-1] if mask_functions else None
+        if not isinstance(last, _Made) or last.segments is None:
+            return combined
+        first = mask_functions[0]
+        base = first.remapped if isinstance(first, _Made) and first.remapped is not None else first
+        return _Documents(combined, last.segments, len(mask_functions) == 2 and base is causal)
+
+    return wrapped
+
+
+def _packing_hooks(masking: Any) -> dict[str, Callable[..., Any]]:
+    """What to replace in ``masking`` (transformers.masking_utils) so packed masks keep their document ids."""
+    causal = masking.causal_mask_function
+    if compatibility := getattr(masking, "packed_sequence_compatibility_function", None):  # transformers 5.23
+        return {"packed_sequence_compatibility_function": _compatibility(compatibility, causal)}
+    segments = masking.packed_sequence_mask_function
+    hooks: dict[str, Callable[..., Any]] = {
+        "packed_sequence_mask_function": lambda ids: _Made(segments(ids), segments=ids),
+        "and_masks": _and_masks(masking.and_masks, causal),
+    }
+    if remap := getattr(masking, "remap_positions_for_packed_sequence", None):  # transformers ≥ 5.24
+        hooks["remap_positions_for_packed_sequence"] = lambda function, ids: _Made(
+            remap(function, ids), remapped=function
+        )
+    return hooks
 
 
 def _sources(mask_function: Any, attention_mask: Any, local_size: Any) -> tuple[str, str]:
@@ -131,18 +180,21 @@ def _remember(mask: Any, sources: tuple[str, str]) -> None:
 def segments_from_position_ids() -> Iterator[None]:
     """Inside the block, transformers' sdpa masks of packed rows are document ids (nothing if it is not imported)."""
     masking: Any = sys.modules.get("transformers.masking_utils")
-    if masking is None or not hasattr(masking, "packed_sequence_compatibility_function"):
+    if masking is None:
         yield
         return
-    interface, original = masking.ALL_MASK_ATTENTION_FUNCTIONS, masking.packed_sequence_compatibility_function
+    hooks = _packing_hooks(masking)
+    interface, originals = masking.ALL_MASK_ATTENTION_FUNCTIONS, {name: getattr(masking, name) for name in hooks}
     local = dict(interface._local_mapping)  # private: the instance's overrides, restored as they were
-    masking.packed_sequence_compatibility_function = _compatibility(original, masking.causal_mask_function)
+    for name, hook in hooks.items():
+        setattr(masking, name, hook)
     interface["sdpa"] = _mask_interface(interface["sdpa"])
     token = _BUILT.set({})
     try:
         yield
     finally:
         _BUILT.reset(token)
-        masking.packed_sequence_compatibility_function = original
+        for name, original in originals.items():
+            setattr(masking, name, original)
         interface._local_mapping.clear()
         interface._local_mapping.update(local)
