@@ -3,9 +3,10 @@
 `python3 dev.py run SCRIPT [ARGS]` runs any script (an example, a benchmark) in that environment, and
 `python3 dev.py docs` builds the docs site with `mkdocs build --strict` (a broken link fails it).
 
-`python3 dev.py compat` runs the quick suite on today's newest stack instead: a cached Python 3.12 venv
-(built once outside the clone) with whatever an unconstrained `pip install` picks, then once more with the
-newest torchax pre-release layered on top.
+`python3 dev.py compat [--lane floor|newest] [--if-cached]` runs the quick suite on the other two tested stacks,
+each a cached Python 3.12 venv built once outside the clone: `floor`, the GPU machine's image (FLOOR's versions),
+and `newest`, whatever an unconstrained `pip install` picks, then once more with the newest torchax pre-release
+layered on top. No `--lane` runs both; `--if-cached` runs only the lanes already built and names the others.
 
 `python3 dev.py gpu [--smoke]` runs the prepared device check (benchmarks/gpu.py) with the Python that runs
 dev.py when that Python has torch, jax and transformers (a GPU machine's image: it reaches no package index, so
@@ -19,6 +20,7 @@ import hashlib
 import importlib.util
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -52,10 +54,18 @@ COMMANDS = {
     # every transformers causal-LM family × every capability against eager torch (docs/conformance.md)
     "conformance": [["tools/conformance.py"]],
 }
-# the newest-stack job: outside the clone so every clone (and CI) reuses the multi-GB venv
-COMPAT_VENV = Path(os.environ.get("TORCHSHARD_COMPAT_VENV", Path.home() / ".cache" / "torchshard" / "compat-py312"))
+# the compat lanes' venvs: outside the clone so every clone (and CI) reuses the multi-GB installs
+CACHE = Path.home() / ".cache" / "torchshard"
+LANES = {
+    "floor": Path(os.environ.get("TORCHSHARD_FLOOR_VENV", CACHE / "floor-py312")),
+    "newest": Path(os.environ.get("TORCHSHARD_COMPAT_VENV", CACHE / "compat-py312")),
+}
+# the floor lane: the GPU machine's image exactly; pyproject declares these as its floors where the pinned lane
+# (Python 3.11) meets them. optax and torchax as constraints.txt pins them; everything else unpinned.
+FLOOR = ("torch==2.11.0", "jax==0.11.2", "jaxlib==0.11.2", "transformers==5.17.0", "numpy==2.5.2")
+FLOOR_AT_PINS = ("optax", "torchax")
 COMPAT_PYTHON = "3.12"
-COMPAT_PRE = COMPAT_VENV / "torchax-pre"  # the newest torchax pre-release, put first on the path for the second run
+COMPAT_PRE = LANES["newest"] / "torchax-pre"  # the newest torchax pre-release, first on the path for a second run
 COMPAT_EXTRAS = ("test", "examples", "hf")
 EXTRAS = (*COMPAT_EXTRAS, "docs")  # what .venv holds: the compat job needs no docs toolchain
 # the quick suite (the README's blocks are in it) and the stack's own checks, slow or not
@@ -105,6 +115,20 @@ def _requirements() -> list[str]:
     return sorted(set(project["dependencies"] + extras))
 
 
+def _name(requirement: str) -> str:
+    return re.split(r"[<>=!~\[; ]", requirement, maxsplit=1)[0].lower().replace("_", "-")
+
+
+def lane_requirements(lane: str) -> list[str]:
+    """What ``lane``'s venv installs: the requirements, with the floor lane's versions in place of their ranges."""
+    wanted = _requirements()
+    if lane == "newest":
+        return wanted
+    pins = [*FLOOR, *_pins(FLOOR_AT_PINS)]
+    pinned = {_name(p) for p in pins}
+    return sorted([*pins, *(r for r in wanted if _name(r) not in pinned)])
+
+
 def _interpreter(version: str) -> tuple[str, dict[str, str]]:
     """A python<version> to build the venv with, and the environment it needs (pyenv picks by PYENV_VERSION)."""
     env = dict(os.environ)
@@ -118,48 +142,76 @@ def _interpreter(version: str) -> tuple[str, dict[str, str]]:
     return exe, env
 
 
-def ensure_compat_venv() -> Path:
-    """Builds the newest-stack venv once; rebuilt only when the requirements change. Returns its python."""
-    python = COMPAT_VENV / "bin" / "python"
-    stamp = COMPAT_VENV / ".torchshard-requirements"
-    wanted = json.dumps(_requirements())
+def _stamp(lane: str) -> Path:
+    return LANES[lane] / ".torchshard-requirements"
+
+
+def ensure_lane(lane: str) -> Path:
+    """Builds ``lane``'s venv once; rebuilt only when its requirements change. Returns its python."""
+    venv_dir = LANES[lane]
+    python, stamp = venv_dir / "bin" / "python", _stamp(lane)
+    wanted = json.dumps(lane_requirements(lane))
     if stamp.exists() and stamp.read_text() == wanted:
         return python
     if not python.exists():
         exe, env = _interpreter(COMPAT_PYTHON)
-        print(f"dev.py compat: creating {COMPAT_VENV} with Python {COMPAT_PYTHON}", flush=True)
-        subprocess.run([exe, "-m", "venv", str(COMPAT_VENV)], env=env, check=True)
-    # No constraints, and no machine-wide pip configuration either (one may pin or cap versions): the
-    # point of this job is exactly what an unconstrained install picks today.
+        print(f"dev.py compat: creating {venv_dir} with Python {COMPAT_PYTHON}", flush=True)
+        subprocess.run([exe, "-m", "venv", str(venv_dir)], env=env, check=True)
+    # No constraints, and no machine-wide pip configuration either (one may pin or cap versions): a lane is
+    # exactly its own pins, and what an unconstrained install picks today for the rest.
     env = {**os.environ, "PIP_CONFIG_FILE": os.devnull}
     pip = [str(python), "-m", "pip", "install", "--disable-pip-version-check", "-q", "--upgrade"]
-    print("dev.py compat: installing the newest releases (first run only; torch may be several GB)", flush=True)
+    print(f"dev.py compat: installing the {lane} lane (first run only; torch may be several GB)", flush=True)
     subprocess.run([*pip, *json.loads(wanted)], env=env, check=True)
-    subprocess.run([*pip, "--pre", "--no-deps", "--target", str(COMPAT_PRE), "torchax"], env=env, check=True)
+    if lane == "newest":
+        subprocess.run([*pip, "--pre", "--no-deps", "--target", str(COMPAT_PRE), "torchax"], env=env, check=True)
     stamp.write_text(wanted)
     return python
 
 
 def _versions(python: Path, env: dict[str, str]) -> str:
-    names = ("torch", "torchax", "jax", "optax", "transformers")
+    names = ("torch", "torchax", "jax", "optax", "transformers", "numpy")
     code = f"import importlib.metadata as m; print(', '.join(n + ' ' + m.version(n) for n in {names!r}))"
     return subprocess.run([str(python), "-c", code], env=env, capture_output=True, text=True).stdout.strip()
 
 
+def _lane_args(argv: list[str]) -> tuple[list[str], list[str]] | None:
+    """The lanes ``argv`` asks for and the arguments left for pytest; None (after a usage line) when it is wrong."""
+    usage = f"usage: python3 dev.py compat [--lane {'|'.join(LANES)}] [--if-cached] [pytest args]"
+    rest = [w for a in argv if a != "--if-cached" for w in (a.split("=", 1) if a.startswith("--lane=") else [a])]
+    if "--lane" not in rest:
+        return list(LANES), rest
+    at = rest.index("--lane")
+    lane = rest[at + 1] if at + 1 < len(rest) else None
+    if lane not in LANES:
+        print(f"{usage}\ndev.py compat: unknown lane {lane!r}; the lanes are {', '.join(LANES)}", file=sys.stderr)
+        return None
+    return [lane], rest[:at] + rest[at + 2 :]
+
+
 def compat(argv: list[str]) -> int:
-    """The quick suite on the newest releases, then again with the newest torchax pre-release."""
-    if "--if-cached" in argv and not (COMPAT_VENV / ".torchshard-requirements").exists():
-        print(f"dev.py compat: SKIPPED: no newest-stack venv cached at {COMPAT_VENV} (dev.py compat builds one)")
-        return 0
-    python = ensure_compat_venv()
+    """The quick suite on each lane asked for (the newest once more with the newest torchax pre-release)."""
+    if (parsed := _lane_args(argv)) is None:
+        return 2
+    lanes, extra = parsed
+    if "--if-cached" in argv:
+        for lane in (lane for lane in lanes if not _stamp(lane).exists()):
+            print(f"dev.py compat: SKIPPED the {lane} lane: no venv cached at {LANES[lane]} (dev.py compat builds it)")
+        lanes = [lane for lane in lanes if _stamp(lane).exists()]
+    pythons = {lane: ensure_lane(lane) for lane in lanes}
     os.chdir(ROOT)
-    extra = [a for a in argv if a != "--if-cached"]
-    for label, path in (("releases", [str(ROOT)]), ("torchax pre-release", [str(COMPAT_PRE), str(ROOT)])):
-        env = _cached_bytecode({**os.environ, "PYTHONPATH": os.pathsep.join(path)})
-        print(f"dev.py compat: quick suite on the newest {label}: {_versions(python, env)}", flush=True)
-        if code := subprocess.call([str(python), *COMPAT_TESTS, *extra], env=env):
-            return code
-    return 0
+    codes = {}  # every run, even after one fails: each says something the others do not
+    for lane, python in pythons.items():
+        runs = [("releases", [str(ROOT)])]
+        if lane == "newest":
+            runs.append(("torchax pre-release", [str(COMPAT_PRE), str(ROOT)]))
+        for label, path in runs:
+            env = _cached_bytecode({**os.environ, "PYTHONPATH": os.pathsep.join(path)})
+            print(f"dev.py compat: quick suite, {lane} lane ({label}): {_versions(python, env)}", flush=True)
+            codes[f"{lane} lane ({label})"] = subprocess.call([str(python), *COMPAT_TESTS, *extra], env=env)
+    for run, code in codes.items():
+        print(f"dev.py compat: {run}: {'passed' if code == 0 else f'FAILED (exit {code})'}")
+    return next((code for code in codes.values() if code), 0)
 
 
 def _pins(names: tuple[str, ...]) -> list[str]:
