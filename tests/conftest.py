@@ -26,3 +26,23 @@ def mesh_dm():
 def mesh_fsdp():
     """data=8, for FSDP and pure data parallelism."""
     return torchshard.make_mesh({"data": 8})
+
+
+@pytest.fixture
+def fresh_probes():
+    """Each test probes its fused kernels afresh, and leaves no verdict it injected behind."""
+    from torchshard._bridge.env import env
+    from torchshard._bridge.ops import probes
+
+    env()
+    probes.forget()
+    yield
+    probes.forget()
+
+
+@pytest.fixture
+def tokamax_installed(monkeypatch):
+    """tokamax as if installed: for choices made without running it."""
+    from torchshard._bridge.ops import tokamax_attention
+
+    monkeypatch.setattr(tokamax_attention, "missing", lambda: None)

@@ -11,6 +11,9 @@ from pathlib import Path
 import numpy as np
 import torch
 
+# why a test that runs tokamax skips on a lane without it (the pinned one)
+TOKAMAX_NEEDS = "tokamax needs Python >= 3.12 and jax >= 0.11.1 (docs/kernels.md)"
+
 
 def to_numpy(t) -> np.ndarray:
     """Any torch / torchax / jax value as a float64 numpy array."""

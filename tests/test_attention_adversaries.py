@@ -17,7 +17,7 @@ import jax.numpy as jnp
 import pytest
 import torch
 import torchax.interop
-from helpers import assert_close, eager_value_and_grads
+from helpers import TOKAMAX_NEEDS, assert_close, eager_value_and_grads
 from torch.nn import functional as F
 
 from torchshard import ArgumentError
@@ -71,7 +71,7 @@ def _attend(mask, causal, scale, gqa, weight):
 @pytest.mark.parametrize("name", CALLS)
 def test_a_kernel_matches_eager_sdpa_or_refuses_the_call_by_name(name, kernel):
     if kernel == "tokamax":
-        pytest.importorskip("tokamax", reason="tokamax needs Python >= 3.12 and jax >= 0.11.1 (docs/kernels.md)")
+        pytest.importorskip("tokamax", reason=TOKAMAX_NEEDS)
     qs, ks, vs, mask, causal, scale, gqa = CALLS[name]
     q, k, v = _rand(*qs, seed=0), _rand(*ks, seed=1), _rand(*vs, seed=2)
     weight = _rand(*qs[:3], vs[-1], seed=4)

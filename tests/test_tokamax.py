@@ -20,30 +20,15 @@ import optax
 import pytest
 import torch
 import torchax.interop
-from helpers import assert_attention_matches, assert_close, eager_value_and_grads, torch_losses
+from helpers import TOKAMAX_NEEDS, assert_attention_matches, assert_close, eager_value_and_grads, torch_losses
 from torch.nn import functional as F
 
 import torchshard as ts
-from torchshard._bridge.env import env
 from torchshard._bridge.ops import kernels, probes, tokamax_attention
 
 BF16, F32 = np.dtype(jnp.bfloat16), np.dtype(jnp.float32)
-NEEDS = "tokamax needs Python >= 3.12 and jax >= 0.11.1 (docs/kernels.md)"
 
-
-@pytest.fixture(autouse=True)
-def _fresh_probes():
-    """Each test probes afresh, and leaves no verdict it injected behind."""
-    env()
-    probes.forget()
-    yield
-    probes.forget()
-
-
-@pytest.fixture
-def installed(monkeypatch):
-    """tokamax as if installed: for choices made without running it."""
-    monkeypatch.setattr(tokamax_attention, "missing", lambda: None)
+pytestmark = pytest.mark.usefixtures("fresh_probes")
 
 
 def _call(q=(2, 8, 256, 64), k=(2, 2, 256, 64), v=None, dtype=BF16, **kw) -> kernels.Call:
@@ -79,7 +64,7 @@ TOKAMAX = [
 
 @pytest.mark.parametrize(("call", "platform", "devices", "failing", "expected"), TOKAMAX)
 def test_tokamax_takes_its_first_implementation_that_takes_the_call_and_passes_its_probe(
-    installed, call, platform, devices, failing, expected
+    tokamax_installed, call, platform, devices, failing, expected
 ):
     assert str(kernels.choose("tokamax", call, platform, devices=devices, probe=_failing(*failing))) == expected
 
@@ -120,7 +105,7 @@ def test_a_missing_tokamax_is_refused_when_the_trainer_is_built_and_when_generat
         tokamax_attention.missing.cache_clear()
 
 
-def test_forced_tokamax_refuses_dropout_by_name(installed):
+def test_forced_tokamax_refuses_dropout_by_name(tokamax_installed):
     with pytest.raises(ts.ArgumentError, match=r"attention_kernel='tokamax' cannot take .*self_attn .*dropout"):
         kernels.choose("tokamax", _call(dropout=True), "gpu")
 
@@ -211,7 +196,7 @@ MASKS = {
 @pytest.mark.parametrize("mask", list(MASKS))
 @pytest.mark.parametrize("kv_heads", [4, 2])
 def test_tokamax_xla_matches_torch_sdpa_with_heads_sharded(mask, kv_heads):
-    pytest.importorskip("tokamax", reason=NEEDS)
+    pytest.importorskip("tokamax", reason=TOKAMAX_NEEDS)
     mesh = ts.make_mesh({"data": 2, "context": 1, "model": 4})
     g = torch.Generator().manual_seed(kv_heads)
     shapes = [(2, 4, 128, 16), (2, kv_heads, 128, 16), (2, kv_heads, 128, 16), (2, 4, 128, 16)]
@@ -227,14 +212,14 @@ def test_tokamax_xla_matches_torch_sdpa_with_heads_sharded(mask, kv_heads):
 
 
 def test_tokamax_through_the_lowering_matches_eager_and_says_which_implementation_ran():
-    pytest.importorskip("tokamax", reason=NEEDS)
+    pytest.importorskip("tokamax", reason=TOKAMAX_NEEDS)
     got, expected, choice = _grads("tokamax")
     assert choice == kernels.Choice("tokamax:xla", f"forced; {ON_GPUS} cpu")
     _assert_same(got, expected, "tokamax:xla")
 
 
 def test_tokamax_whose_xla_implementation_fails_its_probe_falls_back_to_autos_choice(monkeypatch):
-    pytest.importorskip("tokamax", reason=NEEDS)
+    pytest.importorskip("tokamax", reason=TOKAMAX_NEEDS)
     real = probes.run_case
     monkeypatch.setattr(probes, "run_case", lambda form, *a: real(form, *a) if form is probes.dense else 1 / 0)
     got, expected, choice = _grads("tokamax")
@@ -262,7 +247,7 @@ def _batches():
 
 @pytest.mark.slow
 def test_a_tensor_parallel_llama_trains_like_eager_torch_on_tokamax():
-    pytest.importorskip("tokamax", reason=NEEDS)
+    pytest.importorskip("tokamax", reason=TOKAMAX_NEEDS)
     model = _llama()
     ref = copy.deepcopy(model)
     expected = torch_losses(ref, _loss, torch.optim.AdamW(ref.parameters(), lr=1e-3, weight_decay=0.01), _batches())

@@ -21,30 +21,16 @@ import optax
 import pytest
 import torch
 import torchax.interop
-from helpers import assert_close, eager_value_and_grads
+from helpers import TOKAMAX_NEEDS, assert_close, eager_value_and_grads
 from torch.nn import functional as F
 
 import torchshard as ts
-from torchshard._bridge.env import env
-from torchshard._bridge.ops import kernels, probes, tokamax_attention, tokamax_loss
+from torchshard._bridge.ops import kernels, tokamax_attention, tokamax_loss
 
-NEEDS = "tokamax needs Python >= 3.12 and jax >= 0.11.1 (docs/kernels.md)"
 F32, BF16 = np.dtype("float32"), np.dtype(jnp.bfloat16)
 TPU = "mosaic_tpu: a TPU kernel; this step runs on"
 
-
-@pytest.fixture(autouse=True)
-def _fresh_probes():
-    env()
-    probes.forget()
-    yield
-    probes.forget()
-
-
-@pytest.fixture
-def installed(monkeypatch):
-    """tokamax as if installed: for choices made without running it."""
-    monkeypatch.setattr(tokamax_attention, "missing", lambda: None)
+pytestmark = pytest.mark.usefixtures("fresh_probes")
 
 
 def _call(vocab=256, dtype=F32) -> tokamax_loss.LossCall:
@@ -78,7 +64,7 @@ CHOICES = [
 
 @pytest.mark.parametrize(("call", "platform", "devices", "failing", "expected"), CHOICES)
 def test_the_loss_takes_tokamaxs_first_implementation_that_takes_the_call_else_torchshards_chunks(
-    installed, call, platform, devices, failing, expected
+    tokamax_installed, call, platform, devices, failing, expected
 ):
     choice = tokamax_loss.choose(call, platform, devices=devices, probe=_failing(*failing))
     assert str(choice) == expected
@@ -124,7 +110,7 @@ STEPS_ASIDE = [
 
 @pytest.mark.parametrize(("model", "kwargs", "reason"), STEPS_ASIDE, ids=["vocab_96", "bf16"])
 def test_where_tokamax_cannot_honour_the_loss_torchshards_chunks_run_and_say_why(
-    installed, caplog, model, kwargs, reason
+    tokamax_installed, caplog, model, kwargs, reason
 ):
     trainer = _trainer(_llama(**model), **kwargs)
     with caplog.at_level(logging.INFO, logger="torchshard"):
@@ -134,7 +120,9 @@ def test_where_tokamax_cannot_honour_the_loss_torchshards_chunks_run_and_say_why
 
 
 @pytest.mark.slow
-def test_a_loss_whose_tokamax_fails_its_probe_trains_like_eager_torch_on_torchshards_chunks(installed, monkeypatch):
+def test_a_loss_whose_tokamax_fails_its_probe_trains_like_eager_torch_on_torchshards_chunks(
+    tokamax_installed, monkeypatch
+):
     """On the pinned lane tokamax is not there: its trace fails (an ImportError); elsewhere the run is made to."""
     real = tokamax_loss.run_case
     monkeypatch.setattr(
@@ -185,7 +173,7 @@ LABELS = {
 @pytest.mark.parametrize("reduction", ["mean", "sum"])
 @pytest.mark.parametrize("case", list(LABELS))
 def test_tokamax_chunked_xla_matches_eager_torch(case, reduction):
-    pytest.importorskip("tokamax", reason=NEEDS)
+    pytest.importorskip("tokamax", reason=TOKAMAX_NEEDS)
 
     def eager(h, w, y):
         return F.cross_entropy(h @ w.T, y, reduction=reduction)
@@ -198,7 +186,7 @@ def test_tokamax_chunked_xla_matches_eager_torch(case, reduction):
 
 
 def test_every_label_ignored_gives_a_nan_loss_and_zero_gradients_as_eager_torch():
-    pytest.importorskip("tokamax", reason=NEEDS)
+    pytest.importorskip("tokamax", reason=TOKAMAX_NEEDS)
     hidden, weight, labels = _case()
     value, grads = _on_jax(_tokamax(), [hidden, weight, torch.full_like(labels, -100)])
     assert np.isnan(float(value)) and all(float(jnp.abs(g).max()) == 0.0 for g in grads)
@@ -206,7 +194,7 @@ def test_every_label_ignored_gives_a_nan_loss_and_zero_gradients_as_eager_torch(
 
 @pytest.mark.parametrize("bad", [256, -1])
 def test_a_label_out_of_range_makes_the_loss_and_every_gradient_nan(bad):
-    pytest.importorskip("tokamax", reason=NEEDS)
+    pytest.importorskip("tokamax", reason=TOKAMAX_NEEDS)
     hidden, weight, labels = _case(every=1000)  # none ignored: an ignored token's gradient is 0, even so
     labels[4] = bad
     value, grads = _on_jax(_tokamax(), [hidden, weight, labels])
@@ -232,7 +220,7 @@ CALLS = {
 @pytest.mark.slow
 @pytest.mark.parametrize("call", list(CALLS))
 def test_a_step_on_tokamaxs_loss_matches_eager_torch_with_every_argument_of_transformers_loss(call):
-    pytest.importorskip("tokamax", reason=NEEDS)
+    pytest.importorskip("tokamax", reason=TOKAMAX_NEEDS)
     tensors, keywords = CALLS[call]
     model, ids = _llama(), _ids()
     batch = (ids, tensors(ids))

@@ -22,30 +22,16 @@ import optax
 import pytest
 import torch
 import torchax.interop
-from helpers import assert_close, eager_value_and_grads, torch_losses
+from helpers import TOKAMAX_NEEDS, assert_close, eager_value_and_grads, torch_losses
 from test_moe_ops import CASES, IDS
 
 import torchshard as ts
-from torchshard._bridge.env import env
-from torchshard._bridge.ops import kernels, probes, tokamax_attention, tokamax_ragged
+from torchshard._bridge.ops import kernels, tokamax_attention, tokamax_ragged
 
-NEEDS = "tokamax needs Python >= 3.12 and jax >= 0.11.1 (docs/kernels.md)"
 F32 = np.dtype("float32")
 SITE = "model.layers.0.mlp.experts"
 
-
-@pytest.fixture(autouse=True)
-def _fresh_probes():
-    env()
-    probes.forget()
-    yield
-    probes.forget()
-
-
-@pytest.fixture
-def installed(monkeypatch):
-    """tokamax as if installed: for choices made without running it."""
-    monkeypatch.setattr(tokamax_attention, "missing", lambda: None)
+pytestmark = pytest.mark.usefixtures("fresh_probes")
 
 
 def _failing(*names: str):
@@ -82,7 +68,7 @@ CHOICES = [
 
 @pytest.mark.parametrize(("requested", "platform", "devices", "failing", "expected"), CHOICES)
 def test_tokamax_takes_its_first_ragged_dot_that_takes_the_call_and_passes_its_probe(
-    installed, requested, platform, devices, failing, expected
+    tokamax_installed, requested, platform, devices, failing, expected
 ):
     choice = tokamax_ragged.choose(requested, CALL, platform, devices=devices, probe=_failing(*failing))
     assert str(choice) == expected
@@ -128,7 +114,7 @@ def _garbage_past_the_groups(lhs, rhs, group_sizes, preferred_element_type, impl
 
 
 @pytest.fixture
-def stand_in(installed, monkeypatch):
+def stand_in(tokamax_installed, monkeypatch):
     """A stand-in tokamax module (`_garbage_past_the_groups`): runs where tokamax is not installed."""
     module = types.SimpleNamespace(ragged_dot=_garbage_past_the_groups)
     monkeypatch.setitem(sys.modules, "tokamax", module)
@@ -166,7 +152,7 @@ def test_rows_past_the_last_group_are_zero_whatever_the_kernel_leaves_there(stan
 
 @pytest.mark.parametrize(("name", "fn", "inputs", "argnums", "rows"), EXPERTS, ids=[c[0] for c in EXPERTS])
 def test_tokamax_ragged_dot_matches_eager_torchs_grouped_mm(name, fn, inputs, argnums, rows):
-    pytest.importorskip("tokamax", reason=NEEDS)
+    pytest.importorskip("tokamax", reason=TOKAMAX_NEEDS)
     got, choice = _lowered("tokamax", fn, inputs, argnums)
     assert choice == kernels.Choice("tokamax:xla", f"forced; {ON_CPU}")
     _assert_matches(got, fn, inputs, argnums, rows, name)
@@ -196,7 +182,7 @@ def _loss(m, ids):
 
 @pytest.mark.slow
 def test_a_tiny_mixtral_trains_like_eager_torch_on_tokamaxs_ragged_dot():
-    pytest.importorskip("tokamax", reason=NEEDS)
+    pytest.importorskip("tokamax", reason=TOKAMAX_NEEDS)
     model = _mixtral()
     assert model.config._experts_implementation == "grouped_mm"
     ref = copy.deepcopy(model)
