@@ -34,8 +34,7 @@ import torch
 from torchshard._base.validate import raise_for_arguments
 from torchshard._bridge.ops import kernels, tokamax_attention, tokamax_loss
 from torchshard._bridge.ops.linear_cross_entropy import head_loss
-from torchshard._train.kernel_choice import where
-from torchshard._train.strategy import Bound, Setting, Strategy
+from torchshard._train.strategy import Bound, Setting, Strategy, where
 
 _log = logging.getLogger(__name__)
 

@@ -9,11 +9,9 @@ import logging
 from collections.abc import Iterator, Mapping
 from typing import Any
 
-from jax.sharding import Mesh
-
 from torchshard._base.validate import raise_for_arguments
 from torchshard._bridge.ops import kernels
-from torchshard._train.strategy import Bound, Setting, Strategy
+from torchshard._train.strategy import Bound, Setting, Strategy, where
 
 logger = logging.getLogger("torchshard")
 
@@ -41,14 +39,6 @@ class KernelChoice(Bound):
 
     def kernels(self) -> Mapping[str, Any]:
         return dict(self.chosen)
-
-
-def where(setting: Setting) -> tuple[str, int]:
-    """The platform the plan's mesh is on and its number of devices (a plan without a mesh: one CPU)."""
-    mesh = setting.plan.mesh
-    device = mesh.devices.flat[0] if isinstance(mesh, Mesh) else None
-    platform = device.platform if device is not None else "cpu"
-    return platform, mesh.devices.size if isinstance(mesh, Mesh) else 1
 
 
 def bind(option: Any, setting: Setting) -> Bound:

@@ -19,7 +19,7 @@ from typing import Any, Protocol
 
 import numpy as np
 import torch
-from jax.sharding import PartitionSpec
+from jax.sharding import Mesh, PartitionSpec
 
 from torchshard._base.validate import spec_problems
 from torchshard._sharding.plan import ShardingPlan
@@ -36,6 +36,15 @@ class Setting:
     plan: ShardingPlan
     batch_spec: PartitionSpec
     groups: tuple[ScanGroup, ...] = ()
+
+
+def where(setting: Setting) -> tuple[str, int]:
+    """The platform the plan's mesh is on and its number of devices (a plan without a mesh: one CPU), which the
+    kernels a strategy chooses depend on."""
+    mesh = setting.plan.mesh
+    device = mesh.devices.flat[0] if isinstance(mesh, Mesh) else None
+    platform = device.platform if device is not None else "cpu"
+    return platform, mesh.devices.size if isinstance(mesh, Mesh) else 1
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
