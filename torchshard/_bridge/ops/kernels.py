@@ -17,7 +17,7 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import dataclasses
-from collections.abc import Callable, Iterator, MutableMapping
+from collections.abc import Callable, Iterator, MutableMapping, Sequence
 
 import jax.numpy as jnp
 import numpy as np
@@ -207,15 +207,28 @@ def _tokamax(call: Call, platform: str, devices: int, probe: Probe) -> Choice:
     """tokamax's first implementation, in its own order, that takes the call and passes its probe."""
     if (problem := tokamax_attention.missing() or (DROPOUT if call.dropout else None)) is not None:
         raise _refuse("tokamax", call, problem)
+    implementations = tokamax_attention.IMPLEMENTATIONS
+    found = first_taken(implementations, lambda i: _tokamax_problem(i, call, platform, devices), probe)
+    return found if isinstance(found, Choice) else _fallback(found, call, platform, devices, probe)
+
+
+def first_taken(implementations: Sequence[str], problem: Callable[[str], str | None], probe: Probe) -> Choice | str:
+    """tokamax's first implementation, in order, that takes the call (``problem`` says why not) and passes its
+    probe; else why none did, as ``"tokamax: mosaic, triton: GPU kernels; ..."``.
+
+    Examples:
+        >>> first_taken(("mosaic", "xla"), lambda i: "a GPU kernel" if i == "mosaic" else None, lambda k: None)
+        Choice(kernel='tokamax:xla', reason='forced; mosaic: a GPU kernel')
+    """
     skipped: dict[str, list[str]] = {}  # why -> the implementations skipped for it, in order
-    for implementation in tokamax_attention.IMPLEMENTATIONS:
-        why = _tokamax_problem(implementation, call, platform, devices)
+    for implementation in implementations:
+        why = problem(implementation)
         if why is None and (failure := probe(f"tokamax:{implementation}")) is not None:
             why = f"failed its probe ({failure})"
         if why is None:
             return Choice(f"tokamax:{implementation}", "; ".join(["forced", *said(skipped)]))
         skipped.setdefault(why, []).append(implementation)
-    return _fallback("tokamax: " + "; ".join(said(skipped)), call, platform, devices, probe)
+    return "tokamax: " + "; ".join(said(skipped))
 
 
 def said(skipped: dict[str, list[str]]) -> list[str]:

@@ -21,7 +21,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from torchshard._bridge.ops import probes, tokamax_attention
-from torchshard._bridge.ops.kernels import Choice, said
+from torchshard._bridge.ops.kernels import Choice, first_taken
 
 IMPLEMENTATIONS = ("mosaic_tpu", "chunked_xla")  # tokamax's order, its logit-holding "xla" left out
 CHUNKED = "chunked"  # torchshard's own chunked loss (`linear_cross_entropy.loss_jax`)
@@ -124,15 +124,8 @@ def choose(call: LossCall, platform: str, *, devices: int = 1, probe: Probe | No
     if (missing := tokamax_attention.missing()) is not None:
         return Choice(CHUNKED, f"tokamax: {missing}")
     probe = probe or (lambda kernel: None)
-    skipped: dict[str, list[str]] = {}
-    for implementation in IMPLEMENTATIONS:
-        why = _problem(implementation, call, platform, devices)
-        if why is None and (failed := probe(f"tokamax:{implementation}")) is not None:
-            why = f"failed its probe ({failed})"
-        if why is None:
-            return Choice(f"tokamax:{implementation}", "; ".join(["forced", *said(skipped)]))
-        skipped.setdefault(why, []).append(implementation)
-    return Choice(CHUNKED, "tokamax: " + "; ".join(said(skipped)))
+    found = first_taken(IMPLEMENTATIONS, lambda impl: _problem(impl, call, platform, devices), probe)
+    return found if isinstance(found, Choice) else Choice(CHUNKED, found)
 
 
 def failure(kernel: str, *, call: LossCall, platform: str) -> str | None:

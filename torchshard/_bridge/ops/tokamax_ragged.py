@@ -18,7 +18,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from torchshard._bridge.ops import probes, tokamax_attention
-from torchshard._bridge.ops.kernels import Choice, said
+from torchshard._bridge.ops.kernels import Choice, first_taken
 
 # tokamax's own order, fastest first: Pallas Mosaic (GPU: Hopper/Blackwell; TPU), Pallas Triton (GPU), XLA (anywhere)
 IMPLEMENTATIONS = ("mosaic", "triton", "xla")
@@ -114,15 +114,8 @@ def choose(requested: str, call: GroupedCall, platform: str, *, devices: int = 1
     if (missing := tokamax_attention.missing()) is not None:
         return Choice(LAX, missing)
     probe = probe or (lambda kernel: None)
-    skipped: dict[str, list[str]] = {}  # why -> the implementations skipped for it, in order
-    for implementation in IMPLEMENTATIONS:
-        why = _problem(implementation, platform, devices)
-        if why is None and (failed := probe(f"tokamax:{implementation}")) is not None:
-            why = f"failed its probe ({failed})"
-        if why is None:
-            return Choice(f"tokamax:{implementation}", "; ".join(["forced", *said(skipped)]))
-        skipped.setdefault(why, []).append(implementation)
-    return Choice(LAX, "tokamax: " + "; ".join(said(skipped)))
+    found = first_taken(IMPLEMENTATIONS, lambda implementation: _problem(implementation, platform, devices), probe)
+    return found if isinstance(found, Choice) else Choice(LAX, found)
 
 
 def signature(call: GroupedCall) -> tuple[str, str, int, int]:
