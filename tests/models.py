@@ -270,3 +270,24 @@ class TinyTransformer(nn.Module):
         for block in self.blocks:
             h = block(h)
         return self.head(self.norm(h))
+
+
+def kernel_llama():
+    """The attention-kernel tests' tiny Llama (4 query heads over 2 KV heads, 64 positions), seed 0."""
+    import transformers
+
+    torch.manual_seed(0)
+    config = transformers.LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                                      num_key_value_heads=2, vocab_size=128, max_position_embeddings=64)  # fmt: skip
+    return transformers.LlamaForCausalLM(config)
+
+
+def ids_loss(m, ids):
+    """A causal LM's own loss on token ids that are their own labels."""
+    return m(input_ids=ids, labels=ids).loss
+
+
+def kernel_batches():
+    """Three [8, 32] batches of token ids under 128, seed 3."""
+    g = torch.Generator().manual_seed(3)
+    return [torch.randint(0, 128, (8, 32), generator=g) for _ in range(3)]

@@ -11,6 +11,7 @@ import optax
 import pytest
 import torch
 from helpers import assert_attention_matches, torch_losses
+from models import ids_loss, kernel_batches, kernel_llama
 from torch.nn import functional as F
 
 import torchshard as ts
@@ -122,51 +123,34 @@ def test_splash_attention_interpreted_matches_torch_sdpa(causal, kv_heads):
 # ---------------------------------------------------------------- through the Trainer and generate
 
 
-def _llama():
-    import transformers
-
-    torch.manual_seed(0)
-    config = transformers.LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-                                      num_key_value_heads=2, vocab_size=128, max_position_embeddings=64)  # fmt: skip
-    return transformers.LlamaForCausalLM(config)
-
-
-def _loss(m, ids):
-    return m(input_ids=ids, labels=ids).loss
-
-
-def _batches():
-    g = torch.Generator().manual_seed(3)
-    return [torch.randint(0, 128, (8, 32), generator=g) for _ in range(3)]
-
-
 @pytest.mark.slow
 @pytest.mark.parametrize("kernel", ["xla", "tiled"])
 def test_a_tensor_parallel_llama_trains_like_eager_torch_on_a_forced_kernel(kernel):
-    model = _llama()
+    model = kernel_llama()
     ref = copy.deepcopy(model)
-    expected = torch_losses(ref, _loss, torch.optim.AdamW(ref.parameters(), lr=1e-3, weight_decay=0.01), _batches())
+    adamw = torch.optim.AdamW(ref.parameters(), lr=1e-3, weight_decay=0.01)
+    expected = torch_losses(ref, ids_loss, adamw, kernel_batches())
     plan = ts.plan(model, ts.make_mesh({"data": 4, "model": 2}), ts.presets.hf_rules(model))
-    trainer = ts.Trainer(model, _loss, optax.adamw(1e-3, weight_decay=0.01), plan, attention_kernel=kernel)
-    np.testing.assert_allclose([float(trainer.step(b)["loss"]) for b in _batches()], expected, rtol=1e-4)
+    trainer = ts.Trainer(model, ids_loss, optax.adamw(1e-3, weight_decay=0.01), plan, attention_kernel=kernel)
+    np.testing.assert_allclose([float(trainer.step(b)["loss"]) for b in kernel_batches()], expected, rtol=1e-4)
     assert trainer.kernels == {f"model.layers.{i}.self_attn": kernels.Choice(kernel, "forced") for i in range(2)}
 
 
 @pytest.mark.slow
 def test_the_kernels_say_what_auto_picked_and_the_context_parallel_ring_says_so():
-    model = _llama()
+    model = kernel_llama()
     plan = ts.plan(model, ts.make_mesh({"data": 2, "context": 4}))
-    trainer = ts.Trainer(model, _loss, optax.adamw(1e-3), plan)
-    trainer.step(_batches()[0])
+    trainer = ts.Trainer(model, ids_loss, optax.adamw(1e-3), plan)
+    trainer.step(kernel_batches()[0])
     assert {str(c) for c in trainer.kernels.values()} == {"tiled (cpu: no fused attention kernel there)"}
-    ring = ts.Trainer(_llama(), _loss, optax.adamw(1e-3), plan, batch_spec=("data", "context"),
+    ring = ts.Trainer(kernel_llama(), ids_loss, optax.adamw(1e-3), plan, batch_spec=("data", "context"),
                       context=ts.ContextParallel())  # fmt: skip
-    ring.step(_batches()[0])
+    ring.step(kernel_batches()[0])
     assert [c.kernel for c in ring.kernels.values()] == ["ring", "ring"]
-    forced = ts.Trainer(_llama(), _loss, optax.adamw(1e-3), plan, batch_spec=("data", "context"),
+    forced = ts.Trainer(kernel_llama(), ids_loss, optax.adamw(1e-3), plan, batch_spec=("data", "context"),
                         context=ts.ContextParallel(), attention_kernel="xla")  # fmt: skip
     with pytest.raises(ts.ArgumentError, match=r"'xla' cannot take .*each device folds its part .* with the ring"):
-        forced.step(_batches()[0])
+        forced.step(kernel_batches()[0])
     assert forced.step_count == 0
 
 
@@ -189,8 +173,8 @@ def test_a_bad_kernel_name_is_refused_by_the_trainer_and_generate(kwargs, match)
 
 @pytest.mark.slow
 def test_generate_on_a_forced_kernel_equals_eager_and_a_kernel_it_cannot_take_is_named():
-    model = _llama().eval()
-    prompts = _batches()[0][:4, :6]
+    model = kernel_llama().eval()
+    prompts = kernel_batches()[0][:4, :6]
     with torch.no_grad():
         expected = model.generate(prompts, max_new_tokens=5, do_sample=False)
     placed = ts.shard(copy.deepcopy(model), ts.plan(model, ts.make_mesh({"data": 8})))

@@ -21,6 +21,7 @@ import pytest
 import torch
 import torchax.interop
 from helpers import TOKAMAX_NEEDS, assert_attention_matches, assert_close, eager_value_and_grads, torch_losses
+from models import ids_loss, kernel_batches, kernel_llama
 from torch.nn import functional as F
 
 import torchshard as ts
@@ -227,44 +228,28 @@ def test_tokamax_whose_xla_implementation_fails_its_probe_falls_back_to_autos_ch
     _assert_same(got, expected, "the fallback")
 
 
-def _llama():
-    import transformers
-
-    torch.manual_seed(0)
-    config = transformers.LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-                                      num_key_value_heads=2, vocab_size=128, max_position_embeddings=64)  # fmt: skip
-    return transformers.LlamaForCausalLM(config)
-
-
-def _loss(m, ids):
-    return m(input_ids=ids, labels=ids).loss
-
-
-def _batches():
-    g = torch.Generator().manual_seed(3)
-    return [torch.randint(0, 128, (8, 32), generator=g) for _ in range(3)]
-
-
 @pytest.mark.slow
 def test_a_tensor_parallel_llama_trains_like_eager_torch_on_tokamax():
     pytest.importorskip("tokamax", reason=TOKAMAX_NEEDS)
-    model = _llama()
+    model = kernel_llama()
     ref = copy.deepcopy(model)
-    expected = torch_losses(ref, _loss, torch.optim.AdamW(ref.parameters(), lr=1e-3, weight_decay=0.01), _batches())
+    adamw = torch.optim.AdamW(ref.parameters(), lr=1e-3, weight_decay=0.01)
+    expected = torch_losses(ref, ids_loss, adamw, kernel_batches())
     plan = ts.plan(model, ts.make_mesh({"data": 4, "model": 2}), ts.presets.hf_rules(model))
-    trainer = ts.Trainer(model, _loss, optax.adamw(1e-3, weight_decay=0.01), plan, attention_kernel="tokamax")
-    np.testing.assert_allclose([float(trainer.step(b)["loss"]) for b in _batches()], expected, rtol=1e-4)
+    trainer = ts.Trainer(model, ids_loss, optax.adamw(1e-3, weight_decay=0.01), plan, attention_kernel="tokamax")
+    np.testing.assert_allclose([float(trainer.step(b)["loss"]) for b in kernel_batches()], expected, rtol=1e-4)
     assert {str(c) for c in trainer.kernels.values()} == {f"tokamax:xla (forced; {ON_GPUS} cpu)"}
 
 
 @pytest.mark.slow
 def test_a_trainer_whose_kernel_fails_its_probe_trains_like_eager_torch_on_the_fallback(monkeypatch):
     monkeypatch.setattr(probes, "run_case", lambda *a: 1 / 0)
-    model = _llama()
+    model = kernel_llama()
     ref = copy.deepcopy(model)
-    expected = torch_losses(ref, _loss, torch.optim.AdamW(ref.parameters(), lr=1e-3, weight_decay=0.01), _batches())
+    adamw = torch.optim.AdamW(ref.parameters(), lr=1e-3, weight_decay=0.01)
+    expected = torch_losses(ref, ids_loss, adamw, kernel_batches())
     plan = ts.plan(model, ts.make_mesh({"data": 4, "model": 2}), ts.presets.hf_rules(model))
-    trainer = ts.Trainer(model, _loss, optax.adamw(1e-3, weight_decay=0.01), plan, attention_kernel="xla")
-    np.testing.assert_allclose([float(trainer.step(b)["loss"]) for b in _batches()], expected, rtol=1e-4)
+    trainer = ts.Trainer(model, ids_loss, optax.adamw(1e-3, weight_decay=0.01), plan, attention_kernel="xla")
+    np.testing.assert_allclose([float(trainer.step(b)["loss"]) for b in kernel_batches()], expected, rtol=1e-4)
     reason = f"xla failed its probe (running a tiny case: ZeroDivisionError: division by zero); {CPU}"
     assert trainer.kernels == {f"model.layers.{i}.self_attn": kernels.Choice("tiled", reason) for i in range(2)}
