@@ -25,7 +25,6 @@ import shutil
 import subprocess
 import sys
 import tomllib
-import venv
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent
@@ -60,11 +59,12 @@ LANES = {
     "floor": Path(os.environ.get("TORCHSHARD_FLOOR_VENV", CACHE / "floor-py312")),
     "newest": Path(os.environ.get("TORCHSHARD_COMPAT_VENV", CACHE / "compat-py312")),
 }
-# the floor lane: the GPU machine's image exactly; pyproject declares these as its floors where the pinned lane
-# (Python 3.11) meets them. optax and torchax as constraints.txt pins them; everything else unpinned.
+# the floor lane: the GPU machine's image exactly; pyproject declares these as its floors. optax and torchax as
+# constraints.txt pins them; everything else unpinned.
 FLOOR = ("torch==2.11.0", "jax==0.11.2", "jaxlib==0.11.2", "transformers==5.17.0", "numpy==2.5.2")
 FLOOR_AT_PINS = ("optax", "torchax")
-COMPAT_PYTHON = "3.12"
+PINNED_PYTHON = "3.12"  # the GPU machine's image runs 3.12, and jax >= 0.11 needs it
+COMPAT_PYTHON = PINNED_PYTHON
 COMPAT_PRE = LANES["newest"] / "torchax-pre"  # the newest torchax pre-release, first on the path for a second run
 COMPAT_EXTRAS = ("test", "examples", "hf")
 EXTRAS = (*COMPAT_EXTRAS, "docs")  # what .venv holds: the compat job needs no docs toolchain
@@ -93,15 +93,30 @@ def _install_lm_eval_hook() -> None:
             shutil.copyfile(ROOT / PTH, site_packages / PTH)
 
 
+def _venv_version() -> str | None:
+    """The Python version .venv was made with ("3.12"), or None when there is no .venv."""
+    cfg = VENV / "pyvenv.cfg"
+    if not cfg.exists():
+        return None
+    fields = dict(map(str.strip, line.split("=", 1)) for line in cfg.read_text().splitlines() if "=" in line)
+    full = fields.get("version_info") or fields.get("version") or ""
+    return ".".join(full.split(".")[:2]) or None
+
+
 def ensure_venv() -> None:
-    """Creates .venv and installs the pinned dependencies unless that is already done."""
+    """Creates .venv with the pinned Python and installs the pinned dependencies unless that is already done."""
+    if _venv_version() not in (None, PINNED_PYTHON):
+        # a .venv from before the pinned stack moved to Python 3.12: nothing in it can be reused
+        print(f"dev.py: .venv is Python {_venv_version()}; the pinned stack is {PINNED_PYTHON}: rebuilding it")
+        shutil.rmtree(VENV)
     if STAMP.exists() and STAMP.read_text() == _fingerprint():
         _install_lm_eval_hook()
         return
     if not PY.exists():
-        print("dev.py: creating .venv", flush=True)
-        venv.create(VENV, with_pip=True)
-    print("dev.py: installing pinned dependencies (first run only)", flush=True)
+        exe, env = _interpreter(PINNED_PYTHON)
+        print(f"dev.py: creating .venv with Python {PINNED_PYTHON} ({exe})", flush=True)
+        subprocess.run([exe, "-m", "venv", str(VENV)], env=env, check=True)
+    print("dev.py: installing pinned dependencies (first run only; torch's Linux wheel is several GB)", flush=True)
     pip = [str(PY), "-m", "pip", "install", "--disable-pip-version-check", "-q"]
     subprocess.run([*pip, "-c", "constraints.txt", "-e", f".[{','.join(EXTRAS)}]"], cwd=ROOT, check=True)
     _install_lm_eval_hook()
@@ -129,17 +144,42 @@ def lane_requirements(lane: str) -> list[str]:
     return sorted([*pins, *(r for r in wanted if _name(r) not in pinned)])
 
 
+def _runs_as(exe: str, version: str, env: dict[str, str]) -> bool:
+    """Whether ``exe`` starts and is Python ``version`` (a pyenv shim exists for versions it does not have)."""
+    code = "import sys; print('%d.%d' % sys.version_info[:2])"
+    try:
+        done = subprocess.run([exe, "-c", code], env=env, capture_output=True, text=True, timeout=60)
+    except (OSError, subprocess.TimeoutExpired):
+        return False
+    return done.returncode == 0 and done.stdout.strip() == version
+
+
 def _interpreter(version: str) -> tuple[str, dict[str, str]]:
-    """A python<version> to build the venv with, and the environment it needs (pyenv picks by PYENV_VERSION)."""
+    """A python<version> to build a venv with, and the environment it needs (pyenv picks by PYENV_VERSION).
+
+    Looks at $TORCHSHARD_PYTHON, the Python running dev.py, ``python<version>`` on PATH (pyenv's included) and
+    uv's managed Pythons, in that order; exits with how to get one when none is there.
+    """
     env = dict(os.environ)
     if pyenv := shutil.which("pyenv"):
         bare = subprocess.run([pyenv, "versions", "--bare"], capture_output=True, text=True).stdout.split()
         if found := [v for v in bare if v.startswith(f"{version}.")]:
             env["PYENV_VERSION"] = found[-1]
-    exe = shutil.which(f"python{version}")
-    if exe is None or subprocess.run([exe, "--version"], env=env, capture_output=True).returncode:
-        raise SystemExit(f"dev.py compat: needs python{version} on PATH (e.g. `pyenv install {version}`)")
-    return exe, env
+    uv_pythons = sorted((Path.home() / ".local" / "share" / "uv" / "python").glob(f"cpython-{version}.*/bin/python3"))
+    chosen = os.environ.get("TORCHSHARD_PYTHON")
+    candidates = [chosen] if chosen else [sys.executable, shutil.which(f"python{version}"), *map(str, uv_pythons)]
+    for exe in filter(None, candidates):
+        if _runs_as(exe, version, env):
+            return exe, env
+    where = f"$TORCHSHARD_PYTHON ({chosen}) is not" if chosen else "found no"
+    raise SystemExit(
+        f"dev.py: {where} Python {version}, which torchshard's tested stacks run on (jax >= 0.11 needs it).\n"
+        f"Get one, then run the same command again; any of these works:\n"
+        f"  pyenv install {version}            (dev.py finds pyenv's versions)\n"
+        f"  uv python install {version}        (dev.py finds uv's Pythons)\n"
+        f"  apt install python{version} python{version}-venv   (Debian/Ubuntu; or python.org's installer)\n"
+        f"or point TORCHSHARD_PYTHON at a python{version} that is already there."
+    )
 
 
 def _stamp(lane: str) -> Path:
