@@ -16,12 +16,11 @@ import logging
 import os
 import threading
 from collections.abc import Callable
-from typing import Any, TypeVar
+from typing import Any
 
 _THREAD = "torchshard-save"
 _NICENESS = 10  # added to the save thread's (and the threads it starts): the training step goes first
 _SAVES = itertools.count()
-T = TypeVar("T")
 logger = logging.getLogger(__name__)
 
 
@@ -38,7 +37,7 @@ _pending = _Pending()
 _hooked = False  # whether _at_exit is registered
 
 
-def on_thread(
+def on_thread[T](
     work: Callable[[], T],
     *,
     name: str,

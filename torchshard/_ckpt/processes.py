@@ -3,14 +3,12 @@
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any, TypeVar
+from typing import Any
 
 import jax
 
 from torchshard._base.errors import CheckpointError
 from torchshard._multihost.agree import flagged_processes
-
-T = TypeVar("T")
 
 
 def primary() -> bool:
@@ -18,7 +16,7 @@ def primary() -> bool:
     return jax.process_index() == 0
 
 
-def together(name: str, work: Callable[[], T]) -> T:
+def together[T](name: str, work: Callable[[], T]) -> T:
     """Runs ``work`` on every process, then every process raises if any process's ``work`` raised.
 
     A process that raised alone would leave the others waiting at the next barrier for ever: so a

@@ -200,7 +200,7 @@ def _configure_runtime(cpu_devices_per_process: int | None) -> None:
     """Simulated CPU devices and CPU cross-process collectives, both before the backend starts."""
     if cpu_devices_per_process is not None:
         use_cpu_devices(cpu_devices_per_process)
-    if not jax.config.jax_cpu_collectives_implementation:  # type: ignore[attr-defined]
+    if not jax.config.jax_cpu_collectives_implementation:
         # without a CPU collectives library, a computation spanning processes fails on CPU
         jax.config.update("jax_cpu_collectives_implementation", "gloo")
 

@@ -7,7 +7,7 @@ import json
 import sys
 import time
 from collections.abc import Callable, Sequence
-from typing import Any, TypeVar
+from typing import Any
 
 from torchshard._base.errors import ArgumentError
 from torchshard._base.format import columns, fmt_bytes
@@ -22,7 +22,6 @@ from torchshard._train.remat import POLICY_NAMES
 NO_REMAT = "none"  # --remat-policies' word for no remat
 REMAT_CHOICES = (NO_REMAT, *POLICY_NAMES)
 SCANS = {"true": True, "false": False}
-T = TypeVar("T")
 
 SEARCH_HELP = """\
 --search enumerates the meshes (stage x data/FSDP x context x expert x model degrees dividing the
@@ -138,7 +137,7 @@ def _checked(args: argparse.Namespace) -> tuple[Any, Hardware, int | None, dict[
     return leaves, hw, memory, options
 
 
-def _attempt(parse: Callable[[], T], problems: list[str]) -> T | None:
+def _attempt[T](parse: Callable[[], T], problems: list[str]) -> T | None:
     """``parse()``, or None with its error's message on ``problems``."""
     try:
         return parse()

@@ -182,7 +182,7 @@ def range_problems(name: str, value: Any) -> list[str]:
         step (1,) torch.int64: values in [1099511627776, 1099511627776] do not fit int32, which JAX holds it in ...
     """
     narrow = _NARROWED.get(getattr(value, "dtype", None))
-    x64 = jax.config.jax_enable_x64  # type: ignore[attr-defined]
+    x64 = jax.config.jax_enable_x64
     if narrow is None or x64 or getattr(value, "device", None) == torch.device("meta"):
         return []
     if not isinstance(value, torch.Tensor | np.ndarray) or math.prod(value.shape) == 0:
