@@ -31,7 +31,6 @@ ROOT = Path(__file__).resolve().parent
 VENV = ROOT / ".venv"
 PY = VENV / "bin" / "python"
 STAMP = VENV / ".torchshard-installed"
-PTH = "torchshard-lm_eval.pth"  # lm_eval's start-up hook (setup.py)
 # each command is a list of steps; a step that fails stops the command
 CHECKS = [
     ["-m", "ruff", "check", "."],
@@ -78,19 +77,9 @@ GPU_NEEDS = ("torch", "jax", "transformers")  # what it cannot carry: the image'
 
 def _fingerprint() -> str:
     digest = hashlib.sha256()
-    for name in ("pyproject.toml", "constraints.txt", "setup.py"):
+    for name in ("pyproject.toml", "constraints.txt"):
         digest.update((ROOT / name).read_bytes())
     return digest.hexdigest()
-
-
-def _install_lm_eval_hook() -> None:
-    """Puts setup.py's ``.pth`` in .venv's site-packages: a wheel ships it, an editable install leaves it out.
-
-    It lets a bare ``lm_eval --model torchshard`` find torchshard's model (lm_eval discovers no plugins).
-    """
-    for site_packages in VENV.glob("lib/python3*/site-packages"):
-        if not (site_packages / PTH).exists():
-            shutil.copyfile(ROOT / PTH, site_packages / PTH)
 
 
 def _venv_version() -> str | None:
@@ -110,7 +99,6 @@ def ensure_venv() -> None:
         print(f"dev.py: .venv is Python {_venv_version()}; the pinned stack is {PINNED_PYTHON}: rebuilding it")
         shutil.rmtree(VENV)
     if STAMP.exists() and STAMP.read_text() == _fingerprint():
-        _install_lm_eval_hook()
         return
     if not PY.exists():
         exe, env = _interpreter(PINNED_PYTHON)
@@ -119,7 +107,6 @@ def ensure_venv() -> None:
     print("dev.py: installing pinned dependencies (first run only; torch's Linux wheel is several GB)", flush=True)
     pip = [str(PY), "-m", "pip", "install", "--disable-pip-version-check", "-q"]
     subprocess.run([*pip, "-c", "constraints.txt", "-e", f".[{','.join(EXTRAS)}]"], cwd=ROOT, check=True)
-    _install_lm_eval_hook()
     STAMP.write_text(_fingerprint())
 
 

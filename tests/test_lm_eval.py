@@ -1,4 +1,9 @@
-"""torchshard.lm_eval: lm-eval's "torchshard" model scores and decodes as its HFLM does on the same weights."""
+"""torchshard.lm_eval: lm-eval's "torchshard" model scores and decodes as its HFLM does on the same weights.
+
+It is reached three ways, each tested here: ``simple_evaluate(model=TorchshardLM(...))``,
+``simple_evaluate(model="torchshard", ...)`` after ``import torchshard.lm_eval``, and
+``python -m torchshard.lm_eval`` with lm_eval's own arguments. No start-up hook: lm_eval alone does not know it.
+"""
 
 from __future__ import annotations
 
@@ -6,11 +11,9 @@ import copy
 import json
 import os
 import re
-import shutil
 import subprocess
 import sys
-import sysconfig
-import zipfile
+import textwrap
 from pathlib import Path
 
 import lm_eval
@@ -26,6 +29,7 @@ from lm_eval.tasks import TaskManager
 import torchshard as ts
 from torchshard.__main__ import EXIT_USAGE, main
 from torchshard.lm_eval import TorchshardLM, bucket
+from torchshard.lm_eval import main as lm_eval_main
 
 ATOL = 1e-4  # float32 log-likelihoods, summed over a continuation: ours against HFLM's eager torch
 TEXT = "the a cat dog sat on mat ran to park red blue green is was and of in it big small what color answer yes no "
@@ -151,10 +155,24 @@ def tasks(tmp_path_factory):
     return _write_tasks(tmp_path_factory.mktemp("tasks"))
 
 
-def _evaluate(model, tasks: Path, names: list[str]) -> dict:
+def _evaluate(model, tasks: Path, names: list[str], **kwargs) -> dict:
     # only the tasks written here: indexing lm_eval's thousands of built-in task files took ~5 s per call
     manager = TaskManager(include_path=str(tasks), include_defaults=False)
-    return lm_eval.simple_evaluate(model=model, tasks=names, task_manager=manager, log_samples=True)
+    return lm_eval.simple_evaluate(model=model, tasks=names, task_manager=manager, log_samples=True, **kwargs)
+
+
+def _saved(llama: torch.nn.Module, folder: Path) -> Path:
+    """``llama`` and the test tokenizer in one ``save_pretrained`` folder, as ``pretrained=`` takes it."""
+    llama.save_pretrained(folder)
+    _tokenizer().save_pretrained(folder)
+    return folder
+
+
+def _command(args: list[str], cwd: Path) -> subprocess.CompletedProcess:
+    """``python -m torchshard.lm_eval ARGS`` on 4 simulated CPU devices."""
+    env = {**os.environ, "TORCHSHARD_CPU_DEVICES": "4", "PYTHONPATH": str(ROOT)}
+    cmd = [sys.executable, "-m", "torchshard.lm_eval", *args]
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=600, env=env, cwd=cwd)
 
 
 def _assert_same_results(got: dict, expected: dict) -> None:
@@ -196,16 +214,19 @@ def test_a_trainer_is_evaluated_with_its_latest_weights(llama, tasks):
 
 
 @pytest.mark.slow
-def test_a_bare_lm_eval_command_evaluates_a_saved_model_as_hflm(llama, tasks, tmp_path):
-    hook = Path(sysconfig.get_path("purelib")) / "torchshard-lm_eval.pth"
-    assert hook.exists(), f"{hook} is missing: python3 dev.py test installs it (an editable install leaves it out)"
-    llama.save_pretrained(tmp_path / "model")
-    _tokenizer().save_pretrained(tmp_path / "model")
-    cli = [str(Path(sys.executable).with_name("lm_eval")), "--model", "torchshard", "--model_args",
-           f"pretrained={tmp_path / 'model'},mesh=data=4", "--batch_size", "2", "--tasks", "ts_mc", "--include_path",
-           str(tasks), "--output_path", str(tmp_path / "out")]  # fmt: skip
-    env = {**os.environ, "TORCHSHARD_CPU_DEVICES": "4", "PYTHONPATH": str(ROOT)}
-    done = subprocess.run(cli, capture_output=True, text=True, timeout=600, env=env, cwd=tmp_path)
+def test_simple_evaluate_takes_the_model_by_name_after_import(llama, tasks, tmp_path):
+    folder = _saved(llama, tmp_path / "model")
+    args = {"pretrained": str(folder), "mesh": "data=4,model=2"}
+    got = _evaluate("torchshard", tasks, ["ts_mc"], model_args=args, batch_size=2)
+    _assert_same_results(got, _evaluate(HFLM(pretrained=llama, tokenizer=_tokenizer(), batch_size=4), tasks, ["ts_mc"]))
+
+
+@pytest.mark.slow
+def test_python_m_torchshard_lm_eval_evaluates_a_saved_model_as_hflm(llama, tasks, tmp_path):
+    folder = _saved(llama, tmp_path / "model")
+    done = _command(["--model", "torchshard", "--model_args", f"pretrained={folder},mesh=data=4", "--batch_size", "2",
+                     "--tasks", "ts_mc", "--include_path", str(tasks), "--output_path", str(tmp_path / "out")],
+                    tmp_path)  # fmt: skip
     assert done.returncode == 0, done.stderr[-3000:]
     (results,) = (tmp_path / "out").rglob("results_*.json")
     expected = _evaluate(HFLM(pretrained=llama, tokenizer=_tokenizer(), batch_size=4), tasks, ["ts_mc"])
@@ -213,35 +234,47 @@ def test_a_bare_lm_eval_command_evaluates_a_saved_model_as_hflm(llama, tasks, tm
 
 
 @pytest.mark.slow
-def test_the_start_up_hook_registers_torchshard_lazily_beside_lm_evals_own_models():
-    script = (
-        "import sys; sys.path.insert(0, sys.argv[1]); import _torchshard_lm_eval\n"
-        "from lm_eval.api.registry import get_model\n"
-        "print(get_model('hf').__name__, 'torchshard.lm_eval' in sys.modules, 'jax' in sys.modules)\n"
-        "print(get_model('torchshard').__name__)"
-    )
-    done = subprocess.run([sys.executable, "-c", script, str(ROOT)], capture_output=True, text=True, timeout=300)
-    assert done.returncode == 0, done.stderr[-3000:]
-    # lm_eval's own models still load (registering before lm_eval.models ran would hide them), and torchshard
-    # (with JAX) is imported only when its model is asked for
-    assert done.stdout.split() == ["HFLM", "False", "False", "TorchshardLM"]
+@pytest.mark.parametrize(
+    ("args", "code", "message"),
+    [(["--model", "torchshard", "--no_such_flag"], 2, "lm-eval: error: unrecognized arguments: --no_such_flag"),
+     (["--model", "torchshard", "--model_args", "pretrained=/no/such/folder", "--tasks", "ts_mc"], 1,
+      "torchshard.lm_eval: error: pretrained='/no/such/folder' is not a folder: pass the folder save_pretrained")],
+    ids=["unknown_flag", "pretrained_missing"],
+)  # fmt: skip
+def test_python_m_torchshard_lm_eval_exits_non_zero_with_the_message(args, code, message, tasks, tmp_path):
+    done = _command([*args, "--include_path", str(tasks)] if "--tasks" in args else args, tmp_path)
+    assert done.returncode == code, done.stderr[-3000:]
+    assert message in done.stderr and "Traceback" not in done.stderr, done.stderr[-3000:]
+
+
+def test_an_unknown_flag_exits_as_lm_evals_own_command_line_does(capsys):
+    argv = list(sys.argv)
+    with pytest.raises(SystemExit) as exited:
+        lm_eval_main(["--model", "torchshard", "--no_such_flag"])
+    assert exited.value.code == 2
+    assert "lm-eval: error: unrecognized arguments: --no_such_flag" in capsys.readouterr().err
+    assert sys.argv == argv  # lm_eval's CLI reads sys.argv: main() puts the caller's back
 
 
 @pytest.mark.slow
-def test_the_wheel_ships_the_start_up_hook_at_its_root(tmp_path):
-    source = tmp_path / "source"  # a copy: an in-tree build would write build/ and egg-info into the clone
-    shutil.copytree(ROOT / "torchshard", source / "torchshard", ignore=shutil.ignore_patterns("__pycache__"))
-    hook = ("_torchshard_lm_eval.py", "torchshard-lm_eval.pth")
-    for name in ("pyproject.toml", "setup.py", "README.md", "LICENSE", *hook):
-        shutil.copy(ROOT / name, source / name)
-    cmd = [sys.executable, "-m", "pip", "wheel", str(source), "--no-deps", "--no-build-isolation", "-q"]
-    cmd += ["-w", str(tmp_path)]
-    done = subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=tmp_path)
+def test_lm_eval_alone_neither_imports_torchshard_nor_knows_its_model():
+    script = textwrap.dedent("""
+        import site, sys
+        from pathlib import Path
+        from lm_eval.api.registry import get_model, model_registry
+        try:
+            get_model("torchshard")
+        except ValueError:
+            print("unknown")
+        ours = [m for m in sys.modules if m.split(".")[0] in ("torchshard", "_torchshard_lm_eval")]
+        print("hf" in model_registry, ours)
+        print([p.name for d in site.getsitepackages() for p in Path(d).glob("*.pth") if "lm_eval" in p.read_text()])
+    """)
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]
-    (wheel,) = tmp_path.glob("torchshard-*.whl")
-    names = zipfile.ZipFile(wheel).namelist()
-    assert {"torchshard-lm_eval.pth", "_torchshard_lm_eval.py"} <= set(names)
-    assert zipfile.ZipFile(wheel).read("torchshard-lm_eval.pth").decode().strip() == "import _torchshard_lm_eval"
+    # no start-up hook: lm_eval's own models load, torchshard's only through torchshard.lm_eval, and no .pth
+    # in site-packages reaches into lm_eval
+    assert done.stdout.splitlines() == ["unknown", "True []", "[]"]
 
 
 def test_a_tokenizer_without_a_pad_token_is_refused_and_left_as_it_was(llama):
@@ -380,11 +413,9 @@ def test_bad_model_arguments_are_argument_errors(kwargs, match):
         TorchshardLM(**args)
 
 
-@pytest.mark.parametrize("value", ["abc", "0", "-2", "1.5"])
-def test_the_command_line_names_a_bad_cpu_device_count_without_a_traceback(value, monkeypatch):
-    from torchshard.lm_eval import main
-
+@pytest.mark.parametrize("value", ["abc", "0", "-2", "1.5", "²"])
+def test_the_command_line_names_a_bad_cpu_device_count_without_a_traceback(value, monkeypatch, capsys):
     monkeypatch.setenv("TORCHSHARD_CPU_DEVICES", value)
-    with pytest.raises(SystemExit, match=rf"torchshard.lm_eval: error: \$TORCHSHARD_CPU_DEVICES='{re.escape(value)}' "
-                                         rf"must be an int ≥ 1, e.g. 8, or unset"):  # fmt: skip
-        main(["--model", "torchshard", "--tasks", "none"])
+    assert lm_eval_main(["--model", "torchshard", "--tasks", "none"]) == 1
+    expected = f"torchshard.lm_eval: error: $TORCHSHARD_CPU_DEVICES={value!r} must be an int ≥ 1, e.g. 8, or unset"
+    assert capsys.readouterr().err.strip() == expected

@@ -13,7 +13,8 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 # what the suite runs: the tests, and the examples, benchmarks and tools (the conformance matrix) they run
-SOURCES = [path for folder in ("tests", "examples", "benchmarks", "tools") for path in ROOT.glob(f"{folder}/*.py")]
+FOLDERS = ("tests", "testsupport", "examples", "benchmarks", "tools")
+SOURCES = [path for folder in FOLDERS for path in ROOT.glob(f"{folder}/*.py")]
 
 
 def _name(requirement: str) -> str:
@@ -31,7 +32,7 @@ def _imported() -> set[str]:
     packages = {
         p.parent.name for folder in ("tests", "examples", "benchmarks") for p in ROOT.glob(f"{folder}/*/__init__.py")
     }
-    local = {p.stem for p in SOURCES} | packages | {"torchshard", "tools"}
+    local = {p.stem for p in SOURCES} | packages | {"torchshard", "tools", "testsupport"}
     return {m for m in found if m not in sys.stdlib_module_names and m not in local}
 
 
@@ -59,3 +60,11 @@ def test_every_test_extra_package_is_pinned():
     extra = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["optional-dependencies"]["test"]
     pinned = {_name(line) for line in (ROOT / "constraints.txt").read_text().splitlines() if "==" in line}
     assert {_name(r) for r in extra} - pinned == set()
+
+
+def test_the_distribution_is_the_torchshard_package_alone():
+    """No start-up hook: nothing but ``torchshard*`` is packaged, and no ``.pth`` or ``setup.py`` ships one."""
+    setuptools = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]
+    assert set(setuptools) == {"packages", "package-data"}, setuptools
+    assert setuptools["packages"] == {"find": {"include": ["torchshard*"]}}
+    assert [p.name for p in (*ROOT.glob("*.pth"), ROOT / "setup.py") if p.exists()] == []

@@ -1,8 +1,8 @@
-"""lm-evaluation-harness on the mesh: importing this module registers the lm_eval model ``"torchshard"``."""
+"""lm-evaluation-harness on the mesh: importing this module registers the lm_eval model ``"torchshard"``;
+``python -m torchshard.lm_eval`` is lm_eval's own command line with it registered."""
 
 from __future__ import annotations
 
-import os
 import sys
 from collections.abc import Sequence
 from typing import Any
@@ -31,7 +31,7 @@ from torchshard._base.errors import ArgumentError, ShardingError, raise_if_any
 from torchshard._generate import scoring
 from torchshard._generate.generate import generate
 from torchshard._generate.generate_checks import vocab_problems
-from torchshard._sharding.mesh import parse_axes, use_cpu_devices
+from torchshard._interop.hf_folder import cpu_devices_from_environment, load_causal_lm
 from torchshard._trainer.trainer import Trainer
 
 __all__ = ["TorchshardLM", "main"]
@@ -58,6 +58,9 @@ class TorchshardLM(TemplateLM):
     (powers of two, see `bucket`) and batch of ``batch_size`` rows; ``generate_until`` runs
     `torchshard.generate` on left-padded prompts. Requests are split, truncated and encoded as
     lm_eval's ``HFLM`` does, so the same weights give the same log-likelihoods and greedy text.
+    Evaluate it with ``lm_eval.simple_evaluate(model=TorchshardLM(trainer, tokenizer), tasks=[...])``, or
+    by name, ``model="torchshard", model_args={"pretrained": DIR, "mesh": "data=8"}``: importing this
+    module registers it (lm_eval discovers no plugins); on the command line, `main`.
 
     Args:
         target: a `Trainer` (its latest weights; without ``scan_layers``/``pipeline``) or a module
@@ -104,7 +107,9 @@ class TorchshardLM(TemplateLM):
         del device, max_batch_size
         batch_size, max_length, max_gen_toks = (_number(v) for v in (batch_size, max_length, max_gen_toks))
         if pretrained is not None:
-            target, tokenizer = _from_pretrained(pretrained, target, tokenizer, mesh, pad_token)
+            if target is not None or tokenizer is not None:
+                raise ArgumentError("pass pretrained= alone, or a target and a tokenizer, not both")
+            target, tokenizer = load_causal_lm(pretrained, mesh, pad_token)
         problems = _target_problems(target) + _tokenizer_problems(tokenizer)
         if pretrained is None and (mesh is not None or pad_token is not None):
             problems.append("mesh= and pad_token= go with pretrained=; shard a target yourself, set its pad token")
@@ -315,77 +320,41 @@ def _tokenizer_problems(tokenizer: Any) -> list[str]:
     return []
 
 
-def _mesh_axes(mesh: str | dict[str, int] | None) -> dict[str, int]:
-    """``"data=4,model=2"`` (or a dict) as mesh axes; None: every device on "data"."""
-    if mesh is None:
-        return {"data": -1}
-    if isinstance(mesh, dict):
-        return mesh
-    try:
-        return parse_axes(str(mesh))
-    except ArgumentError as err:
-        raise ArgumentError(f"mesh={mesh!r}: {err}") from None
+def main(argv: Sequence[str] | None = None) -> int:
+    """lm_eval's own command line, with the model ``"torchshard"`` registered: ``python -m torchshard.lm_eval``.
 
+    lm_eval discovers no plugins, so a bare ``lm_eval --model torchshard`` does not know the model; this
+    takes the same arguments, ``--model torchshard --model_args pretrained=DIR,mesh=data=8 --tasks ...``.
+    ``TORCHSHARD_CPU_DEVICES=n`` simulates ``n`` CPU devices.
 
-def _from_pretrained(path: str, target: Any, tokenizer: Any, mesh: Any, pad_token: str | None) -> tuple[Any, Any]:
-    """A ``save_pretrained`` folder's model, sharded by `presets.hf_rules` on ``mesh``, and its tokenizer."""
-    import transformers
+    Args:
+        argv: lm_eval's arguments, unchanged; default ``sys.argv[1:]``.
 
-    from torchshard._interop.pretrained import load_safetensors
-    from torchshard._presets.hf import hf_rules
-    from torchshard._sharding.mesh import make_mesh
-    from torchshard._trainer.staged_init import init_sharded
+    Returns:
+        0 once lm_eval's command has run; 1 when a `ShardingError` (an `ArgumentError` included) ended it,
+        its message on stderr without a traceback. lm_eval's own usage errors exit as lm_eval exits (2).
 
-    if target is not None or tokenizer is not None:
-        raise ArgumentError("pass pretrained= alone, or a target and a tokenizer, not both")
-    axes = _mesh_axes(mesh)
-    if not os.path.isdir(path):
-        raise ArgumentError(
-            f"pretrained={path!r} is not a folder: pass the folder save_pretrained wrote (a Hub model: download it "
-            f"first, e.g. huggingface_hub.snapshot_download)"
-        )
-    _cpu_devices_from_environment()
-    config = transformers.AutoConfig.from_pretrained(path)
-    build = lambda: transformers.AutoModelForCausalLM.from_config(config)  # noqa: E731
-    with torch.device("meta"):
-        rules = hf_rules(
-            build(), axis="model" if "model" in axes else None, fsdp_axis="data" if "data" in axes else None
-        )
-    model = load_safetensors(path, init_sharded(build, make_mesh(axes), rules))
-    tokenizer = transformers.AutoTokenizer.from_pretrained(path)
-    if pad_token is not None:
-        tokenizer.pad_token = pad_token
-    return model, tokenizer
-
-
-def _cpu_devices_from_environment() -> None:
-    """``TORCHSHARD_CPU_DEVICES=n`` simulates ``n`` CPU devices (JAX must not have started yet)."""
-    text = os.environ.get("TORCHSHARD_CPU_DEVICES", "").strip()
-    if text and _positive("$TORCHSHARD_CPU_DEVICES", _number(text)):
-        raise ArgumentError(f"$TORCHSHARD_CPU_DEVICES={text!r} must be an int ≥ 1, e.g. 8, or unset")
-    if text:
-        use_cpu_devices(int(text))
-
-
-def main(argv: Sequence[str] | None = None) -> None:
-    """lm_eval's command line with the ``"torchshard"`` model registered (``python -m torchshard.lm_eval ...``).
-
-    The same as a bare ``lm_eval --model torchshard ...`` where torchshard's start-up hook is installed
-    (``torchshard-lm_eval.pth``: a wheel ships it, ``dev.py`` puts it in ``.venv``; an editable
-    ``pip install -e .`` leaves it out). ``TORCHSHARD_CPU_DEVICES=n`` simulates ``n`` CPU devices.
+    Examples:
+        >>> main([])  # no command: lm_eval's help
+        usage: lm-eval ...
+        0
     """
     from lm_eval.__main__ import cli_evaluate
 
-    if argv is not None:
-        sys.argv = [sys.argv[0], *argv]
+    saved = sys.argv
+    sys.argv = [saved[0], *(saved[1:] if argv is None else argv)]  # lm_eval's CLI reads sys.argv itself
     try:
-        _cpu_devices_from_environment()
+        cpu_devices_from_environment()
         cli_evaluate()
     except ShardingError as err:  # a bad setting: the message names it, a traceback would bury it
-        raise SystemExit(f"torchshard.lm_eval: error: {err}") from err
+        print(f"torchshard.lm_eval: error: {err}", file=sys.stderr)
+        return 1
+    finally:
+        sys.argv = saved
+    return 0
 
 
 if __name__ == "__main__":
     from torchshard.lm_eval import main as _main
 
-    _main()
+    sys.exit(_main())
