@@ -14,7 +14,6 @@
 from __future__ import annotations
 
 import json
-import os
 import pathlib
 import sys
 
@@ -29,7 +28,6 @@ from torch.distributed.checkpoint.state_dict import (
 )
 from torch.distributed.fsdp import fully_shard
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 STEPS, SAVED_AT, BATCH = 8, 4, 8
 
 

@@ -3,6 +3,7 @@
 Run under the launcher, e.g.
 ``python -m torchshard.launch --nproc 2 --cpu-devices-per-proc 4 tests/mp_train_script.py OUT_DIR``;
 each process writes ``OUT_DIR/rank{i}.json`` with its losses and the final (gathered) params.
+It imports `testsupport` from the clone: run it with the clone on ``PYTHONPATH`` (``python3 dev.py`` does).
 """
 
 from __future__ import annotations
@@ -20,7 +21,8 @@ import numpy as np  # noqa: E402
 import optax  # noqa: E402
 import torch  # noqa: E402
 from jax.experimental import multihost_utils  # noqa: E402
-from models import MLP  # noqa: E402
+
+from testsupport.models import MLP  # noqa: E402
 
 BATCH, STEPS = 16, 4
 

@@ -17,9 +17,9 @@ import jax.numpy as jnp
 import pytest
 import torch
 import torchax.interop
-from helpers import TOKAMAX_NEEDS, assert_close, eager_value_and_grads
 from torch.nn import functional as F
 
+from testsupport.helpers import TOKAMAX_NEEDS, assert_close, eager_value_and_grads
 from torchshard import ArgumentError
 from torchshard._bridge.env import env
 from torchshard._bridge.ops import kernels

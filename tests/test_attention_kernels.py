@@ -10,11 +10,11 @@ import numpy as np
 import optax
 import pytest
 import torch
-from helpers import assert_attention_matches, torch_losses
-from models import ids_loss, kernel_batches, kernel_llama
 from torch.nn import functional as F
 
 import torchshard as ts
+from testsupport.helpers import assert_attention_matches, torch_losses
+from testsupport.models import ids_loss, kernel_batches, kernel_llama
 from torchshard._bridge.ops import kernels
 from torchshard._bridge.ops.attention import fused_jax
 from torchshard._bridge.ops.splash import splash_attention

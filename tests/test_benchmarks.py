@@ -7,7 +7,8 @@ import importlib.util
 import json
 
 import pytest
-from helpers import run_benchmark
+
+from testsupport.helpers import run_benchmark
 
 OPS = ("all_gather", "psum", "psum_scatter", "all_to_all", "ppermute")
 
@@ -258,7 +259,7 @@ def test_gpu_check_smoke_runs_every_variant_in_its_own_process(tmp_path):
 
 def _gpu_check(monkeypatch):
     """benchmarks/gpu.py as a module, whose workers fail the test if one is started."""
-    from helpers import BENCHMARKS
+    from testsupport.helpers import BENCHMARKS
 
     monkeypatch.syspath_prepend(str(BENCHMARKS))
     gpu = importlib.import_module("gpu")

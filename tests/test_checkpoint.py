@@ -15,7 +15,10 @@ import numpy as np
 import optax
 import pytest
 import torch
-from checkpoint_runs import (
+from torch import nn
+
+import torchshard as ts
+from testsupport.checkpoint_runs import (
     RUNS,
     TP_DROPOUT,
     TP_LM,
@@ -29,11 +32,8 @@ from checkpoint_runs import (
     sharded,
     values,
 )
-from helpers import assert_close, torch_losses
-from models import MLP, Rotary, TiedLM
-from torch import nn
-
-import torchshard as ts
+from testsupport.helpers import assert_close, torch_losses
+from testsupport.models import MLP, Rotary, TiedLM
 from torchshard import presets
 from torchshard._bridge.tensors import wrap
 from torchshard._ckpt.shards import unwritable

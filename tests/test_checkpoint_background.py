@@ -15,10 +15,10 @@ import jax
 import numpy as np
 import pytest
 import torch
-from checkpoint_runs import RUNS, host_tree, make_trainer, sharded, values
-from models import MLP
 
 import torchshard as ts
+from testsupport.checkpoint_runs import RUNS, host_tree, make_trainer, sharded, values
+from testsupport.models import MLP
 from torchshard._ckpt import checkpoint as _checkpoint
 from torchshard._ckpt import pending
 

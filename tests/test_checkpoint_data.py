@@ -12,11 +12,11 @@ import numpy as np
 import optax
 import pytest
 import torch
-from checkpoint_runs import Cursor
 from torchdata.stateful_dataloader import StatefulDataLoader
 from torchdata.stateful_dataloader.sampler import RandomSampler
 
 import torchshard as ts
+from testsupport.checkpoint_runs import Cursor
 from torchshard._ckpt import meta as _ckpt_meta
 from torchshard._ckpt.datastate import data_entry, data_entry_problems, decode, encode
 

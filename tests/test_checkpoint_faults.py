@@ -16,11 +16,11 @@ import jax
 import numpy as np
 import pytest
 import safetensors.torch
-from checkpoint_runs import TP_LM, Cursor, data_files, read_safetensors, sharded, values
-from models import MLP, TiedLM
 from torch import nn
 
 import torchshard as ts
+from testsupport.checkpoint_runs import TP_LM, Cursor, data_files, read_safetensors, sharded, values
+from testsupport.models import MLP, TiedLM
 from torchshard._ckpt import checkpoint as _checkpoint
 from torchshard._ckpt import datastate as _datastate
 from torchshard._ckpt import meta as _ckpt_meta

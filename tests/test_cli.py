@@ -18,12 +18,14 @@ import pytest
 import torch
 from jax.sharding import AbstractMesh, AxisType
 from jax.sharding import PartitionSpec as P
-from models import MLP, tiny_llama
 
 import torchshard as ts
+from testsupport.models import MLP, tiny_llama
 from torchshard import presets
 from torchshard.__main__ import EXIT_DOES_NOT_FIT, EXIT_INVALID_PLAN, EXIT_OK, EXIT_USAGE, main
 from torchshard.presets import hf_rules
+
+MLP_ARG, TIED_ARG = "testsupport.models:MLP", "testsupport.models:TiedLM"  # MODULE:FACTORY, as users name them
 
 
 def _run(capsys, *argv):
@@ -47,7 +49,7 @@ def test_plan_works_on_an_abstract_mesh_larger_than_the_devices():
 
 
 def test_table(capsys):
-    code, out, err = _run(capsys, "models:MLP", "--mesh", "data=4,model=2", "--preset", "fsdp")
+    code, out, err = _run(capsys, MLP_ARG, "--mesh", "data=4,model=2", "--preset", "fsdp")
     assert code == EXIT_OK, err
     assert out.startswith("MLP on Mesh(data=4, model=2) (local devices)")
     assert "layers.0.weight" in out and "training memory per device (AdamW, activations not included):" in out
@@ -55,11 +57,11 @@ def test_table(capsys):
 
 
 def test_json_totals_match_the_plan(capsys):
-    code, out, _ = _run(capsys, "models:TiedLM", "--mesh", "data=8,model=8", "--preset", "fsdp", "--format", "json")
+    code, out, _ = _run(capsys, TIED_ARG, "--mesh", "data=8,model=8", "--preset", "fsdp", "--format", "json")
     data = json.loads(out)
     assert code == EXIT_OK and data["abstract_mesh"] is True and data["mesh"] == {"data": 8, "model": 8}
     mesh = AbstractMesh((8, 8), ("data", "model"), axis_types=(AxisType.Auto,) * 2)
-    from models import TiedLM
+    from testsupport.models import TiedLM
 
     expected = ts.plan(TiedLM(), mesh, presets.fsdp("data"))
     assert data["tensors"] == expected.rows()
@@ -74,7 +76,7 @@ def test_json_totals_match_the_plan(capsys):
 
 def test_markdown_and_rules_file(capsys, tmp_path):
     rules = _file(tmp_path, "rules.py", 'RULES = [(r"layers\\.0\\.weight", ("model", "data"))]\n')
-    code, out, _ = _run(capsys, "models:MLP", "--mesh", "data=4,model=2", "--rules", rules, "--format", "markdown")
+    code, out, _ = _run(capsys, MLP_ARG, "--mesh", "data=4,model=2", "--rules", rules, "--format", "markdown")
     assert code == EXIT_OK
     assert out.startswith("**MLP on Mesh(data=4, model=2)")
     assert "| `layers.0.weight` | 64×32 | float32 | `P('model', 'data')` | 32×8 | 1.00 KiB |" in out
@@ -107,7 +109,7 @@ def test_tp_preset_uses_common_projection_names(capsys, tmp_path):
 
 
 def test_compact_format_shows_each_tensor_once(capsys):
-    code, out, _ = _run(capsys, "models:TiedLM", "--mesh", "data=4,model=2", "--preset", "fsdp", "--format", "compact")
+    code, out, _ = _run(capsys, TIED_ARG, "--mesh", "data=4,model=2", "--preset", "fsdp", "--format", "compact")
     assert code == EXIT_OK
     assert "Mesh(data=4, model=2): 10 of 10 tensors shown" in out
     assert "embed.weight = head.weight  64×32" in out and "training memory per device" in out
@@ -115,7 +117,7 @@ def test_compact_format_shows_each_tensor_once(capsys):
 
 def test_compare_lists_the_specs_that_differ(capsys, tmp_path):
     rules = _file(tmp_path, "rules.py", 'RULES = [(r"layers\\.0\\.weight", ("model", None))]\n')
-    argv = ["models:MLP", "--mesh", "data=4,model=2", "--rules", rules, "--compare", "fsdp"]
+    argv = [MLP_ARG, "--mesh", "data=4,model=2", "--rules", rules, "--compare", "fsdp"]
     code, out, _ = _run(capsys, *argv, "--format", "json")
     mesh = ts.make_mesh({"data": 4, "model": 2})
     here, there = (
@@ -144,7 +146,7 @@ INVALID = {
 @pytest.mark.parametrize("case", INVALID)
 def test_invalid_plan_exits_1_with_every_problem(case, capsys, tmp_path):
     rules, mesh, messages = INVALID[case]
-    code, out, err = _run(capsys, "models:MLP", "--mesh", mesh, "--rules", _file(tmp_path, "r.py", rules))
+    code, out, err = _run(capsys, MLP_ARG, "--mesh", mesh, "--rules", _file(tmp_path, "r.py", rules))
     assert code == EXIT_INVALID_PLAN and out == ""
     assert err.startswith("error: invalid sharding plan")
     for message in messages:
@@ -152,47 +154,47 @@ def test_invalid_plan_exits_1_with_every_problem(case, capsys, tmp_path):
 
 
 def test_preset_axis_missing_from_mesh(capsys):
-    code, _, err = _run(capsys, "models:MLP", "--mesh", "rows=8", "--preset", "fsdp")
+    code, _, err = _run(capsys, MLP_ARG, "--mesh", "rows=8", "--preset", "fsdp")
     assert code == EXIT_INVALID_PLAN
     assert "--preset fsdp shards over ['data'], which mesh {'rows': 8} lacks" in err
 
 
 USAGE = {
-    "bad mesh": (["models:MLP", "--mesh", "data:8"], r"--mesh 'data:8': write axis=size pairs"),
-    "no colon": (["models", "--mesh", "data=8"], r"'models': write MODULE:FACTORY"),
+    "bad mesh": ([MLP_ARG, "--mesh", "data:8"], r"--mesh 'data:8': write axis=size pairs"),
+    "no colon": (["testsupport.models", "--mesh", "data=8"], r"'testsupport.models': write MODULE:FACTORY"),
     "no module": (["no_such_module_xyz:f", "--mesh", "data=8"], r"cannot import 'no_such_module_xyz'"),
-    "no attribute": (["models:Nope", "--mesh", "data=8"], r"'models' has no attribute 'Nope'"),
+    "no attribute": (["testsupport.models:Nope", "--mesh", "data=8"], r"'testsupport.models' has no attribute 'Nope'"),
     "not a module": (["os:getcwd", "--mesh", "data=8"], r"the factory returned a str, not a torch.nn.Module"),
-    "bad compare": (["models:MLP", "--mesh", "data=8", "--compare", "zero"], r"--compare 'zero': give a preset"),
-    "hf on a plain model": (["models:MLP", "--mesh", "data=4,model=2", "--preset", "hf"],
+    "bad compare": ([MLP_ARG, "--mesh", "data=8", "--compare", "zero"], r"--compare 'zero': give a preset"),
+    "hf on a plain model": ([MLP_ARG, "--mesh", "data=4,model=2", "--preset", "hf"],
                             r"--preset hf: MLP is not a transformers model \(no \.config\); use fsdp\+tp"),
-    "compile options alone": (["models:MLP", "--mesh", "data=8", "--batch", "8x4", "--scan"],
+    "compile options alone": ([MLP_ARG, "--mesh", "data=8", "--batch", "8x4", "--scan"],
                               r"--batch, --scan given without --compile"),
-    "compile without batch": (["models:MLP", "--mesh", "data=8", "--compile"], r"--compile needs --batch, e.g."),
-    "bad batch": (["models:MLP", "--mesh", "data=8", "--compile", "--batch", "8xfoo"],
+    "compile without batch": ([MLP_ARG, "--mesh", "data=8", "--compile"], r"--compile needs --batch, e.g."),
+    "bad batch": ([MLP_ARG, "--mesh", "data=8", "--compile", "--batch", "8xfoo"],
                   r"--batch '8xfoo': write each leaf as sizes joined by x"),
-    "bad batch dtype": (["models:MLP", "--mesh", "data=8", "--compile", "--batch", "8x32:floaty"],
+    "bad batch dtype": ([MLP_ARG, "--mesh", "data=8", "--compile", "--batch", "8x32:floaty"],
                         r"'floaty' is not a torch dtype"),
-    "bad device memory": (["models:MLP", "--mesh", "data=8", "--compile", "--batch", "8x32", "--device-memory", "8 pb"],
+    "bad device memory": ([MLP_ARG, "--mesh", "data=8", "--compile", "--batch", "8x32", "--device-memory", "8 pb"],
                           r"--device-memory '8 pb': write a size such as 80GiB"),
-    "no device memory": (["models:MLP", "--mesh", "data=8", "--compile", "--batch", "8x32", "--device-memory", "0"],
+    "no device memory": ([MLP_ARG, "--mesh", "data=8", "--compile", "--batch", "8x32", "--device-memory", "0"],
                          r"--device-memory '0' is 0 bytes; give a device's memory, e.g. 80GiB"),
-    "no default loss": (["models:MLP", "--mesh", "data=8", "--compile", "--batch", "8x32:float32"],
+    "no default loss": ([MLP_ARG, "--mesh", "data=8", "--compile", "--batch", "8x32:float32"],
                         r"MLP\.forward takes no input_ids and labels, so there is no default loss; pass --loss"),
-    "more devices than started": (["models:MLP", "--mesh", "data=16", "--compile", "--batch", "16x32:float32"],
+    "more devices than started": ([MLP_ARG, "--mesh", "data=16", "--compile", "--batch", "16x32:float32"],
                                   r"needs 16 CPU devices, but JAX already started with 8 in this process"),
-    "free axis with compile": (["models:MLP", "--mesh", "data=-1", "--compile", "--batch", "16x32"],
+    "free axis with compile": ([MLP_ARG, "--mesh", "data=-1", "--compile", "--batch", "16x32"],
                                r"--compile: give every mesh axis a positive size"),
-    "pipeline without compile": (["models:MLP", "--mesh", "stage=2,data=4", "--pipeline", "stage=2"],
+    "pipeline without compile": ([MLP_ARG, "--mesh", "stage=2,data=4", "--pipeline", "stage=2"],
                                  r"--pipeline given without --compile"),
-    "pipeline axis not in mesh": (["models:MLP", "--mesh", "data=8", "--compile", "--batch", "8x32",
+    "pipeline axis not in mesh": ([MLP_ARG, "--mesh", "data=8", "--compile", "--batch", "8x32",
                                    "--pipeline", "stage=2,microbatches=2"],
                                   r"--pipeline stage=2: --mesh data=8 gives no axis stage of size 2; add stage=2"),
-    "pipeline without axis": (["models:MLP", "--mesh", "stage=2,data=4", "--compile", "--batch", "8x32",
+    "pipeline without axis": ([MLP_ARG, "--mesh", "stage=2,data=4", "--compile", "--batch", "8x32",
                                "--pipeline", "microbatches=2"], r"name the stage axis and its size once"),
-    "pipeline bad value": (["models:MLP", "--mesh", "stage=2,data=4", "--compile", "--batch", "8x32",
+    "pipeline bad value": ([MLP_ARG, "--mesh", "stage=2,data=4", "--compile", "--batch", "8x32",
                             "--pipeline", "stage=2,microbatches=two"], r"microbatches=.two. must be a positive"),
-    "pipeline bad schedule": (["models:MLP", "--mesh", "stage=2,data=4", "--compile", "--batch", "8x32",
+    "pipeline bad schedule": ([MLP_ARG, "--mesh", "stage=2,data=4", "--compile", "--batch", "8x32",
                                "--pipeline", "stage=2,schedule=zb"], r"schedule='zb' must be one of"),
 }  # fmt: skip
 
@@ -206,7 +208,7 @@ def test_usage_errors_exit_2(case, capsys):
 
 
 def test_rules_file_without_rules(capsys, tmp_path):
-    code, _, err = _run(capsys, "models:MLP", "--mesh", "data=8", "--rules", _file(tmp_path, "r.py", "X = 1\n"))
+    code, _, err = _run(capsys, MLP_ARG, "--mesh", "data=8", "--rules", _file(tmp_path, "r.py", "X = 1\n"))
     assert code == EXIT_USAGE and "defines no RULES" in err
 
 
@@ -408,7 +410,5 @@ def test_remat_policy_takes_every_policy_remat_takes():
     from torchshard._train.remat import POLICY_NAMES
 
     for policy in POLICY_NAMES:
-        args = build_parser().parse_args(
-            ["plan", "models:MLP", "--mesh", "data=8", "--compile", "--remat-policy", policy]
-        )
+        args = build_parser().parse_args(["plan", MLP_ARG, "--mesh", "data=8", "--compile", "--remat-policy", policy])
         assert args.remat_policy == policy

@@ -7,12 +7,12 @@ import numpy as np
 import pytest
 import torch
 import torchax
-from helpers import assert_close, to_numpy
 from jax.sharding import AbstractMesh, AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
 from torchax import interop
 
 import torchshard as ts
+from testsupport.helpers import assert_close, to_numpy
 from torchshard import collectives as C
 
 

@@ -10,8 +10,8 @@ import pytest
 import torch
 import torch._ops
 import torchax
-from helpers import fresh_process
 
+from testsupport.helpers import fresh_process
 from torchshard._bridge.env import env
 from torchshard._bridge.fixes import batch_norm_stats, copy_from_views, removed_aten
 from torchshard._bridge.tensors import wrap

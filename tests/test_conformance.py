@@ -13,7 +13,7 @@ import pytest
 from packaging.version import Version
 
 import torchshard as ts
-from tools import capabilities, cells, conformance, rotation, tiny
+from tools import capabilities, cells, combos, conformance, rotation, tiny
 from tools.capabilities import run_family
 from tools.cells import Cell, Work, eager, losses_cell, noisy_losses_cell, run_cell
 from tools.families import DENSE, MOE, REPRESENTATIVE, XLA_DEFAULTS, build, causal_lm_types, family
@@ -31,6 +31,32 @@ def test_one_row_llama_is_within_tolerance_or_refused_in_every_column():
     assert wrong == {}
     assert cells["train"].status == "ok" and cells["generate"].text == "= eager"  # it ran, not refused
     assert {k for k, c in cells.items() if c.status == "n/a"} == {"a2a", "bf16", "cp_a2a", "pp_a2a"}  # MoE columns
+
+
+@pytest.fixture
+def toy_schedule():
+    """A pipeline schedule registered for one test (it runs no step: its column is only listed)."""
+    from torchshard._strategies.pipeline.schedule import SCHEDULES, Schedule, register
+
+    schedule = register(Schedule(name="toy_rounds", summary="a toy taking rounds", repeats=True))
+    yield schedule
+    del SCHEDULES[schedule.name]
+
+
+def test_a_schedule_registered_at_runtime_gets_its_matrix_column(toy_schedule):
+    from torchshard._strategies.pipeline.schedule import SCHEDULES
+
+    columns = combos.combos()
+    assert [key for key in columns if key[3:] in SCHEDULES] == [f"pp_{name}" for name in SCHEDULES]
+    title, truth, capability = columns["pp_toy_rounds"]
+    assert title == "PP toy_rounds" and "repeats=2" in truth and "4 layers" in truth  # it takes rounds
+    assert capability.__name__ == "pipeline_toy_rounds"
+
+
+def test_the_matrix_has_a_column_for_every_schedule_torchshard_registers():
+    from torchshard._strategies.pipeline.schedule import SCHEDULES
+
+    assert {f"pp_{name}" for name in SCHEDULES} <= {column.key for column in capabilities.COLUMNS}
 
 
 def test_every_family_the_suite_trains_is_enumerated():

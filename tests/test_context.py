@@ -14,11 +14,11 @@ import numpy as np
 import optax
 import pytest
 import torch
-from helpers import run_benchmark, torch_losses
-from models import tiny_llama
 from torch import nn
 
 import torchshard as ts
+from testsupport.helpers import run_benchmark, torch_losses
+from testsupport.models import tiny_llama
 from torchshard import ArgumentError, ContextParallel, ShardingError
 
 SEQ, BATCH, VOCAB = 256, 2, 64

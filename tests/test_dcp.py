@@ -7,6 +7,7 @@ FSDP2's own continuation (AdamW loss trajectory, rtol 1e-4).
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import logging
 import os
@@ -22,15 +23,24 @@ import optax
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
-from full_disk import full_tmpfs, listing
-from helpers import assert_close
 
 import torchshard as ts
+from testsupport.full_disk import full_tmpfs, listing
+from testsupport.helpers import assert_close
 from torchshard import ArgumentError, CheckpointError
 
 TESTS = Path(__file__).parent
-sys.path.insert(0, str(TESTS))
-import fsdp2_dcp_script as fsdp2  # noqa: E402  (its helpers only; torch.distributed is started in its main)
+
+
+def _script(name: str):
+    """The script ``tests/NAME.py`` as a module, for its helpers (its main starts torch.distributed: not run)."""
+    spec = importlib.util.spec_from_file_location(name, TESTS / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+fsdp2 = _script("fsdp2_dcp_script")
 
 TORCHRUN = Path(sys.executable).with_name("torchrun")
 
@@ -185,7 +195,7 @@ def test_a_trainer_round_trip_resumes_exactly(trained, tmp_path):
 def test_scanned_layers_round_trip_with_their_adamw_state(tmp_path):
     """A Llama Trainer saves; a scan_layers Trainer (stacked params and AdamW state) resumes it, saves, and an
     unscanned one resumes that: the same losses as the first Trainer going on."""
-    from models import tiny_llama
+    from testsupport.models import tiny_llama
 
     def trainer(**options):
         model = tiny_llama(layers=2)

@@ -17,10 +17,10 @@ import jax
 import numpy as np
 import pytest
 import torch
-from helpers import assert_close, assert_trees_close
 from jax.sharding import NamedSharding, PartitionSpec
 
 import torchshard
+from testsupport.helpers import assert_close, assert_trees_close, root_env
 from torchshard import ShardingError, distributed, launch
 from torchshard._multihost import runtime as _distributed
 from torchshard._multihost import worker as _worker
@@ -393,7 +393,8 @@ def _launch(
     command = [sys.executable, "-m", "torchshard.launch", "--nproc", str(nproc), "--cpu-devices-per-proc", str(cpus)]
     command += ["--timeout", str(timeout), str(TESTS / script), *args]
     start = time.monotonic()
-    result = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=timeout + 30)
+    # the scripts, run by path, import testsupport from the clone
+    result = subprocess.run(command, cwd=ROOT, env=root_env(), capture_output=True, text=True, timeout=timeout + 30)
     return result, time.monotonic() - start
 
 

@@ -135,7 +135,7 @@ def _context() -> dict[str, Any]:
 
 
 def _pipeline_init() -> dict[str, Any]:
-    from models import BlockStack
+    from testsupport.models import BlockStack
 
     def loss_fn(m: torch.nn.Module, ids: torch.Tensor) -> torch.Tensor:
         logits = m(ids[:, :-1])

@@ -17,13 +17,13 @@ import numpy as np
 import optax
 import pytest
 import torch
-from helpers import torch_losses
 from jax.sharding import PartitionSpec as P
-from models import Experts, MoE
-from models import MoEStack as Model
 from torch import nn
 
 import torchshard as ts
+from testsupport.helpers import torch_losses
+from testsupport.models import Experts, MoE
+from testsupport.models import MoEStack as Model
 from torchshard import ArgumentError, ShardingError, presets
 
 RTOL = 1e-4
@@ -356,16 +356,15 @@ def test_gpt_oss_experts_move_tokens_by_all_to_all_and_train_like_torch():
 # binary instruction opcode copy"), killing the process; so the Trainer runs in a child process
 BF16_ON_EXPERT_X_MODEL = """
 import json, sys
-sys.path.insert(0, sys.argv[1])
 import optax, torch
 import torchshard as ts
 from tools.families import MOE, build, lm_loss
 from jax.sharding import PartitionSpec as P
 ts.use_cpu_devices(8)
-model = build(next(f for f in MOE if f.model_type == sys.argv[2]))
+model = build(next(f for f in MOE if f.model_type == sys.argv[1]))
 rules = ts.presets.hf_rules(model, axis="model", expert_axis="expert", fsdp_axis="data")
 plan = ts.plan(model, ts.make_mesh({"data": 2, "expert": 2, "model": 2}), rules)
-trainer = ts.Trainer(model, lm_loss, optax.adamw(float(sys.argv[3]), weight_decay=float(sys.argv[4])), plan,
+trainer = ts.Trainer(model, lm_loss, optax.adamw(float(sys.argv[2]), weight_decay=float(sys.argv[3])), plan,
                      batch_spec=P(("data", "expert")), expert_dispatch=ts.ExpertDispatch(),
                      precision=ts.MixedPrecision())
 print(json.dumps([float(trainer.step(torch.tensor(ids))["loss"]) for ids in json.loads(sys.stdin.read())]))
@@ -374,16 +373,14 @@ print(json.dumps([float(trainer.step(torch.tensor(ids))["loss"]) for ids in json
 
 @pytest.mark.slow
 def test_bf16_all_to_all_on_expert_x_model_compiles_and_trains_like_the_eager_bf16_policy():
-    from pathlib import Path
-
-    from test_precision import LR, RTOL, WD, torch_mixed_precision
-
+    from testsupport.helpers import root_env
+    from testsupport.precision import LR, RTOL, WD, torch_mixed_precision
     from tools.families import MOE, build, lm_loss
 
     g = torch.Generator().manual_seed(0)
     data = [torch.randint(3, 128, (8, 16), generator=g) for _ in range(3)]
-    args = [str(Path(__file__).parent), "mixtral", str(LR), str(WD)]
-    done = subprocess.run([sys.executable, "-c", BF16_ON_EXPERT_X_MODEL, *args], input=json.dumps(
+    args = ["mixtral", str(LR), str(WD)]
+    done = subprocess.run([sys.executable, "-c", BF16_ON_EXPERT_X_MODEL, *args], env=root_env(), input=json.dumps(
         [ids.tolist() for ids in data]), capture_output=True, text=True, timeout=600)  # fmt: skip
     assert done.returncode == 0, done.stderr[-3000:]
     expected = torch_mixed_precision(build(next(f for f in MOE if f.model_type == "mixtral")), lm_loss, data)

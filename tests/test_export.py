@@ -11,11 +11,12 @@ import numpy as np
 import optax
 import pytest
 import torch
-from checkpoint_runs import TESTS, TP_LM, Run, lm_batches, make_trainer, read_safetensors, sharded, values
-from models import FusedQKV, Rotary, TiedLM
 from torch import nn
 
 import torchshard as ts
+from testsupport.checkpoint_runs import TP_LM, Run, lm_batches, make_trainer, read_safetensors, sharded, values
+from testsupport.helpers import root_env
+from testsupport.models import FusedQKV, Rotary, TiedLM
 from torchshard import presets
 from torchshard._bridge.tensors import wrap
 
@@ -39,13 +40,12 @@ def test_to_torch_state_dict_is_plain_torch_with_ties_and_dtypes(mesh_dm):
 SUBPROCESS = """
 import sys
 import torch
-sys.path.insert(0, sys.argv[1])
-from models import FusedQKV, Rotary, TiedLM
+from testsupport.models import FusedQKV, Rotary, TiedLM
 torch.manual_seed(123)
 model = TiedLM()
-model.load_state_dict(torch.load(sys.argv[2]))
+model.load_state_dict(torch.load(sys.argv[1]))
 assert model.head.weight is model.embed.weight
-torch.save(model(torch.load(sys.argv[3])).detach(), sys.argv[4])
+torch.save(model(torch.load(sys.argv[2])).detach(), sys.argv[3])
 leaked = sorted(m for m in sys.modules if m.split(".")[0] in ("jax", "jaxlib", "torchax", "torchshard"))
 assert not leaked, leaked
 """
@@ -59,8 +59,9 @@ def test_exported_state_dict_loads_in_a_process_without_jax(tmp_path, mesh_dm):
     ids = lm_batches(1)[0][:, :-1]
     torch.save(ts.to_torch_state_dict(model), tmp_path / "model.pt")
     torch.save(ids, tmp_path / "ids.pt")
-    files = [str(TESTS), *(str(tmp_path / f) for f in ("model.pt", "ids.pt", "out.pt"))]
-    done = subprocess.run([sys.executable, "-c", SUBPROCESS, *files], capture_output=True, text=True, timeout=120)
+    files = [str(tmp_path / f) for f in ("model.pt", "ids.pt", "out.pt")]
+    done = subprocess.run([sys.executable, "-c", SUBPROCESS, *files], env=root_env(), capture_output=True, text=True,
+                          timeout=120)  # fmt: skip
     assert done.returncode == 0, done.stderr
     torch.testing.assert_close(torch.load(tmp_path / "out.pt"), reference(ids), rtol=0, atol=0)
 

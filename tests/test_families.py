@@ -13,22 +13,16 @@ import os
 from typing import Any
 
 import numpy as np
-import optax
 import pytest
-import torch
-from helpers import torch_losses
-from jax.sharding import PartitionSpec as P
 
 import torchshard as ts
+from testsupport.family_runs import RTOL, batches, torch_adamw, trainer_for
+from testsupport.helpers import torch_losses
 from tools.families import DENSE, MOE, NO_DISPATCH, REPRESENTATIVE, Family, build, lm_loss
-from torchshard import presets
 
 transformers = pytest.importorskip("transformers")
 pytestmark = pytest.mark.slow  # real models, several compiles each
 
-RTOL = 1e-4
-STEPS = 4
-LR, BETAS, EPS, WEIGHT_DECAY = 1e-3, (0.9, 0.999), 1e-8, 0.01
 REMAT_WARNING = "Involuntary full rematerialization"
 
 
@@ -41,41 +35,11 @@ def _selected(*, moe: bool = False) -> list[Any]:
     return [pytest.param(f, id=f.model_type, marks=marks(f)) for f in every if f.model_type in names]
 
 
-def _batches(seed: int = 1) -> list[torch.Tensor]:
-    gen = torch.Generator().manual_seed(seed)
-    return [torch.randint(3, 128, (8, 16), generator=gen) for _ in range(STEPS)]
-
-
-def _torch_adamw(model: torch.nn.Module) -> torch.optim.Optimizer:
-    return torch.optim.AdamW(model.parameters(), lr=LR, betas=BETAS, eps=EPS, weight_decay=WEIGHT_DECAY)
-
-
-def _rules(kind: str, model: torch.nn.Module) -> tuple[dict[str, int], ts.Rules, P]:
-    """mesh axes, rules and batch spec of each kind of plan the families run under."""
-    if kind == "fsdp":
-        return {"data": 8}, presets.fsdp(min_size=1024), P("data")
-    if kind == "hf_rules":
-        return {"data": 4, "model": 2}, presets.hf_rules(model, fsdp_min_size=1024), P("data")
-    if kind == "expert_model":  # experts split over "expert", tensor parallel over "model", no FSDP
-        return {"expert": 4, "model": 2}, presets.hf_rules(model, expert_axis="expert", fsdp_axis=None), P("expert")
-    # expert parallel over 4 experts, with the batch over both axes and FSDP over data
-    rules = presets.hf_rules(model, axis=None, expert_axis="expert", fsdp_min_size=1024)
-    return {"data": 2, "expert": 4}, rules, P(("data", "expert"))
-
-
-def trainer_for(model: torch.nn.Module, kind: str, **kwargs: Any) -> ts.Trainer:
-    """``model``'s Trainer under a kind of plan (`_rules`), AdamW as `_torch_adamw`; ``kwargs`` go to the Trainer."""
-    axes, rules, batch_spec = _rules(kind, model)
-    plan = ts.plan(model, ts.make_mesh(axes), rules)
-    optimizer = optax.adamw(LR, b1=BETAS[0], b2=BETAS[1], eps=EPS, weight_decay=WEIGHT_DECAY)
-    return ts.Trainer(model, lm_loss, optimizer, plan, batch_spec=batch_spec, **kwargs)
-
-
 def _train(family: Family, kind: str) -> tuple[list[float], list[float], ts.Trainer]:
     ref = build(family)
     model = copy.deepcopy(ref)
-    data = _batches()
-    expected = torch_losses(ref, lm_loss, _torch_adamw(ref), data)
+    data = batches()
+    expected = torch_losses(ref, lm_loss, torch_adamw(ref), data)
     trainer = trainer_for(model, kind)
     return [float(trainer.step(ids)["loss"]) for ids in data], expected, trainer
 

@@ -6,10 +6,10 @@ import jax
 import jax.numpy as jnp
 import pytest
 import torch
-from helpers import assert_attention_matches, assert_close, eager_value_and_grads
 from torch.nn import functional as F
 
 import torchshard as ts
+from testsupport.helpers import assert_attention_matches, assert_close, eager_value_and_grads
 from torchshard._bridge.ops import flash
 from torchshard._bridge.ops.attention import attention_jax
 from torchshard._strategies.context.ring_attention import context_attention

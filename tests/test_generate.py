@@ -8,16 +8,15 @@ import optax
 import pytest
 import torch
 from jax.sharding import PartitionSpec as P
-from models import TiedLM
 from packaging.version import Version
 
 import torchshard as ts
+from testsupport.generation import NEW, eager_generate, left_padded, prompts
+from testsupport.models import TiedLM
 from torchshard._generate.decode_cache import cache_keyword
 from torchshard._generate.generate import kv_sharding
 
 transformers = pytest.importorskip("transformers")
-
-NEW = 6
 
 
 def _llama() -> torch.nn.Module:
@@ -34,17 +33,6 @@ def _gpt2() -> torch.nn.Module:
     return transformers.GPT2LMHeadModel(config).eval()
 
 
-def _prompts(rows: int = 8, seq: int = 5, seed: int = 1) -> torch.Tensor:
-    return torch.randint(3, 128, (rows, seq), generator=torch.Generator().manual_seed(seed))
-
-
-def _left_padded(ids: torch.Tensor) -> torch.Tensor:
-    mask = torch.ones_like(ids)
-    mask[1, :2] = 0
-    mask[3, :4] = 0
-    return mask
-
-
 def _sharded(model: torch.nn.Module, axes: dict[str, int], preset: str) -> torch.nn.Module:
     mesh = ts.make_mesh(axes)
     presets = {
@@ -54,11 +42,6 @@ def _sharded(model: torch.nn.Module, axes: dict[str, int], preset: str) -> torch
     }
     rules = presets[preset]()
     return ts.shard(model, ts.plan(model, mesh, rules))
-
-
-def _eager(model: torch.nn.Module, ids: torch.Tensor, **kwargs) -> torch.Tensor:
-    with torch.no_grad():
-        return model.generate(ids, max_new_tokens=NEW, do_sample=False, **kwargs)
 
 
 CASES = [
@@ -73,10 +56,10 @@ CASES = [
 @pytest.mark.parametrize(("name", "build", "axes", "preset"), CASES, ids=[f"{c[0]}-{c[3]}" for c in CASES])
 def test_greedy_equals_eager_transformers_generate_with_left_padding(name, build, axes, preset):
     model = build()
-    ids = _prompts()
-    mask = _left_padded(ids)
-    expected = _eager(model, ids, attention_mask=mask, eos_token_id=None)
-    expected_unpadded = _eager(model, ids, eos_token_id=None)
+    ids = prompts()
+    mask = left_padded(ids)
+    expected = eager_generate(model, ids, attention_mask=mask, eos_token_id=None)
+    expected_unpadded = eager_generate(model, ids, eos_token_id=None)
     sharded = _sharded(copy.deepcopy(model), axes, preset)
     got = ts.generate(sharded, ids, max_new_tokens=NEW, attention_mask=mask, eos_token_id=[])
     assert torch.equal(got, expected)
@@ -86,10 +69,10 @@ def test_greedy_equals_eager_transformers_generate_with_left_padding(name, build
 @pytest.mark.slow
 def test_rows_stop_at_eos_and_are_padded_as_transformers_does():
     model = _llama()
-    ids = _prompts()
-    free = _eager(model, ids, eos_token_id=None)
+    ids = prompts()
+    free = eager_generate(model, ids, eos_token_id=None)
     eos = int(free[2, ids.shape[1] + 1])  # row 2 makes it second, so it stops there
-    expected = _eager(model, ids, eos_token_id=eos, pad_token_id=7)
+    expected = eager_generate(model, ids, eos_token_id=eos, pad_token_id=7)
     sharded = _sharded(copy.deepcopy(model), {"data": 4, "model": 2}, "hf")
     for loop in ("fused", "stepped"):
         got = ts.generate(sharded, ids, max_new_tokens=NEW, eos_token_id=eos, pad_token_id=7, loop=loop)
@@ -100,8 +83,8 @@ def test_rows_stop_at_eos_and_are_padded_as_transformers_does():
 @pytest.mark.slow
 def test_every_row_stopping_ends_generation_early_as_transformers_does():
     model = _llama()
-    ids = _prompts(rows=1)
-    first = int(_eager(model, ids, eos_token_id=None)[0, ids.shape[1]])
+    ids = prompts(rows=1)
+    first = int(eager_generate(model, ids, eos_token_id=None)[0, ids.shape[1]])
     got = ts.generate(_sharded(model, {"data": 8}, "fsdp"), ids, max_new_tokens=NEW, eos_token_id=first)
     assert got.shape == (1, ids.shape[1] + 1)
     assert int(got[0, -1]) == first
@@ -113,11 +96,11 @@ def test_generating_from_a_trainer_reads_its_latest_weights():
     mesh = ts.make_mesh({"data": 4, "model": 2})
     plan = ts.plan(model, mesh, ts.presets.hf_rules(model))
     trainer = ts.Trainer(model, lambda m, b: m(input_ids=b, labels=b).loss, optax.sgd(0.5), plan)
-    ids = _prompts()
-    trainer.step(_prompts(seed=2, seq=8))
+    ids = prompts()
+    trainer.step(prompts(seed=2, seq=8))
     trained = _llama()
     trained.load_state_dict(ts.to_torch_state_dict(trainer.model))
-    expected = _eager(trained, ids, eos_token_id=None)
+    expected = eager_generate(trained, ids, eos_token_id=None)
     assert torch.equal(ts.generate(trainer, ids, max_new_tokens=NEW, eos_token_id=[]), expected)
     assert trainer.step_count == 1  # generating changed nothing
     assert trainer.model.training  # and left the mode it found
@@ -126,7 +109,7 @@ def test_generating_from_a_trainer_reads_its_latest_weights():
 @pytest.mark.slow
 def test_sampling_is_reproducible_from_its_seed_and_the_same_in_both_loops():
     sharded = _sharded(_llama(), {"data": 4, "model": 2}, "hf")
-    ids = _prompts()
+    ids = prompts()
     sample = lambda **kw: ts.generate(sharded, ids, max_new_tokens=NEW, eos_token_id=[], temperature=1.5, **kw)  # noqa: E731
     first = sample(seed=3, top_k=50, top_p=0.95)
     assert torch.equal(sample(seed=3, top_k=50, top_p=0.95), first)
@@ -265,7 +248,7 @@ def test_the_cache_goes_in_under_the_name_the_models_forward_takes():
 
 
 def test_a_trainer_with_stacked_layers_is_refused_with_the_option_named():
-    from models import BlockStack
+    from testsupport.models import BlockStack
 
     model = BlockStack()
     plan = ts.plan(model, ts.make_mesh({"data": 8}))
@@ -278,7 +261,7 @@ def test_a_trainer_with_stacked_layers_is_refused_with_the_option_named():
 def test_a_left_padded_batch_trains_like_torch_padding_positions_included():
     """The left-padding difference from torch (1.0e-3 in this loss): padded queries see no key, torch gives zeros."""
     model = _llama()
-    ids = _prompts(seq=12)
+    ids = prompts(seq=12)
     mask = torch.ones_like(ids)
     mask[::2, :5] = 0
     with torch.no_grad():

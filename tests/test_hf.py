@@ -10,11 +10,11 @@ import numpy as np
 import optax
 import pytest
 import torch
-from helpers import assert_close, torch_losses
 from jax.sharding import PartitionSpec as P
 from packaging.version import Version
 
 import torchshard as ts
+from testsupport.helpers import assert_close, torch_losses
 from torchshard import ShardingError, presets
 from torchshard._bridge.env import env
 

@@ -15,10 +15,10 @@ from typing import Any
 import numpy as np
 import pytest
 import torch
-from helpers import to_numpy
 from torch import nn
 
 import torchshard as ts
+from testsupport.helpers import to_numpy
 from torchshard import ShardingError, presets
 
 RULES = presets.fsdp(min_size=1)  # every tensor with a dim divisible by 8 is sharded

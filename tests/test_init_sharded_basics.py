@@ -5,12 +5,12 @@ import pytest
 import torch
 import torchax
 import torchax.interop
-from helpers import Counter, assert_close, assert_trees_close, jit_forward, module_tensors, to_numpy
 from jax.sharding import PartitionSpec as P
-from models import MLP, TiedLM
 from torch import nn
 
 import torchshard
+from testsupport.helpers import Counter, assert_close, assert_trees_close, jit_forward, module_tensors, to_numpy
+from testsupport.models import MLP, TiedLM
 from torchshard import ShardingError, presets
 
 # --- init_sharded -------------------------------------------------------------------------------

@@ -10,11 +10,11 @@ import pytest
 import torch
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
-from models import MLP, tiny_llama
 from torch import nn
 from torch.nn import functional as F
 
 import torchshard as ts
+from testsupport.models import MLP, tiny_llama
 from torchshard import ShardingError, presets
 from torchshard.inspect import (
     KINDS,

@@ -17,11 +17,11 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 import torch
-from helpers import assert_attention_matches, assert_close
-from models import Experts
 from torch import nn
 
 import torchshard as ts
+from testsupport.helpers import assert_attention_matches, assert_close
+from testsupport.models import Experts
 from torchshard import ShardingError
 from torchshard._bridge.env import env
 from torchshard._strategies.context.ring_attention import context_attention

@@ -18,12 +18,12 @@ import optax
 import pytest
 import torch
 import torchax.interop
-from helpers import assert_close, eager_value_and_grads, torch_losses
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 from torch.nn import functional as F
 
 import torchshard as ts
+from testsupport.helpers import assert_close, eager_value_and_grads, torch_losses
 from torchshard import ArgumentError
 from torchshard._bridge.env import env
 from torchshard._bridge.ops import linear_cross_entropy as lowering

@@ -10,28 +10,18 @@ import numpy as np
 import optax
 import pytest
 import torch
-from helpers import torch_losses
 from jax.sharding import PartitionSpec as P
-from models import tiny_llama
 
 import torchshard as ts
+from testsupport.helpers import torch_losses
+from testsupport.models import tiny_llama
+from testsupport.peft_lora import LR, RULES, WD, lm_loss, lora
 from torchshard import presets
 
 peft = pytest.importorskip("peft")
 transformers = pytest.importorskip("transformers")
 
-LR, WD = 1e-3, 0.01
-TARGETS = ["q_proj", "v_proj", "o_proj"]  # colwise and rowwise layers
 PREFIX = "base_model.model.model.layers.0.self_attn."
-
-
-def lora(model: torch.nn.Module, targets: list[str] = TARGETS) -> torch.nn.Module:
-    config = peft.LoraConfig(r=8, lora_alpha=16, target_modules=targets, lora_dropout=0.0)
-    return peft.get_peft_model(model, config)
-
-
-def lm_loss(model, ids):
-    return model(input_ids=ids, labels=ids).loss
 
 
 @pytest.mark.parametrize(
@@ -65,12 +55,6 @@ def test_tensor_parallel_lays_out_peft_wrapped_modules(mesh_dm):
 
 def _nbytes(tree) -> int:
     return sum(x.nbytes for x in jax.tree.leaves(tree))
-
-
-RULES = {
-    "fsdp": ({"data": 8}, lambda m: presets.fsdp(min_size=256)),
-    "fsdp_tp": ({"data": 4, "model": 2}, lambda m: presets.hf_rules(m, fsdp_min_size=256)),
-}
 
 
 def _trained(kind, data):

@@ -19,10 +19,10 @@ import optax
 import pytest
 import torch
 import torchax.interop
-from helpers import assert_close, eager_value_and_grads
 from torch.nn import functional as F
 
 import torchshard as ts
+from testsupport.helpers import assert_close, eager_value_and_grads
 from torchshard._bridge.env import env
 from torchshard._bridge.ops import linear_cross_entropy as lowering
 

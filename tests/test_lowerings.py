@@ -11,9 +11,9 @@ import pytest
 import torch
 import torchax
 import torchax.interop
-from helpers import assert_close, eager_value_and_grads, on_jax
 from torch.nn import functional as F
 
+from testsupport.helpers import assert_close, eager_value_and_grads, on_jax
 from torchshard._bridge.env import env
 from torchshard._bridge.tensors import wrap
 
@@ -511,9 +511,9 @@ class ShapeChecked(torch.nn.Module):
 
 def test_a_model_asserting_with_assert_async_trains_like_torch():
     import optax
-    from helpers import torch_losses
 
     import torchshard as ts
+    from testsupport.helpers import torch_losses
 
     torch.manual_seed(0)
     reference = ShapeChecked()

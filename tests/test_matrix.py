@@ -4,7 +4,7 @@ Rows are the strategies (the two pipeline schedules, ring and all-gather context
 expert dispatch), columns what a Trainer adds to any of them (remat, scan_layers, MixedPrecision, gradient
 accumulation, a checkpoint round-trip). Each supported pair trains a tiny model 3 AdamW steps and matches
 eager, unsharded torch: fp32 losses rtol 1e-4; MixedPrecision losses match an eager torch twin of the bf16
-policy within test_precision.RTOL (the spread measured there), or, for the MoE, the strategy-free Trainer
+policy within testsupport.precision.RTOL (the spread measured there), or, for the MoE, the strategy-free Trainer
 under the same policy (see `Family.twin`). A checkpoint saved after 2 steps is loaded into a strategy-free
 Trainer on another mesh, whose third step must be eager torch's. Each unsupported pair asserts its
 ShardingError. COMBOS keeps runs of several features, and of two strategies, at once, some on transformers
@@ -23,16 +23,16 @@ import numpy as np
 import optax
 import pytest
 import torch
-from helpers import torch_losses
 from jax.sharding import PartitionSpec as P
-from models import BlockStack, Experts, MoEStack, TinyTransformer, tiny_llama
-from test_precision import LR as MIXED_LR
-from test_precision import RTOL as MIXED_RTOL
-from test_precision import WD as MIXED_WD
-from test_precision import torch_mixed_precision
 from torch import nn
 
 import torchshard as ts
+from testsupport.helpers import torch_losses
+from testsupport.models import BlockStack, Experts, MoEStack, TinyTransformer, tiny_llama
+from testsupport.precision import LR as MIXED_LR
+from testsupport.precision import RTOL as MIXED_RTOL
+from testsupport.precision import WD as MIXED_WD
+from testsupport.precision import torch_mixed_precision
 from torchshard import ContextParallel, ExpertDispatch, Pipeline, ShardingError, presets
 
 LR, WD, RTOL, STEPS = 1e-2, 0.01, 1e-4, 3

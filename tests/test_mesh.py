@@ -8,10 +8,10 @@ from pathlib import Path
 
 import jax
 import pytest
-from helpers import fresh_process
 from jax.sharding import AxisType
 
 import torchshard
+from testsupport.helpers import fresh_process
 from torchshard import ShardingError
 from torchshard._sharding.mesh import THREADS_PER_DEVICE
 

@@ -14,9 +14,9 @@ import numpy as np
 import optax
 import pytest
 import torch
-from helpers import torch_losses
 
 import torchshard as ts
+from testsupport.helpers import torch_losses
 from tools.families import build, family, lm_loss
 from torchshard import presets
 

@@ -6,8 +6,8 @@ import pytest
 import torch
 import torchax
 import torchax.interop
-from helpers import assert_close, eager_value_and_grads, on_jax
 
+from testsupport.helpers import assert_close, eager_value_and_grads, on_jax
 from torchshard._bridge.env import env
 
 

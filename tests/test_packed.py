@@ -8,20 +8,26 @@ import functools
 import jax
 import jax.numpy as jnp
 import numpy as np
-import optax
 import pytest
 import torch
-from helpers import assert_attention_matches, run_benchmark, torch_losses
-from models import tiny_llama
 from torch import nn
 
 import torchshard as ts
+from testsupport.helpers import assert_attention_matches, run_benchmark
+from testsupport.models import tiny_llama
+from testsupport.packed import (
+    SEQ,
+    VOCAB,
+    adamw,
+    eager_losses,
+    packed_batches,
+    packed_loss,
+    packed_positions,
+)
 from torchshard import ArgumentError, ContextParallel, ShardingError
 from torchshard._strategies.context.documents import segment_ids
 from torchshard._strategies.context.ring_attention import context_attention
 
-SEQ, VOCAB = 256, 64
-LR, BETAS, EPS, WEIGHT_DECAY = 1e-2, (0.9, 0.99), 1e-8, 0.01
 SLOW = pytest.mark.slow
 VARIANTS = {
     "all_gather": ContextParallel(attention="all_gather", load_balance=False),
@@ -31,15 +37,9 @@ VARIANTS = {
 }
 
 
-def packed_positions(lengths_per_row: list[list[int]]) -> torch.Tensor:
-    """Position ids [rows, sum(lengths)]: each document counts from 0."""
-    return torch.stack([torch.cat([torch.arange(n) for n in row]) for row in lengths_per_row])
-
-
 # device chunks of 512 tokens over context=4: 128 natural, 64 balanced. Rows: documents crossing
 # chunk boundaries, one document filling the row, a padded tail (its own document), many short ones
 KERNEL_ROWS = [[100, 200, 50, 162], [512], [300, 150, 62], [40] * 12 + [32]]
-SEQ_ROWS = [[100, 60, 96], [256], [30, 200, 26], [64, 64, 64, 64]]  # the training batches' rows (SEQ tokens)
 
 
 # ---------------------------------------------------------------- helpers
@@ -170,38 +170,6 @@ MODELS = {
     "qwen3_moe": family("qwen3_moe", moe=True),
     "hrm_text": family("hrm_text"),
 }
-
-
-def packed_loss(model, batch):
-    ids, labels, pos = batch
-    # transformers detects packed rows only without a cache (its configs default to use_cache=True)
-    out = model(input_ids=ids, position_ids=pos, use_cache=False)
-    logits = out if isinstance(out, torch.Tensor) else out.logits
-    return nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), labels.reshape(-1), ignore_index=-100)
-
-
-def packed_batches(steps: int, rows: int = 4, seed: int = 0, lengths: list[list[int]] = SEQ_ROWS):
-    """(ids, labels, position ids): labels are each document's next token, -100 at its last.
-
-    Row ``r`` packs documents of ``lengths[r % len(lengths)]`` tokens."""
-    pos = packed_positions([lengths[r % len(lengths)] for r in range(rows)])
-    g = torch.Generator().manual_seed(seed)
-    out = []
-    for _ in range(steps):
-        ids = torch.randint(0, VOCAB, pos.shape, generator=g)
-        labels = torch.full_like(ids, -100)
-        labels[:, :-1] = torch.where(pos[:, 1:] == 0, -100, ids[:, 1:])
-        out.append((ids, labels, pos))
-    return out
-
-
-def adamw():
-    return optax.adamw(LR, b1=BETAS[0], b2=BETAS[1], eps=EPS, weight_decay=WEIGHT_DECAY)
-
-
-def eager_losses(model, data):
-    opt = torch.optim.AdamW(model.parameters(), lr=LR, betas=BETAS, eps=EPS, weight_decay=WEIGHT_DECAY)
-    return torch_losses(model, packed_loss, opt, data)
 
 
 def moe_rules(model):

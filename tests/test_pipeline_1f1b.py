@@ -6,11 +6,11 @@ import numpy as np
 import optax
 import pytest
 import torch
-from helpers import assert_trees_close, torch_losses
-from models import BlockStack, tiny_llama
 from test_pipeline import BLOCK_TP, FSDP, LR, WD, adamw, batches, blocks, blocks_loss, hf_loss, values
 
 import torchshard as ts
+from testsupport.helpers import assert_trees_close, torch_losses
+from testsupport.models import BlockStack, tiny_llama
 from torchshard import ArgumentError, Pipeline, ShardingError, presets
 
 ONE_F_ONE_B = Pipeline(microbatches=4, schedule="1f1b")
@@ -69,8 +69,8 @@ def test_tensor_parallel_mixed_precision_remat_and_grad_accum_compose():
 
 
 def tensor_parallel_mixed_precision_remat_and_grad_accum_compose(pipeline):
-    from test_precision import RTOL, torch_mixed_precision
-    from test_precision import blocks_loss as float_loss  # the loss in fp32 (bf16 losses are 1/128 apart)
+    from testsupport.precision import RTOL, torch_mixed_precision
+    from testsupport.precision import blocks_loss as float_loss  # the loss in fp32 (bf16 losses are 1/128 apart)
 
     data = batches(3, rows=16)  # 2 accumulation steps × 4 micro-batches × data=2
     expected = torch_mixed_precision(blocks(), float_loss, data)

@@ -9,11 +9,11 @@ import numpy as np
 import optax
 import pytest
 import torch
-from helpers import assert_trees_close
-from models import Block
 from test_pipeline import FSDP, batches, blocks, blocks_loss, values
 
 import torchshard as ts
+from testsupport.helpers import assert_trees_close
+from testsupport.models import Block
 from torchshard import Pipeline
 
 

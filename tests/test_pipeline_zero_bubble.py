@@ -9,8 +9,6 @@ import numpy as np
 import optax
 import pytest
 import torch
-from helpers import assert_trees_close
-from models import Block
 from test_pipeline import FSDP, adamw, batches, blocks, blocks_loss, values
 from test_pipeline_1f1b import (
     Counted,
@@ -20,6 +18,8 @@ from test_pipeline_1f1b import (
 )
 
 import torchshard as ts
+from testsupport.helpers import assert_trees_close
+from testsupport.models import Block
 from torchshard import ArgumentError, Pipeline, ShardingError
 from torchshard._strategies.pipeline.split_backward import split
 

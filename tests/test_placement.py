@@ -9,13 +9,13 @@ import pytest
 import torch
 import torchax
 import torchax.interop
-from helpers import Counter, assert_close, assert_trees_close, jit_forward, module_tensors
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
-from models import MLP, Block, TiedLM
 from torch import nn
 
 import torchshard
+from testsupport.helpers import Counter, assert_close, assert_trees_close, jit_forward, module_tensors
+from testsupport.models import MLP, Block, TiedLM
 from torchshard import ShardingError, presets
 from torchshard._bridge.tensors import wrap
 from torchshard._sharding.placement import put

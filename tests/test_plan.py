@@ -6,10 +6,10 @@ import pytest
 import torch
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
-from models import MLP, TiedLM
 from torch import nn
 
 import torchshard
+from testsupport.models import MLP, TiedLM
 from torchshard import ShardingError, UnusedRuleWarning, presets
 
 

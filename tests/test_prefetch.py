@@ -9,9 +9,9 @@ import optax
 import pytest
 import torch
 from jax.sharding import PartitionSpec as P
-from models import MLP
 
 import torchshard as ts
+from testsupport.models import MLP
 
 
 def mse(model, batch):

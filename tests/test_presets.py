@@ -4,10 +4,10 @@ import pytest
 import torch
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
-from models import MLP, Block
 from torch import nn
 
 import torchshard
+from testsupport.models import MLP, Block
 from torchshard import ShardingError, UnusedRuleWarning, presets
 
 

@@ -8,10 +8,10 @@ import numpy as np
 import optax
 import pytest
 import torch
-from helpers import assert_close, torch_losses
-from models import tiny_llama
 
 import torchshard as ts
+from testsupport.helpers import assert_close, torch_losses
+from testsupport.models import tiny_llama
 from tools.families import DENSE, build
 from torchshard import presets
 

@@ -8,9 +8,9 @@ import shutil
 import pytest
 import safetensors.torch
 import torch
-from models import tiny_llama
 
 import torchshard as ts
+from testsupport.models import tiny_llama
 from torchshard import ArgumentError, CheckpointError, ShardingError
 
 

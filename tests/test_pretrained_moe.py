@@ -11,10 +11,10 @@ import optax
 import pytest
 import safetensors.torch
 import torch
-from helpers import assert_close, jit_forward
 from jax.sharding import PartitionSpec as P
 
 import torchshard as ts
+from testsupport.helpers import assert_close, jit_forward
 from tools.families import build, family, lm_loss
 from torchshard import presets
 from torchshard._interop import hf_conversion

@@ -12,10 +12,10 @@ import torch
 from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 from jax.sharding import AbstractMesh, PartitionSpec
-from models import MLP, TiedLM
 from torch import nn
 
 import torchshard
+from testsupport.models import MLP, TiedLM
 from torchshard import ShardingError, UnusedRuleWarning, presets
 from torchshard._base.validate import spec_problems
 

@@ -19,10 +19,13 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-import test_packed
 import torch
-from helpers import torch_losses
-from refusal_kinds import (
+from torch import nn
+
+import torchshard as ts
+from testsupport import packed
+from testsupport.helpers import torch_losses
+from testsupport.refusal_kinds import (
     KINDS,
     NAMES_NO_CONSTRUCT,
     check_mask,
@@ -33,9 +36,6 @@ from refusal_kinds import (
     same,
     sample,
 )
-from torch import nn
-
-import torchshard as ts
 from tools.families import build, family
 from tools.rows import Row
 
@@ -102,7 +102,7 @@ class _OnesMasked(nn.Module):
 
 def _ones_masked_trainer(model: nn.Module) -> ts.Trainer:
     mesh = ts.make_mesh({"data": 2, "context": 4})
-    return ts.Trainer(model, _ones_masked_loss, test_packed.adamw(), ts.plan(model, mesh),
+    return ts.Trainer(model, _ones_masked_loss, packed.adamw(), ts.plan(model, mesh),
                       batch_spec=("data", "context"), context=ts.ContextParallel())  # fmt: skip
 
 
@@ -121,8 +121,8 @@ def test_a_float_all_ones_mask_is_computed_while_tracing():
     ref = _OnesMasked()
     trainer = _ones_masked_trainer(copy.deepcopy(ref))
     got = [float(trainer.step(b)["loss"]) for b in _ones_masked_batches()]
-    opt = torch.optim.AdamW(ref.parameters(), lr=test_packed.LR, betas=test_packed.BETAS, eps=test_packed.EPS,
-                            weight_decay=test_packed.WEIGHT_DECAY)  # fmt: skip
+    opt = torch.optim.AdamW(ref.parameters(), lr=packed.LR, betas=packed.BETAS, eps=packed.EPS,
+                            weight_decay=packed.WEIGHT_DECAY)  # fmt: skip
     np.testing.assert_allclose(got, torch_losses(ref, _ones_masked_loss, opt, _ones_masked_batches()), rtol=1e-4)
 
 

@@ -9,11 +9,11 @@ import numpy as np
 import optax
 import pytest
 import torch
-from helpers import assert_trees_close, to_numpy, torch_losses
-from models import BlockStack, RoutedStack, tiny_llama
 from torch import nn
 
 import torchshard as ts
+from testsupport.helpers import assert_trees_close, to_numpy, torch_losses
+from testsupport.models import BlockStack, RoutedStack, tiny_llama
 from torchshard import ShardingError, presets
 from torchshard._train.remat import POLICY_NAMES
 

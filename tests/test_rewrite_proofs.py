@@ -18,9 +18,9 @@ import numpy as np
 import optax
 import pytest
 import torch
-from helpers import assert_close, torch_losses
 
 import torchshard as ts
+from testsupport.helpers import assert_close, torch_losses
 from torchshard._train.fused_loss import fused_head_losses
 
 transformers = pytest.importorskip("transformers")

@@ -3,10 +3,10 @@
 import pytest
 import torch
 from jax.sharding import PartitionSpec as P
-from models import MLP
 from torch import nn
 
 import torchshard
+from testsupport.models import MLP
 from torchshard import Rules, ShardingError
 
 

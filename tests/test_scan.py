@@ -8,12 +8,12 @@ import numpy as np
 import optax
 import pytest
 import torch
-from helpers import assert_close, assert_trees_close, to_numpy, torch_losses
 from jax.sharding import PartitionSpec as P
-from models import Block, BlockStack, DictStack, tiny_llama
 from torch import nn
 
 import torchshard as ts
+from testsupport.helpers import assert_close, assert_trees_close, to_numpy, torch_losses
+from testsupport.models import Block, BlockStack, DictStack, tiny_llama
 from torchshard import ShardingError, presets
 
 # AdamW set explicitly on both sides (optax's default weight decay differs from torch's)

@@ -6,14 +6,14 @@ import jax
 import optax
 import pytest
 import torch
-from models import BlockStack, tiny_llama
-from models import MoEStack as MoEModel
 from test_context import CausalLM
 from test_context import lm_loss as pair_loss
 from test_expert_dispatch import mse
 from test_pipeline import blocks_loss
 
 import torchshard as ts
+from testsupport.models import BlockStack, tiny_llama
+from testsupport.models import MoEStack as MoEModel
 from torchshard import ContextParallel, MixedPrecision, Pipeline, presets
 from torchshard.inspect import AbstractTrainer
 

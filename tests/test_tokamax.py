@@ -20,11 +20,17 @@ import optax
 import pytest
 import torch
 import torchax.interop
-from helpers import TOKAMAX_NEEDS, assert_attention_matches, assert_close, eager_value_and_grads, torch_losses
-from models import ids_loss, kernel_batches, kernel_llama
 from torch.nn import functional as F
 
 import torchshard as ts
+from testsupport.helpers import (
+    TOKAMAX_NEEDS,
+    assert_attention_matches,
+    assert_close,
+    eager_value_and_grads,
+    torch_losses,
+)
+from testsupport.models import ids_loss, kernel_batches, kernel_llama
 from torchshard._bridge.ops import kernels, probes, tokamax_attention
 
 BF16, F32 = np.dtype(jnp.bfloat16), np.dtype(jnp.float32)

@@ -21,10 +21,10 @@ import optax
 import pytest
 import torch
 import torchax.interop
-from helpers import TOKAMAX_NEEDS, assert_close, eager_value_and_grads
 from torch.nn import functional as F
 
 import torchshard as ts
+from testsupport.helpers import TOKAMAX_NEEDS, assert_close, eager_value_and_grads
 from torchshard._bridge.ops import kernels, tokamax_attention, tokamax_loss
 
 F32, BF16 = np.dtype("float32"), np.dtype(jnp.bfloat16)

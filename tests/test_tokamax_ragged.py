@@ -22,10 +22,10 @@ import optax
 import pytest
 import torch
 import torchax.interop
-from helpers import TOKAMAX_NEEDS, assert_close, eager_value_and_grads, torch_losses
 from test_moe_ops import CASES, IDS
 
 import torchshard as ts
+from testsupport.helpers import TOKAMAX_NEEDS, assert_close, eager_value_and_grads, torch_losses
 from torchshard._bridge.ops import kernels, tokamax_attention, tokamax_ragged
 
 F32 = np.dtype("float32")

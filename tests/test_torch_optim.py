@@ -18,12 +18,12 @@ import numpy as np
 import optax
 import pytest
 import torch
-from helpers import assert_close
-from models import BlockStack, TiedLM
 from torch import nn
 from torch.optim import lr_scheduler
 
 import torchshard as ts
+from testsupport.helpers import assert_close
+from testsupport.models import BlockStack, TiedLM
 from torchshard import ArgumentError
 from torchshard._train.optim.rules import RULES
 from torchshard._train.optim.transform import translate

@@ -16,12 +16,12 @@ import optax
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
-from models import BlockStack
 from torch import nn
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
 from torch.optim import lr_scheduler
 
 import torchshard as ts
+from testsupport.models import BlockStack
 from torchshard import ArgumentError, CheckpointError
 
 STEPS, SAVED_AT = 6, 3

@@ -5,8 +5,8 @@ import numpy as np
 import pytest
 import torch
 import torchax.interop
-from helpers import fresh_process
 
+from testsupport.helpers import fresh_process
 from torchshard._bridge.env import env
 from torchshard._bridge.tensors import host_array, is_jax_tensor, jax_dtype, to_torch, unwrap, wrap
 

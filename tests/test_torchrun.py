@@ -21,8 +21,8 @@ from pathlib import Path
 import jax
 import pytest
 import torch
-from helpers import assert_close, torch_losses
 
+from testsupport.helpers import assert_close, torch_losses
 from torchshard import ArgumentError, ShardingError, distributed
 from torchshard._multihost import runtime as _runtime
 from torchshard._multihost import torchrun as _torchrun

@@ -14,10 +14,10 @@ import numpy as np
 import optax
 import pytest
 import torch
-from full_disk import full_tmpfs, listing
-from models import MLP
 
 import torchshard as ts
+from testsupport.full_disk import full_tmpfs, listing
+from testsupport.models import MLP
 from torchshard._base.errors import ArgumentError
 
 # what a Trainer hands its trackers (see the first test): rows every log_every steps, and an evaluation

@@ -10,12 +10,12 @@ import optax
 import pytest
 import torch
 import torchax
-from helpers import assert_close, assert_trees_close, to_numpy, torch_losses
 from jax.sharding import PartitionSpec as P
-from models import MLP, Block, TiedLM
 from torch import nn
 
 import torchshard as ts
+from testsupport.helpers import assert_close, assert_trees_close, to_numpy, torch_losses
+from testsupport.models import MLP, Block, TiedLM
 from torchshard import presets
 
 TP_MLP = presets.tensor_parallel(colwise=[r"layers\.0", r"layers\.2"], rowwise=[r"layers\.1"])

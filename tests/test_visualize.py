@@ -8,10 +8,10 @@ import pytest
 import torch
 from jax.sharding import AbstractMesh, AxisType
 from jax.sharding import PartitionSpec as P
-from models import TiedLM
 from torch import nn
 
 import torchshard as ts
+from testsupport.models import TiedLM
 from torchshard import collectives as C
 
 # (shape, spec) on data=4 × model=2 → the device labels of each row of blocks, read left to right

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import pytest
 import torch.distributed as dist
-from helpers import run_benchmark
+
+from testsupport.helpers import run_benchmark
 
 WORKLOADS = ["MLP FSDP 8", "MLP FSDP×TP 4×2", "Llama FSDP 8", "Llama FSDP×TP 4×2"]
 

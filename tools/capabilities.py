@@ -1,8 +1,8 @@
 """One row of the conformance matrix: each torchshard capability on one transformers family, against eager torch.
 
-The references, batches and tolerances are the test suite's (tests/helpers.py, test_families.py,
-test_evaluate.py, test_generate.py, test_packed.py, test_precision.py, test_lora.py); this module runs
-them on any family and turns each outcome into a `Cell` (tools/cells.py) instead of an assertion.
+The references, batches and tolerances are the test suite's (testsupport/: helpers, family_runs, evaluation,
+generation, packed, precision, peft_lora, bf16_gradients); this module runs them on any family and turns each
+outcome into a `Cell` (tools/cells.py) instead of an assertion.
 """
 
 from __future__ import annotations
@@ -20,17 +20,11 @@ from pathlib import Path
 from typing import Any
 
 import optax
-import test_bf16_moe
-import test_evaluate
-import test_families
-import test_generate
-import test_lora
-import test_packed
-import test_precision
 import torch
-from helpers import jit_forward, scaled_error, torch_losses
 
 import torchshard as ts
+from testsupport import bf16_gradients, evaluation, family_runs, generation, packed, peft_lora, precision
+from testsupport.helpers import jit_forward, scaled_error, torch_losses
 from tools.cells import (
     NOISE_RATIO,
     Cell,
@@ -64,30 +58,30 @@ class Column:
 COLUMNS = (
     Column("train", "train hf_rules", "4 AdamW steps on data=4 × model=2 (FSDP × TP; FSDP alone where the family "
            "has no tp_plan, noted); losses rtol "
-           f"{test_families.RTOL:.0e}"),
+           f"{family_runs.RTOL:.0e}"),
     Column("evaluate", "evaluate", f"Trainer.evaluate after training vs eager on its weights: loss rtol "
-           f"{test_evaluate.RTOL:.0e}, logits max|Δ|/max(1,max|eager|) ≤ {test_evaluate.RTOL:.0e}"),
+           f"{evaluation.RTOL:.0e}, logits max|Δ|/max(1,max|eager|) ≤ {evaluation.RTOL:.0e}"),
     Column("load_meta", "load → meta", "load_safetensors into a meta-built model + hf_rules plan: state bit-equal, "
-           f"forward logits ≤ {test_evaluate.RTOL:.0e} (scaled as above)"),
+           f"forward logits ≤ {evaluation.RTOL:.0e} (scaled as above)"),
     Column("load_trainer", "load → Trainer", "load_safetensors into the trained Trainer: state bit-equal, "
-           f"evaluate logits ≤ {test_evaluate.RTOL:.0e}"),
-    Column("generate", f"generate ({SHORT})", f"greedy, {test_generate.NEW} new tokens, prompts of {SHORT} (under "
+           f"evaluate logits ≤ {evaluation.RTOL:.0e}"),
+    Column("generate", f"generate ({SHORT})", f"greedy, {generation.NEW} new tokens, prompts of {SHORT} (under "
            "the window), plain and left-padded: every token equal to eager HF generate"),
     Column("generate_long", f"generate ({LONG})", f"as generate, prompts of {LONG} (past the 8-token windows)"),
     Column("cp_ring", "packed CP ring", "packed documents, data=2 × context=4, 2 AdamW steps vs eager transformers "
-           f"on the same position ids; losses rtol {test_families.RTOL:.0e}"),
+           f"on the same position ids; losses rtol {family_runs.RTOL:.0e}"),
     Column("cp_all_gather", "packed CP all_gather", "as packed CP ring, attention='all_gather'"),
     Column("a2a", "MoE all_to_all", "data=2 × expert=4, ExpertDispatch('all_to_all'); losses rtol "
-           f"{test_families.RTOL:.0e}"),
+           f"{family_runs.RTOL:.0e}"),
     Column("bf16", "MoE bf16 all_to_all", "MixedPrecision on expert=4 × model=2 (all-to-all) vs an eager torch twin "
-           f"of the bf16 policy; losses rtol {test_precision.RTOL:.0e} (over it, — when within {NOISE_RATIO:.0f}× the "
+           f"of the bf16 policy; losses rtol {precision.RTOL:.0e} (over it, — when within {NOISE_RATIO:.0f}× the "
            "spread of eager torch's own runs on other kernels); one step's gradients: fp32 within "
-           f"{FP32_GRADIENTS:.0e} of eager's, bf16's drift from fp32 0.5–{test_bf16_moe.RATIO}× eager's, top-k "
+           f"{FP32_GRADIENTS:.0e} of eager's, bf16's drift from fp32 0.5–{bf16_gradients.RATIO}× eager's, top-k "
            "routing pinned to eager fp32's"),
     Column("cp_a2a", "MoE CP × all_to_all", "packed documents, context=2 × expert=4, ring; losses rtol "
-           f"{test_families.RTOL:.0e}"),
+           f"{family_runs.RTOL:.0e}"),
     Column("lora", "LoRA TP", "peft LoRA on the tp_plan's Linear layers, data=4 × model=2; losses rtol "
-           f"{test_families.RTOL:.0e}"),
+           f"{family_runs.RTOL:.0e}"),
     Column("plan_compile", "plan --compile", "python -m torchshard plan --preset hf --compile --batch 8x16 on "
            "data=4 × model=2: compiles; peak bytes per device"),
     *(Column(key, title, truth) for key, (title, truth, _) in COMBOS.items()),
@@ -98,12 +92,12 @@ COLUMNS = (
 
 
 def train(row: Row, work: Work) -> Cell:
-    data = test_families._batches()
+    data = family_runs.batches()
     expected = row.eager_losses
     # a family without a tp_plan (hf_rules refuses it: plan --compile's cell says so) trains on FSDP alone, noted:
     # training is checked on every family, as a user of such a model would run it
     got = step_losses(row.trainer, data, work)
-    cell = losses_cell(got, expected, test_families.RTOL)
+    cell = losses_cell(got, expected, family_runs.RTOL)
     known = row.family.mismatch
     return row.noted(Cell(cell.status, f"{cell.text} (known: {known})") if known and cell.status == "fail" else cell)
 
@@ -116,9 +110,9 @@ def evaluate(row: Row, work: Work) -> Cell:
     with torch.no_grad():
         expected = eager(forward, reference, row.batch)
     loss = abs(float(out["loss"]) - float(expected["loss"])) / abs(float(expected["loss"]))
-    if loss > test_evaluate.RTOL:
-        return Cell("fail", f"loss differs by {loss:.1e} (rtol {test_evaluate.RTOL})")
-    return row.noted(within(scaled_error(out["logits"], expected["logits"]), test_evaluate.RTOL, "logits"))
+    if loss > evaluation.RTOL:
+        return Cell("fail", f"loss differs by {loss:.1e} (rtol {evaluation.RTOL})")
+    return row.noted(within(scaled_error(out["logits"], expected["logits"]), evaluation.RTOL, "logits"))
 
 
 def _loaded_cell(state: dict[str, torch.Tensor], row: Row, logits: Callable[[], Any]) -> Cell:
@@ -128,14 +122,14 @@ def _loaded_cell(state: dict[str, torch.Tensor], row: Row, logits: Callable[[], 
         return Cell("fail", f"loaded state differs from the checkpoint by {error:.1e}")
     if row.forward_refusal:  # the load is right; the forward is refused up front, as evaluate's cell says
         return Cell("ok", f"state bit-equal; forward refused as in evaluate ({row.forward_refusal[:60]}...)")
-    return row.noted(within(scaled_error(logits(), row.eager_outputs["logits"]), test_evaluate.RTOL, "logits"))
+    return row.noted(within(scaled_error(logits(), row.eager_outputs["logits"]), evaluation.RTOL, "logits"))
 
 
 def load_meta(row: Row, work: Work) -> Cell:
     checkpoint = row.checkpoint
     with torch.device("meta"):
         model = build(row.family)
-    axes, rules, _ = test_families._rules(row.plan_kind, model)
+    axes, rules, _ = family_runs.rules(row.plan_kind, model)
     mesh = ts.make_mesh(axes)
     ts.load_safetensors(checkpoint, model, ts.plan(model, mesh, rules))
     work.began = True
@@ -153,16 +147,16 @@ def load_trainer(row: Row, work: Work) -> Cell:
 def _generate(row: Row, work: Work, seq: int) -> Cell:
     """Greedy tokens against transformers' generate; where its cache disagrees with its own forward (moshi's sliding
     cache under a full causal mask), against its generate without a cache: the model's forward is the truth."""
-    ids = test_generate._prompts(seq=seq)
-    mask = test_generate._left_padded(ids)
+    ids = generation.prompts(seq=seq)
+    mask = generation.left_padded(ids)
     differ, uncached = [], []
     for name, kwargs in (("plain", {}), ("left-padded", {"attention_mask": mask})):
-        expected = eager(test_generate._eager, row.original, ids, eos_token_id=None, **kwargs)
-        got = ts.generate(row.placed, ids, max_new_tokens=test_generate.NEW, eos_token_id=[], **kwargs)
+        expected = eager(generation.eager_generate, row.original, ids, eos_token_id=None, **kwargs)
+        got = ts.generate(row.placed, ids, max_new_tokens=generation.NEW, eos_token_id=[], **kwargs)
         work.began = True
         new = expected[:, seq:].numel()
         wrong = _wrong(got, expected, seq)
-        if wrong and not _wrong(got, eager(test_generate._eager, row.original, ids, use_cache=False,
+        if wrong and not _wrong(got, eager(generation.eager_generate, row.original, ids, use_cache=False,
                                            eos_token_id=None, **kwargs), seq):  # fmt: skip
             uncached.append(f"{wrong}/{new} tokens of transformers' cached generate differ from its uncached ({name})")
         elif wrong:
@@ -186,13 +180,13 @@ def generate_long(row: Row, work: Work) -> Cell:
 
 
 def _packed(row: Row, work: Work, axes: dict[str, int], rules: Any, batch_spec: Any, **kwargs: Any) -> Cell:
-    data = test_packed.packed_batches(2, lengths=PACKED_ROWS)
-    expected = eager(test_packed.eager_losses, row.fresh(), data)
+    data = packed.packed_batches(2, lengths=PACKED_ROWS)
+    expected = eager(packed.eager_losses, row.fresh(), data)
     model = row.fresh()
     plan = ts.plan(model, ts.make_mesh(axes), rules(model) if rules else None)
-    trainer = ts.Trainer(model, test_packed.packed_loss, test_packed.adamw(), plan, batch_spec=batch_spec, **kwargs)
+    trainer = ts.Trainer(model, packed.packed_loss, packed.adamw(), plan, batch_spec=batch_spec, **kwargs)
     got = step_losses(trainer, data, work)
-    return losses_cell(got, expected, test_families.RTOL)
+    return losses_cell(got, expected, family_runs.RTOL)
 
 
 def cp_ring(row: Row, work: Work) -> Cell:
@@ -208,11 +202,11 @@ def cp_all_gather(row: Row, work: Work) -> Cell:
 def a2a(row: Row, work: Work) -> Cell:
     if not row.moe:
         return NOT_MOE
-    data = test_families._batches()
+    data = family_runs.batches()
     expected = row.eager_losses
-    trainer = test_families.trainer_for(row.fresh(), "expert_parallel")
+    trainer = family_runs.trainer_for(row.fresh(), "expert_parallel")
     got = step_losses(trainer, data, work)
-    cell = losses_cell(got, expected, test_families.RTOL)
+    cell = losses_cell(got, expected, family_runs.RTOL)
     moved = trainer.strategies["expert_dispatch"].option == ts.ExpertDispatch("all_to_all")
     return (
         cell if moved else Cell(cell.status, f"{cell.text} (dispatch: {trainer.strategies['expert_dispatch'].option})")
@@ -222,11 +216,11 @@ def a2a(row: Row, work: Work) -> Cell:
 def bf16(row: Row, work: Work) -> Cell:
     if not row.moe:
         return NOT_MOE
-    data = test_families._batches()
-    expected = eager(test_precision.torch_mixed_precision, row.fresh(), lm_loss, data)
-    trainer = test_families.trainer_for(row.fresh(), "expert_model", precision=ts.MixedPrecision())
+    data = family_runs.batches()
+    expected = eager(precision.torch_mixed_precision, row.fresh(), lm_loss, data)
+    trainer = family_runs.trainer_for(row.fresh(), "expert_model", precision=ts.MixedPrecision())
     got = step_losses(trainer, data, work)
-    losses = noisy_losses_cell(got, list(expected), test_precision.RTOL, lambda: _reordered(row, data))
+    losses = noisy_losses_cell(got, list(expected), precision.RTOL, lambda: _reordered(row, data))
     if losses.status != "ok":
         return losses
     grads = bf16_gradients(row.fresh(), data[0])
@@ -240,9 +234,9 @@ def bf16_gradients(model: torch.nn.Module, ids: torch.Tensor) -> Cell:
     two bf16 runs round apart as far as either is from fp32, so no tolerance between them can tell bf16 from
     fp32; and a token whose k-th and next expert tie within bf16 rounding flips by chance, moving a tiny
     model's gradients ~1 % per token)."""
-    pinned = bool(test_bf16_moe.routers(model))
-    with test_bf16_moe.pinned_routing(model, ids) if pinned else contextlib.nullcontext():
-        d = eager(test_bf16_moe.gradient_distances, model, ids)
+    pinned = bool(bf16_gradients.routers(model))
+    with bf16_gradients.pinned_routing(model, ids) if pinned else contextlib.nullcontext():
+        d = eager(bf16_gradients.gradient_distances, model, ids)
     if d["fp32"] > FP32_GRADIENTS:
         return Cell("fail", f"fp32 gradients differ from eager's by {d['fp32']:.1e} (tol {FP32_GRADIENTS:.0e})")
     ratio = d["torchshard"] / d["eager"]
@@ -250,8 +244,8 @@ def bf16_gradients(model: torch.nn.Module, ids: torch.Tensor) -> Cell:
     if not pinned:  # a chance flip may double either side: only a step that did not run in bf16 is caught
         ok, text = ratio > 0.5, f"{text}, routing not pinned"
     else:
-        ok, text = 0.5 < ratio <= test_bf16_moe.RATIO, f"{text}, routing pinned"
-    return Cell("ok" if ok else "fail", text if ok else f"{text} (want 0.5 < ratio ≤ {test_bf16_moe.RATIO})")
+        ok, text = 0.5 < ratio <= bf16_gradients.RATIO, f"{text}, routing pinned"
+    return Cell("ok" if ok else "fail", text if ok else f"{text} (want 0.5 < ratio ≤ {bf16_gradients.RATIO})")
 
 
 def _reordered(row: Row, data: list[torch.Tensor]) -> list[list[float]]:
@@ -261,7 +255,7 @@ def _reordered(row: Row, data: list[torch.Tensor]) -> list[list[float]]:
     for kernel, onednn in ((True, True), (False, False), (True, False)):
         with contextlib.suppress(Exception), torch.backends.mkldnn.flags(enabled=onednn):  # unrunnable: no measure
             model = _other_kernel(row.fresh()) if kernel else row.fresh()
-            runs.append(list(test_precision.torch_mixed_precision(model, lm_loss, data)))
+            runs.append(list(precision.torch_mixed_precision(model, lm_loss, data)))
     return runs
 
 
@@ -292,17 +286,17 @@ def lora(row: Row, work: Work) -> Cell:
     if not targets:
         return Cell("n/a", "no Linear layer in the tp_plan")
     torch.manual_seed(0)  # peft's initialisation of the adapters
-    model = test_lora.lora(row.fresh(), targets)
+    model = peft_lora.lora(row.fresh(), targets)
     ref = copy.deepcopy(model)
-    data = test_families._batches()
+    data = family_runs.batches()
     trainable = [p for p in ref.parameters() if p.requires_grad]
-    optimizer = torch.optim.AdamW(trainable, lr=test_lora.LR, weight_decay=test_lora.WD)
-    expected = eager(torch_losses, ref, test_lora.lm_loss, optimizer, data)
-    axes, rules = test_lora.RULES["fsdp_tp"]
+    optimizer = torch.optim.AdamW(trainable, lr=peft_lora.LR, weight_decay=peft_lora.WD)
+    expected = eager(torch_losses, ref, peft_lora.lm_loss, optimizer, data)
+    axes, rules = peft_lora.RULES["fsdp_tp"]
     plan = ts.plan(model, ts.make_mesh(axes), rules(model))
-    trainer = ts.Trainer(model, test_lora.lm_loss, optax.adamw(test_lora.LR, weight_decay=test_lora.WD), plan)
+    trainer = ts.Trainer(model, peft_lora.lm_loss, optax.adamw(peft_lora.LR, weight_decay=peft_lora.WD), plan)
     got = step_losses(trainer, data, work)
-    return losses_cell(got, expected, test_families.RTOL)
+    return losses_cell(got, expected, family_runs.RTOL)
 
 
 def plan_compile(row: Row, work: Work) -> Cell:

@@ -1,5 +1,8 @@
 """The matrix's strategy columns: each pipeline schedule, pipeline × context parallel, pipeline × all-to-all experts,
-and scan_layers + remat under FSDP × TP, on every family, against eager torch (the train column's truth)."""
+and scan_layers + remat under FSDP × TP, on every family, against eager torch (the train column's truth).
+
+The schedules are the registry's (``torchshard._strategies.pipeline.schedules``): a schedule registered there gets
+its column with no line here."""
 
 from __future__ import annotations
 
@@ -7,32 +10,25 @@ import re
 from collections.abc import Callable
 from typing import Any
 
-import optax
-import test_families
 import torch
-from helpers import torch_losses
 from jax.sharding import PartitionSpec as P
 
 import torchshard as ts
+from testsupport import family_runs
+from testsupport.helpers import torch_losses
 from tools.cells import Cell, Work, eager, losses_cell
 from tools.families import build, lm_loss
 from tools.rows import NOT_MOE, Row, step_losses
 
-SCHEDULES = ("gpipe", "circular", "1f1b", "1f1b_remat", "zero_bubble")
 PIPELINE_AXES = {"stage": 2, "data": 4}  # FSDP over data inside each stage
-CIRCULAR_LAYERS = 4  # two rounds over two stages need four layers
-
-
-def _adamw() -> optax.GradientTransformation:
-    f = test_families
-    return optax.adamw(f.LR, b1=f.BETAS[0], b2=f.BETAS[1], eps=f.EPS, weight_decay=f.WEIGHT_DECAY)
+ROUNDS_LAYERS = 4  # a schedule that takes repeats runs two rounds over two stages: four layers
 
 
 def _trained(model: torch.nn.Module, axes: dict[str, int], rules: ts.Rules | None, work: Work, *,
              expected: list[float], **kwargs: Any) -> Cell:  # fmt: skip
     """``model`` trained on the train column's batches under ``axes``/``rules``/``kwargs``, against ``expected``."""
-    trainer = ts.Trainer(model, lm_loss, _adamw(), ts.plan(model, ts.make_mesh(axes), rules), **kwargs)
-    return losses_cell(step_losses(trainer, test_families._batches(), work), expected, test_families.RTOL)
+    trainer = ts.Trainer(model, lm_loss, family_runs.optax_adamw(), ts.plan(model, ts.make_mesh(axes), rules), **kwargs)
+    return losses_cell(step_losses(trainer, family_runs.batches(), work), expected, family_runs.RTOL)
 
 
 def _fsdp() -> ts.Rules:
@@ -47,17 +43,23 @@ def layers_pattern(model: torch.nn.Module) -> str:
     return re.escape(max(lists)[1]) + r"\.\d+"
 
 
-def _pipeline(schedule: str) -> Callable[[Row, Work], Cell]:
+def schedules() -> dict[str, bool]:
+    """Each registered pipeline schedule's name → whether it takes ``repeats`` (rounds over the stages)."""
+    from torchshard._strategies.pipeline.schedules import SCHEDULES
+
+    return {name: schedule.repeats for name, schedule in SCHEDULES.items()}
+
+
+def _pipeline(schedule: str, rounds: bool) -> Callable[[Row, Work], Cell]:
     def column(row: Row, work: Work) -> Cell:
-        repeats = 2 if schedule == "circular" else 1
-        pipeline = ts.Pipeline(microbatches=2, schedule=schedule, repeats=repeats)
-        if schedule != "circular":
+        pipeline = ts.Pipeline(microbatches=2, schedule=schedule, repeats=2 if rounds else 1)
+        if not rounds:
             return _trained(row.fresh(), PIPELINE_AXES, _fsdp(), work, expected=row.eager_losses, pipeline=pipeline)
         # two rounds over two stages: a model of four layers (its layer kinds alternating as in the two-layer one)
-        model = build(row.family, layers=CIRCULAR_LAYERS).train(not row.family.samples)
-        ref = build(row.family, layers=CIRCULAR_LAYERS).train(not row.family.samples)
-        data = test_families._batches()
-        expected = eager(torch_losses, ref, lm_loss, test_families._torch_adamw(ref), data)
+        model = build(row.family, layers=ROUNDS_LAYERS).train(not row.family.samples)
+        ref = build(row.family, layers=ROUNDS_LAYERS).train(not row.family.samples)
+        data = family_runs.batches()
+        expected = eager(torch_losses, ref, lm_loss, family_runs.torch_adamw(ref), data)
         return _trained(model, PIPELINE_AXES, _fsdp(), work, expected=expected, pipeline=pipeline)
 
     column.__name__ = f"pipeline_{schedule}"
@@ -84,20 +86,37 @@ def pipeline_a2a(row: Row, work: Work) -> Cell:
 def scan_remat(row: Row, work: Work) -> Cell:
     """scan_layers + remat of every layer under the train column's plan (FSDP × TP where the family has a tp_plan)."""
     model = row.fresh()
-    trainer = test_families.trainer_for(model, row.plan_kind, scan_layers=True, remat=layers_pattern(model))
-    got = step_losses(trainer, test_families._batches(), work)
-    return row.noted(losses_cell(got, row.eager_losses, test_families.RTOL))
+    trainer = family_runs.trainer_for(model, row.plan_kind, scan_layers=True, remat=layers_pattern(model))
+    got = step_losses(trainer, family_runs.batches(), work)
+    return row.noted(losses_cell(got, row.eager_losses, family_runs.RTOL))
 
 
-# key → (heading, the check it states, the capability)
-COMBOS: dict[str, tuple[str, str, Callable[[Row, Work], Cell]]] = {
-    **{f"pp_{s}": (f"PP {s}", f"Pipeline(schedule={s!r}{', repeats=2' if s == 'circular' else ''}, microbatches=2) on "
-                   f"stage=2 × data=4 (FSDP in stages{', 4 layers' if s == 'circular' else ''}); 4 AdamW steps, "
-                   f"losses rtol {test_families.RTOL:.0e}", _pipeline(s)) for s in SCHEDULES},
+Combo = tuple[str, str, Callable[[Row, Work], Cell]]  # (heading, the check it states, the capability)
+
+
+def pipeline_combos() -> dict[str, Combo]:
+    """A column per registered pipeline schedule, in the registry's order."""
+    return {
+        f"pp_{s}": (f"PP {s}", f"Pipeline(schedule={s!r}{', repeats=2' if rounds else ''}, microbatches=2) on "
+                    f"stage=2 × data=4 (FSDP in stages{', 4 layers' if rounds else ''}); 4 AdamW steps, "
+                    f"losses rtol {family_runs.RTOL:.0e}", _pipeline(s, rounds))
+        for s, rounds in schedules().items()
+    }  # fmt: skip
+
+
+PAIRS: dict[str, Combo] = {
     "pp_cp": ("PP × CP ring", "gpipe on stage=2 × data=2 × context=2, ContextParallel('ring'); losses rtol "
-              f"{test_families.RTOL:.0e}", pipeline_context),
+              f"{family_runs.RTOL:.0e}", pipeline_context),
     "pp_a2a": ("PP × MoE all_to_all", "gpipe on stage=2 × expert=4, ExpertDispatch('all_to_all'); losses rtol "
-               f"{test_families.RTOL:.0e}", pipeline_a2a),
+               f"{family_runs.RTOL:.0e}", pipeline_a2a),
     "scan_remat": ("scan + remat", "scan_layers=True, remat of every layer, under train's plan (FSDP × TP); losses "
-                   f"rtol {test_families.RTOL:.0e}", scan_remat),
+                   f"rtol {family_runs.RTOL:.0e}", scan_remat),
 }  # fmt: skip
+
+
+def combos() -> dict[str, Combo]:
+    """key → `Combo`: a column per pipeline schedule registered now, then the pairs and scan + remat."""
+    return {**pipeline_combos(), **PAIRS}
+
+
+COMBOS = combos()  # the matrix's columns: every schedule torchshard registers as it is imported

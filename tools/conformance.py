@@ -4,6 +4,9 @@
     python3 dev.py conformance --families llama,mixtral   # those rows, printed (add --out to write them)
     python3 dev.py conformance --check           # exit 1 if any cell is ✗ (CI)
 
+`tools` and `testsupport` are folders of the clone, not installed packages: dev.py puts the clone on PYTHONPATH
+(``python -m tools.conformance`` from the clone's root does too).
+
 Each family runs in a worker process (tools/capabilities.py does one row), so an XLA abort takes down
 one family, whose remaining cells say so, and a fresh worker carries on with the next.
 """
@@ -32,8 +35,6 @@ from pathlib import Path
 from typing import Any
 
 ROOT = Path(__file__).resolve().parent.parent
-if __package__ in (None, ""):
-    sys.path.insert(0, str(ROOT))  # run as a script: `tools` is a folder of the clone, not an installed package
 
 DOC, DATA = ROOT / "docs" / "conformance.md", ROOT / "docs" / "conformance.json"
 BEGIN, END = "<!-- conformance:begin (written by tools/conformance.py) -->", "<!-- conformance:end -->"

@@ -8,11 +8,11 @@ from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
-import test_families
 import torch
-from helpers import torch_losses
 
 import torchshard as ts
+from testsupport import family_runs
+from testsupport.helpers import torch_losses
 from tools.cells import TYPED, Cell, Work, eager, first_line
 from tools.families import Family, build, family, has_experts, lm_loss
 
@@ -40,7 +40,7 @@ class Row:
         self.original: Any = build(self.family).eval()  # the weights every reference starts from; never trained
         self.moe = self.family.moe or has_experts(self.original)
         self.folder = folder
-        self.batch = test_families._batches(seed=9)[0]  # for evaluate and the forward comparisons
+        self.batch = family_runs.batches(seed=9)[0]  # for evaluate and the forward comparisons
 
     def fresh(self) -> torch.nn.Module:
         """A train-mode copy of the original model (eval mode where train mode samples: `Family.samples`)."""
@@ -54,7 +54,7 @@ class Row:
     @functools.cached_property
     def trainer(self) -> ts.Trainer:
         """The Trainer train steps, evaluate reads and load_safetensors fills."""
-        return test_families.trainer_for(self.fresh(), self.plan_kind)
+        return family_runs.trainer_for(self.fresh(), self.plan_kind)
 
     def noted(self, cell: Cell) -> Cell:
         """``cell``, saying so when it ran on FSDP alone or trained in eval mode."""
@@ -80,9 +80,9 @@ class Row:
 
     @functools.cached_property
     def eager_losses(self) -> list[float]:
-        """Eager torch's AdamW losses on the training batches (test_families'): the truth of every training cell."""
+        """Eager torch's AdamW losses on the training batches (family_runs'): the truth of every training cell."""
         ref = self.fresh()
-        return eager(torch_losses, ref, lm_loss, test_families._torch_adamw(ref), test_families._batches())
+        return eager(torch_losses, ref, lm_loss, family_runs.torch_adamw(ref), family_runs.batches())
 
     @functools.cached_property
     def eager_outputs(self) -> dict[str, torch.Tensor]:
@@ -92,7 +92,7 @@ class Row:
     @functools.cached_property
     def placed(self) -> torch.nn.Module:
         model = copy.deepcopy(self.original)
-        axes, rules, _ = test_families._rules(self.plan_kind, model)
+        axes, rules, _ = family_runs.rules(self.plan_kind, model)
         return ts.shard(model, ts.plan(model, ts.make_mesh(axes), rules))
 
 

@@ -1,9 +1,10 @@
-"""Shared test helpers: the one comparison against eager torch, and small reference models."""
+"""Shared test helpers: the one comparison against eager torch, benchmark runs, fresh processes."""
 
 from __future__ import annotations
 
 import functools
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -11,6 +12,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+ROOT = Path(__file__).resolve().parents[1]  # the clone: `testsupport` and `tools` import from it
 # why a test that runs tokamax skips on a lane without it (the pinned one)
 TOKAMAX_NEEDS = "tokamax needs Python >= 3.12 and jax >= 0.11.1 (docs/kernels.md)"
 
@@ -154,7 +156,7 @@ def fresh_process() -> dict:
             "stderr": later_err or err}  # fmt: skip
 
 
-BENCHMARKS = Path(__file__).resolve().parent.parent / "benchmarks"
+BENCHMARKS = ROOT / "benchmarks"
 
 
 def run_benchmark(name: str, *args: str) -> str:
@@ -188,3 +190,11 @@ def run_benchmark(name: str, *args: str) -> str:
         finally:
             torch.random.set_rng_state(torch_state)  # scripts seed torch's global generator; later tests must not
     return out.getvalue()
+
+
+def root_env(**extra: str) -> dict[str, str]:
+    """This process's environment, and ``extra``, with the clone first on ``PYTHONPATH``: a script a test launches
+    by path (``python tests/x.py``, torchrun, the launcher) imports `testsupport` and `tools` from it, as every
+    command of ``python3 dev.py`` does."""
+    path = os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH", "")) if p)
+    return {**os.environ, **extra, "PYTHONPATH": path}

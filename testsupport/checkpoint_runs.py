@@ -14,14 +14,13 @@ import optax
 import pytest
 import safetensors.torch
 import torch
-from helpers import assert_close, to_numpy
-from models import TiedLM
 from torch import nn
 
 import torchshard as ts
+from testsupport.helpers import assert_close, to_numpy
+from testsupport.models import TiedLM
 from torchshard import presets
 
-TESTS = pathlib.Path(__file__).parent
 TP_LM = presets.tensor_parallel(colwise=[r"block\.up"], rowwise=[r"block\.down"])
 TP_DROPOUT = presets.tensor_parallel(colwise=[r"0"], rowwise=[r"3"])
 

@@ -22,13 +22,12 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-import test_families
-import test_packed
 import torch
 from safetensors import safe_open
 from torch import nn
 from torch.overrides import TorchFunctionMode
 
+from testsupport import family_runs, packed
 from tools.capabilities import CAPABILITIES, PACKED_ROWS
 from tools.cells import Cell, run_cell
 from tools.families import has_experts, lm_loss
@@ -118,14 +117,14 @@ def _ops_in(model: nn.Module, module: str, run: Callable[[], Any]) -> list[str]:
 
 def _packed_batch() -> tuple[torch.Tensor, ...]:
     """The first batch the packed context-parallel cells train on (tools.capabilities._packed)."""
-    return test_packed.packed_batches(2, lengths=PACKED_ROWS)[0]
+    return packed.packed_batches(2, lengths=PACKED_ROWS)[0]
 
 
 def _eager_step(model: nn.Module, column: str) -> Callable[[], Any]:
     """The eager forward of the cell's loss: packed rows for the context-parallel columns, else the LM loss."""
     if column in CP:
-        return lambda: test_packed.packed_loss(model, _packed_batch())
-    return lambda: lm_loss(model, test_families._batches()[0])
+        return lambda: packed.packed_loss(model, _packed_batch())
+    return lambda: lm_loss(model, family_runs.batches()[0])
 
 
 def _called_module(model: nn.Module, name: str, run: Callable[[], Any]) -> bool:
@@ -180,7 +179,7 @@ def check_mask(row: Row, column: str, found: re.Match, monkeypatch: pytest.Monke
     text = found.string
     if "position_ids (packed documents)" in text:  # the mask follows the documents: unpacked rows change it
         unpacked = (*_packed_batch()[:2], torch.arange(64).expand(4, 64))
-        plain = _sdpa_calls(monkeypatch, model, lambda: test_packed.packed_loss(model, unpacked))
+        plain = _sdpa_calls(monkeypatch, model, lambda: packed.packed_loss(model, unpacked))
         same = [a.values is not None and b.values is not None and torch.equal(a.values, b.values)
                 for a, b in zip(plain, calls, strict=True)]  # fmt: skip
         assert not all(same), "eager SDPA gets the same masks for packed and unpacked rows"
@@ -233,7 +232,7 @@ def _check_inplace(row: Row, column: str, found: re.Match, monkeypatch: pytest.M
 
 def _check_cache_state(row: Row, column: str, found: re.Match, monkeypatch: pytest.MonkeyPatch) -> None:
     with torch.no_grad():
-        out = row.original(input_ids=test_families._batches()[0][:1, :8], use_cache=True)
+        out = row.original(input_ids=family_runs.batches()[0][:1, :8], use_cache=True)
     layers = [type(layer).__name__ for layer in out.past_key_values.layers]
     # eager transformers keeps the dynamic twin of each static layer the reason names
     named = {n.strip().replace("Static", "Dynamic") for n in found["layer"].split(",")}
@@ -257,7 +256,7 @@ def _check_no_past(row: Row, column: str, found: re.Match, monkeypatch: pytest.M
 
 
 def check_untraceable(row: Row, column: str, found: re.Match, monkeypatch: pytest.MonkeyPatch) -> None:
-    model, ids = row.original, test_families._batches()[0][:2, :5]
+    model, ids = row.original, family_runs.batches()[0][:2, :5]
     generate = functools.partial(model.generate, ids, max_new_tokens=3, do_sample=False)
     assert _called_module(model, found["module"], generate), f"eager generate does not call {found['module']}"
     assert int(found["line"]) in _lines_run(found["path"], generate), f"eager generate never runs {found['path']}"
