@@ -28,6 +28,8 @@ def main() -> None:
     import optax
     import torch
 
+    from torchshard._trainer.trainer import core_of
+
     torch.manual_seed(0)
     model = torch.nn.Sequential(*(torch.nn.Linear(64, 64) for _ in range(6)))
     trainer = ts.Trainer(model, lambda m, b: (m(b[0]) - b[1]).pow(2).mean(), optax.sgd(1e-3),
@@ -36,8 +38,9 @@ def main() -> None:
     placed = trainer.place_batch(cpu)
 
     def direct() -> None:
-        # private: the jitted step itself, on the Trainer's own state (the state is donated and replaced)
-        trainer._state, metrics = trainer._step_fn(trainer._state, trainer._frozen, placed, trainer._base_key)
+        # internal: the jitted step itself, on the Trainer's own state (the state is donated and replaced)
+        core = core_of(trainer)
+        core.state, metrics = core.step_fn(core.state, core.frozen, placed, core.base_key)
         jax.block_until_ready(metrics["loss"])
 
     calls = {

@@ -10,17 +10,17 @@ import numpy as np
 import optax
 import pytest
 import torch
-from helpers import assert_close, to_numpy
-from models import BlockStack, MoEStack, tiny_llama
 from torch import nn
 from torch.nn import functional as F
 
 import torchshard as ts
+from testsupport.evaluation import RTOL
+from testsupport.helpers import assert_close, to_numpy
+from testsupport.models import BlockStack, MoEStack, tiny_llama
 from tools.families import build, family
 from torchshard import ArgumentError, ContextParallel, MixedPrecision, Pipeline, ShardingError, presets
 from torchshard._trainer import evaluate as evaluate_module
-
-RTOL = 1e-5  # fp32: evaluate is the same forward as eager torch on the same weights
+from torchshard._trainer.trainer import core_of
 
 
 def lm_loss(model, ids):
@@ -111,7 +111,7 @@ def test_nothing_in_the_state_changes_and_the_mode_is_restored():
 def test_compiled_once_per_function_and_shape_with_a_bounded_cache(monkeypatch):
     model = nn.Linear(8, 4)
     trainer = ts.Trainer(model, mse, optax.sgd(0.1), ts.plan(model, ts.make_mesh({"data": 8})))
-    cache = trainer._evaluations
+    cache = core_of(trainer).evaluations
     trainer.evaluate(xy())
     trainer.evaluate(xy(seed=1))
     assert len(cache) == 1

@@ -110,6 +110,61 @@ def test_the_circle_finder_finds_circles(graph, expected):
     assert _cycle(graph) == expected
 
 
+def _defined_privates(tree: ast.AST) -> set[str]:
+    """The private attributes (``_x``) a module defines: its classes' methods and attributes, and ``obj._x = ...``."""
+    names: set[str] = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ClassDef):
+            for item in node.body:
+                if isinstance(item, ast.FunctionDef | ast.AsyncFunctionDef):
+                    names.add(item.name)
+                elif isinstance(item, ast.AnnAssign) and isinstance(item.target, ast.Name):
+                    names.add(item.target.id)
+                elif isinstance(item, ast.Assign):
+                    names |= {t.id for t in item.targets if isinstance(t, ast.Name)}
+        elif isinstance(node, ast.Attribute) and isinstance(node.ctx, ast.Store):
+            names.add(node.attr)
+    return {n for n in names if n.startswith("_") and not n.startswith("__")}
+
+
+def _foreign_reads(source: str, watched: set[str]) -> list[str]:
+    """Each ``obj._x`` read in ``source`` whose ``_x`` is one of ``watched`` and not defined in ``source`` itself."""
+    tree = ast.parse(source)
+    mine = _defined_privates(tree)
+    return [
+        f"{ast.unparse(node)} (line {node.lineno})"
+        for node in ast.walk(tree)
+        if isinstance(node, ast.Attribute) and isinstance(node.ctx, ast.Load)
+        if node.attr in watched and node.attr not in mine
+    ]
+
+
+def test_no_private_attribute_of_the_trainer_is_read_outside_its_module():
+    # the Trainer is one shared state (`Core`) and parts that receive it: none reaches into another's privates
+    watched = set().union(*(_defined_privates(ast.parse(p.read_text())) for p in (PACKAGE / "_trainer").glob("*.py")))
+    found = [
+        f"{path.relative_to(PACKAGE.parent)}: {read}"
+        for path in sorted(PACKAGE.rglob("*.py"))
+        for read in _foreign_reads(path.read_text(), watched)
+    ]
+    assert found == [], (
+        "a private attribute is read outside the module that defines it; read the part's public method, or the "
+        "field of the Core the parts share (torchshard/_trainer/core.py):\n" + "\n".join(found)
+    )
+
+
+@pytest.mark.parametrize(
+    "source, expected",
+    [
+        ("def f(trainer):\n    return trainer._core", ["trainer._core (line 2)"]),
+        ("class A:\n    def __init__(self):\n        self._core = 1\n    def f(self):\n        return self._core", []),
+        ("def f(trainer):\n    return trainer._other", []),
+    ],
+)
+def test_the_private_read_finder_finds_foreign_reads(source, expected):
+    assert _foreign_reads(source, {"_core"}) == expected
+
+
 MAX_LINES = 400  # a module past this is two jobs: split it by job, imports still pointing down
 MAX_FMT_SKIPS = 30  # hand layouts only where they are clearer than ruff's (tables); the rest is formatted
 

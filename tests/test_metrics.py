@@ -12,11 +12,11 @@ import numpy as np
 import optax
 import pytest
 import torch
-from full_disk import full_tmpfs, listing
-from helpers import torch_losses
-from models import MLP, BlockStack, tiny_llama
 
 import torchshard as ts
+from testsupport.full_disk import full_tmpfs, listing
+from testsupport.helpers import torch_losses
+from testsupport.models import MLP, BlockStack, tiny_llama
 from torchshard._base.errors import ArgumentError
 from torchshard._hlo.hardware import PROFILES, for_device_kind
 from torchshard._hlo.memory import CompiledMemory
@@ -71,8 +71,8 @@ def test_every_nth_step_is_logged_with_the_losses_eager_torch_trains_with(mesh_f
 
 def test_device_values_are_read_only_every_log_every_steps(mesh_fsdp, monkeypatch):
     reads = []
-    real = observed.Observed._values
-    monkeypatch.setattr(observed.Observed, "_values", lambda self, m: reads.append(1) or real(self, m))
+    real = observed.Observer._values
+    monkeypatch.setattr(observed.Observer, "_values", lambda self, m: reads.append(1) or real(self, m))
     trainer, _ = mlp_trainer(mesh_fsdp, log_every=5)
     for batch in batches(2) * 5:
         trainer.step(batch)

@@ -2,18 +2,26 @@
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, ClassVar
 
 import jax
 import jax.numpy as jnp
+import optax
 import torch
+from jax.sharding import NamedSharding
 
 from torchshard._base.errors import ShardingError, raise_if_any
-from torchshard._base.validate import describe_mesh, mismatch_problems
+from torchshard._base.validate import mismatch_problems
+from torchshard._bridge.layer_view import StackedArray
 from torchshard._bridge.module_tensors import named_tensors
 from torchshard._bridge.tensors import jax_dtype
-from torchshard._train.state import Arrays, TrainState, train_state_structs
-from torchshard._trainer.trainer import Trainer
+from torchshard._sharding.plan import ShardingPlan
+from torchshard._train.precision import MixedPrecision
+from torchshard._train.state import Arrays, StateLayout, Structs, TrainState, train_state_structs
+from torchshard._trainer.batches import raise_for_batch
+from torchshard._trainer.core import Core
+from torchshard._trainer.holding import Holding
+from torchshard._trainer.trainer import Trainer, core_of
 
 
 def _leaf_struct(leaf: Any) -> tuple[tuple[int, ...], Any]:
@@ -24,6 +32,64 @@ def _leaf_struct(leaf: Any) -> tuple[tuple[int, ...], Any]:
     # an int64 leaf is int32 to JAX without x64, as a real batch's int64 tensor becomes: say so here, where jax
     # 0.12 warns at lowering (an error under -W error) and older versions truncated silently
     return tuple(leaf.shape), jax.dtypes.canonicalize_dtype(dtype)
+
+
+def abstract_batch(core: Core, batch: Any, *, steps: int | None = None) -> Any:
+    """``batch`` as ShapeDtypeStructs with the shardings `Trainer.place_batch` would give its leaves.
+
+    Raises:
+        ShardingError: every leaf whose sharded dims do not divide by the mesh axes.
+    """
+    raise_for_batch(core, jax.tree.leaves(batch), steps=steps)
+
+    def struct(leaf: Any) -> jax.ShapeDtypeStruct:
+        shape, dtype = _leaf_struct(leaf)
+        return jax.ShapeDtypeStruct(shape, dtype, sharding=core.batch.sharding(leaf))
+
+    return jax.tree.map(struct, batch)
+
+
+class Shapes(Holding):
+    """Shapes and shardings (``jax.ShapeDtypeStruct``) in place of arrays: nothing is placed, owned or bound."""
+
+    def own(
+        self,
+        model: torch.nn.Module,
+        plan: ShardingPlan,
+        layout: StateLayout,
+        precision: MixedPrecision | None,
+        owner: object,
+    ) -> torch.nn.Module:
+        # nothing is placed: the tensors stay where the model was built (meta), and every step
+        # binds the traced state over all of them, as it does for a placed model
+        tensors = named_tensors(model)
+        problems = mismatch_problems(
+            {n: e.shape for n, e in plan.entries.items()},
+            {n: tuple(t.shape) for n, t in tensors.items()},
+            expected_in="plan",
+            found_in="model",
+        )
+        raise_if_any(problems, header=f"plan does not fit {type(model).__name__}; re-run plan() on this model")
+        return model
+
+    def arrays(self, layout: StateLayout, structs: Structs, tensors: dict[str, Any]) -> Arrays:
+        return structs  # type: ignore[return-value]  # stand-ins for the arrays a Trainer holds
+
+    def initial_state(
+        self,
+        transform: optax.GradientTransformation,
+        layout: StateLayout,
+        structs: tuple[Structs, Structs],
+        tensors: dict[str, Any],
+        replicated: NamedSharding,
+    ) -> TrainState:
+        return train_state_structs(transform, *structs, replicated)
+
+    def views(self, model: torch.nn.Module, layout: StateLayout, arrays: Arrays) -> dict[str, StackedArray]:
+        return {}  # no arrays to view: the traced step binds every tensor of the model
+
+    def step_args(self, core: Core, batch: Any, *, local: bool = False, steps: int | None = None) -> tuple[Any, ...]:
+        return core.state, core.frozen, abstract_batch(core, batch, steps=steps), core.base_key
 
 
 class AbstractTrainer(Trainer):
@@ -51,29 +117,7 @@ class AbstractTrainer(Trainer):
         True
     """
 
-    def _own(self, model: torch.nn.Module) -> torch.nn.Module:
-        # nothing is placed: the tensors stay where the model was built (meta), and every step
-        # binds the traced state over all of them, as it does for a placed model
-        tensors = named_tensors(model)
-        problems = mismatch_problems(
-            {n: e.shape for n, e in self.plan.entries.items()},
-            {n: tuple(t.shape) for n, t in tensors.items()},
-            expected_in="plan",
-            found_in="model",
-        )
-        raise_if_any(problems, header=f"plan does not fit {type(model).__name__}; re-run plan() on this model")
-        return model
-
-    def _physical(self, names: list[str]) -> Arrays:
-        return self._structs(names)  # type: ignore[return-value]  # stand-ins for the arrays a Trainer holds
-
-    def _initial_state(self) -> TrainState:
-        params_names, buffer_names, _ = self._names
-        params, buffers = self._structs(params_names), self._structs(buffer_names)
-        return train_state_structs(self.transform, params, buffers, self._replicated)
-
-    def _views(self) -> None:
-        pass  # no arrays to view: the traced step binds every tensor of the model
+    _holding: ClassVar[Holding] = Shapes()  # what differs from a Trainer: shapes where it holds arrays
 
     def abstract_batch(self, batch: Any, *, steps: int | None = None) -> Any:
         """``batch`` as ShapeDtypeStructs with the shardings `Trainer.place_batch` would give its leaves.
@@ -81,18 +125,7 @@ class AbstractTrainer(Trainer):
         Raises:
             ShardingError: every leaf whose sharded dims do not divide by the mesh axes.
         """
-        leaves = jax.tree.leaves(batch)
-        problems = [p for i, leaf in enumerate(leaves) for p in self._batch_problems(i, leaf, steps=steps)]
-        raise_if_any(problems, header=f"batch does not fit batch_spec {self.batch_spec} on {describe_mesh(self.mesh)}")
-
-        def struct(leaf: Any) -> jax.ShapeDtypeStruct:
-            shape, dtype = _leaf_struct(leaf)
-            return jax.ShapeDtypeStruct(shape, dtype, sharding=self._batch.sharding(leaf))
-
-        return jax.tree.map(struct, batch)
-
-    def _step_args(self, batch: Any, *, local: bool = False, steps: int | None = None) -> tuple[Any, ...]:
-        return self._state, self._frozen, self.abstract_batch(batch, steps=steps), self._base_key
+        return abstract_batch(core_of(self), batch, steps=steps)
 
     def step(self, batch: Any, *, local: bool = False) -> dict[str, jax.Array]:
         """Raises: an AbstractTrainer holds shapes, not values (build a `Trainer` to train)."""

@@ -7,17 +7,16 @@ import dataclasses
 import errno
 import logging
 import os
-import threading
 import time
 from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import jax
-import torch
 
 from torchshard._base.errors import ArgumentError, CheckpointError
 from torchshard._base.validate import raise_for_arguments
+from torchshard._trainer.core import Core
 from torchshard._trainer.run_metrics import StepFigures, batch_counts, device_memory, host_rss, peak_flops, step_line
 from torchshard._trainer.tracked import close_all, log_all, metric_values
 from torchshard._trainer.trackers import Tracker, path_problem
@@ -38,50 +37,41 @@ class _Window:
     samples: int = 0
 
 
-class Observed:
-    """The Trainer's run metrics, trackers and profiles (a mixin: `Trainer` is the only class built on it)."""
+class Observer:
+    """A Trainer's run metrics, trackers and profiles, read from its shared state.
 
-    if TYPE_CHECKING:
-        _step_fn: Any
-        _state: Any
-        _frozen: Any
-        _base_key: jax.Array
-        _lock: threading.RLock
-        _in_flight: Any
-        precision: Any
+    Args:
+        core: the Trainer's shared state.
+        log_every: every N steps, a step line on logger ``torchshard`` and every tracker (None: never).
+        trackers: what `emit` gives the values to.
+        peak: FLOP/s per device for MFU (None: the device's hardware profile).
+    """
 
-        @property
-        def mesh(self) -> jax.sharding.Mesh: ...
-
-        def tensor_dtypes(self) -> dict[str, torch.dtype]: ...
-
-    def _start_observing(self, log_every: int | None, trackers: Sequence[Tracker], peak: float | None) -> None:
+    def __init__(self, core: Core, log_every: int | None, trackers: Sequence[Tracker], peak: float | None) -> None:
+        self.core = core
         self.log_every = log_every
         self.trackers: tuple[Tracker, ...] = tuple(trackers)
         self._main = jax.process_index() == 0
         self._window: _Window | None = None  # None: the step count is read (a sync) at the next step
         self._signature: Signature | None = None
         self._figures: dict[Signature, StepFigures] = {}
-        low = self.precision is not None and self.precision.compute_dtype.itemsize <= 2
-        low = low or all(d.itemsize <= 2 for d in self.tensor_dtypes().values() if d.is_floating_point)
-        self.peak_flops = peak if peak is not None else peak_flops(self.mesh.devices.flat[0], low_precision=low)
+        precision = core.options.precision
+        low = precision is not None and precision.compute_dtype.itemsize <= 2
+        low = low or all(d.itemsize <= 2 for d in core.dtypes().values() if d.is_floating_point)
+        self.peak_flops = peak if peak is not None else peak_flops(core.mesh.devices.flat[0], low_precision=low)
+
+    def restart(self) -> None:
+        """The step count may have changed (`load_state`): the next step reads it again before logging."""
+        self._window = None
 
     @property
     def flops_per_step(self) -> float:
-        """Matmul FLOPs one device runs in a step, from the compiled step's HLO with loop trip counts.
-
-        The figure `torchshard.inspect.search` estimates step times from: every ``while`` body
-        counted as often as it runs, and forwards that ``remat=`` recomputes counted again. MFU
-        counts them once: see `model_flops_per_step`. Read for the batch shape of the latest step.
-
-        Raises:
-            ArgumentError: no step has run yet (the step is compiled for a batch).
-        """
+        """Matmul FLOPs one device runs in a step (`Trainer.flops_per_step`)."""
         return self._step_figures().flops
 
     @property
     def model_flops_per_step(self) -> float:
-        """`flops_per_step` with each rematerialised forward counted once: the FLOPs MFU is measured with."""
+        """`flops_per_step` with each rematerialised forward counted once (`Trainer.model_flops_per_step`)."""
         return self._step_figures().model_flops
 
     def _step_figures(self) -> StepFigures:
@@ -97,10 +87,11 @@ class Observed:
     def _lower_signature(self, signature: Signature) -> jax.stages.Lowered:
         treedef, leaves = signature
         structs = [jax.ShapeDtypeStruct(shape, dtype, sharding=sharding) for shape, dtype, sharding in leaves]
-        with self._lock, jax.set_mesh(self.mesh):
-            return self._step_fn.lower(self._state, self._frozen, jax.tree.unflatten(treedef, structs), self._base_key)
+        core = self.core
+        with core.lock, jax.set_mesh(core.mesh):
+            return core.step_fn.lower(core.state, core.frozen, jax.tree.unflatten(treedef, structs), core.base_key)
 
-    def _observe(self, metrics: Mapping[str, jax.Array], placed: Any, started: float) -> None:
+    def observe(self, metrics: Mapping[str, jax.Array], placed: Any, started: float) -> None:
         """After each step: remembers its batch's shapes and, every ``log_every`` steps, logs (the only sync)."""
         leaves, treedef = jax.tree.flatten(placed)
         self._signature = (treedef, tuple((x.shape, x.dtype, getattr(x, "sharding", None)) for x in leaves))
@@ -122,7 +113,7 @@ class Observed:
 
     def _first_step(self, metrics: Mapping[str, jax.Array], leaves: list[Any], started: float, every: int) -> None:
         """The first step logged from (or the first after `load_state`): reads where the count stands."""
-        step = int(self._state.step)  # waits for the step
+        step = int(self.core.state.step)  # waits for the step
         elapsed = time.perf_counter() - started
         self._step_figures()  # the step is compiled: its HLO is read now, outside the next window's time
         self._window = _Window(step, time.perf_counter(), step)  # before the trackers, which may raise
@@ -144,7 +135,7 @@ class Observed:
         if self.peak_flops is not None:
             rates["mfu"] = figures.model_flops / step_time / self.peak_flops
         rates["recompute_ratio"] = figures.recompute_ratio
-        mine = [d for d in self.mesh.devices.flat if d.process_index == jax.process_index()]
+        mine = [d for d in self.core.mesh.devices.flat if d.process_index == jax.process_index()]
         rates |= device_memory(mine) or {"memory_peak_bytes": float(figures.memory.peak_bytes)}
         rates["host_rss_bytes"] = host_rss()
         return rates
@@ -179,7 +170,7 @@ class Observed:
         """
         values = metric_values(metrics, prefix)
         if self._main:
-            self._emit(int(self._state.step), values)
+            self._emit(int(self.core.state.step), values)
         return values
 
     def close(self) -> None:
@@ -188,11 +179,7 @@ class Observed:
         Raises:
             TrackerError: a tracker's ``close`` raised: the first such, after every tracker was closed.
         """
-        close_all(self.trackers, int(self._state.step))
-
-    def _drain(self) -> None:
-        while self._in_flight:
-            self._in_flight.popleft().block_until_ready()
+        close_all(self.trackers, int(self.core.state.step))
 
     @contextlib.contextmanager
     def profile(self, logdir: str | os.PathLike[str]) -> Iterator[None]:
@@ -220,7 +207,7 @@ class Observed:
         """
         problem = path_problem(logdir, what="profile logdir", directory=True)
         raise_for_arguments([problem] if problem else [], header="invalid profile logdir")
-        self._drain()
+        self.core.drain()
         try:
             jax.profiler.start_trace(str(logdir))
         except RuntimeError as err:  # JAX's "Profile has already been started"
@@ -232,7 +219,7 @@ class Observed:
         try:
             yield
         finally:
-            self._drain()
+            self.core.drain()
             jax.profiler.stop_trace()
 
     def save_memory_profile(self, path: str | os.PathLike[str]) -> None:

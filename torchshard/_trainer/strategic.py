@@ -1,4 +1,4 @@
-"""The strategies half of a `Trainer`: its bound strategies, the idle time they leave, the kernels they chose."""
+"""What a Trainer says about its parallel strategies: the bound strategies, the idle time they leave, the kernels."""
 
 from __future__ import annotations
 
@@ -7,26 +7,19 @@ from collections.abc import Mapping
 from typing import Any
 
 from torchshard._train.strategy import Bound
+from torchshard._trainer.core import Core
 
 
-class Strategic:
-    """What a `Trainer` says about its parallel strategies (one per strategy keyword)."""
+def strategies(core: Core) -> Mapping[str, Bound]:
+    """Trainer keyword → its bound strategy, read-only (`Trainer.strategies`)."""
+    return types.MappingProxyType(core.strategies)
 
-    _strategies: dict[str, Bound]
 
-    @property
-    def strategies(self) -> Mapping[str, Bound]:
-        """Trainer keyword → its bound strategy (``.option`` is what the keyword resolved to: e.g.
-        ``strategies["expert_dispatch"].option`` is ``ExpertDispatch()`` where all-to-all runs), read-only."""
-        return types.MappingProxyType(self._strategies)
+def idle_fraction(core: Core) -> float:
+    """The fraction of the devices' time the strategies leave idle (`Trainer.idle_fraction`)."""
+    return sum(s.idle_fraction for s in core.strategies.values())
 
-    @property
-    def idle_fraction(self) -> float:
-        """The fraction of the devices' time the strategies leave idle: a pipeline's bubble,
-        ``(S-1)/(repeats*M + S-1)`` (``2(S-1)/(3M + 2(S-1))`` under ``"zero_bubble"``); 0.0 without one."""
-        return sum(s.idle_fraction for s in self._strategies.values())
 
-    @property
-    def kernels(self) -> dict[str, Any]:
-        """The kernel each attention call site got and why (``attention_kernel=``), once the step is traced."""
-        return {site: choice for s in self._strategies.values() for site, choice in s.kernels().items()}
+def kernels(core: Core) -> dict[str, Any]:
+    """The kernel each attention call site got and why (`Trainer.kernels`)."""
+    return {site: choice for s in core.strategies.values() for site, choice in s.kernels().items()}

@@ -2,52 +2,56 @@
 
 from __future__ import annotations
 
-import collections
 import threading
 import time
-import weakref
-from collections.abc import Callable, Sequence
-from typing import Any
+from collections.abc import Mapping, Sequence
+from typing import Any, ClassVar
 
 import jax
-import jax.numpy as jnp
 import optax
 import torch
-from jax.sharding import Mesh, NamedSharding, PartitionSpec
+from jax.sharding import Mesh, PartitionSpec
 
-from torchshard._base.errors import ShardingError, raise_if_any
 from torchshard._base.specs import SpecLike, parse_spec
-from torchshard._base.validate import describe_mesh, raise_for_arguments
-from torchshard._bridge.layer_view import StackedArray
-from torchshard._bridge.module_tensors import named_tensors
-from torchshard._bridge.tensors import rebind, unwrap
+from torchshard._base.validate import raise_for_arguments
+from torchshard._bridge.tensors import unwrap
 from torchshard._multihost.worker import heartbeat
-from torchshard._sharding.placement import put, shard
 from torchshard._sharding.plan import ShardingPlan
-from torchshard._strategies import bind_all, reserve
-from torchshard._train.batching import BatchLayout
-from torchshard._train.optim.given import given_optimizer
-from torchshard._train.precision import MixedPrecision, store_params
-from torchshard._train.remat import RematLike, as_remat, remat_targets, scan_remat
-from torchshard._train.scan import ScanLike, find_groups
-from torchshard._train.state import (
-    StateLayout,
-    shardings_by_key,
-    split_names,
-    stack_problems,
-)
-from torchshard._train.step import LossFn, Runtime, Step
-from torchshard._train.strategy import Setting, gradient_of, leaf_problems, tracing_all
-from torchshard._trainer.checks import batch_type_problems, check_trainer_args
-from torchshard._trainer.evaluate import Compiled, evaluating, structure, structure_problems
-from torchshard._trainer.observed import Observed
-from torchshard._trainer.retracing import Retracing
-from torchshard._trainer.stateful import Stateful
-from torchshard._trainer.strategic import Strategic
+from torchshard._strategies import reserve
+from torchshard._train.optim.given import GivenOptimizer
+from torchshard._train.precision import MixedPrecision
+from torchshard._train.remat import RematLike, as_remat
+from torchshard._train.scan import ScanLike
+from torchshard._train.state import Arrays, TrainState
+from torchshard._train.step import LossFn
+from torchshard._train.strategy import Bound
+from torchshard._trainer import strategic
+from torchshard._trainer.assemble import assemble
+from torchshard._trainer.batches import place_batch
+from torchshard._trainer.checks import check_trainer_args
+from torchshard._trainer.core import Core, Options
+from torchshard._trainer.evaluate import evaluating, structure, structure_problems
+from torchshard._trainer.forward import Forward
+from torchshard._trainer.holding import Holding, check_owner
+from torchshard._trainer.observed import Observer
+from torchshard._trainer.stateful import StateIO
 from torchshard._trainer.trackers import Tracker
 
 
-class Trainer(Observed, Stateful, Strategic):
+def _io(trainer: Trainer) -> StateIO:
+    return trainer._io
+
+
+def _observer(trainer: Trainer) -> Observer:
+    return trainer._observer
+
+
+def core_of(trainer: Trainer) -> Core:
+    """The state ``trainer``'s parts share: for `AbstractTrainer` and for tests and benchmarks that time its step."""
+    return trainer._core
+
+
+class Trainer:
     """Trains a sharded torch module with one fused, jitted, donated step per call.
 
     Args:
@@ -106,6 +110,9 @@ class Trainer(Observed, Stateful, Strategic):
         (['grad_norm', 'loss'], 1)
     """
 
+    # how the state is held: placed arrays (`AbstractTrainer`: shapes)
+    _holding: ClassVar[Holding] = Holding()
+
     def __init__(
         self,
         model: torch.nn.Module,
@@ -143,96 +150,120 @@ class Trainer(Observed, Stateful, Strategic):
             max_grad_norm=max_grad_norm,
             observing=(log_every, trackers, peak_flops),
         )
-        remat_ = as_remat(remat)
-        self.precision = precision
-        self.batch_spec = parse_spec(batch_spec) or PartitionSpec()
-        self.grad_accum_steps = grad_accum_steps
-        self.max_in_flight = max_in_flight
-        scanned = Setting(model, plan, self.batch_spec, find_groups(model, scan_layers))
-        self._strategies, setting = bind_all(scanned, strategies)
-        self.plan = setting.plan  # the plan table says which stage holds each pipelined layer
-        targets = remat_targets(model, remat_) if remat_ is not None else []
-        body_policies, targets = scan_remat(setting.groups, targets, remat_)
-        raise_if_any(stack_problems(setting.groups, plan), header="scan_layers cannot stack this plan")
-        self.layout = StateLayout(setting.groups)
-        self._given = given_optimizer(optimizer, model, plan, self.layout)  # read before the model moves
-        self.optimizer, self.transform = self._given.optimizer, self._given.transform
-        self._batch = BatchLayout(self.mesh, self.batch_spec)
-        self._lock = threading.RLock()
-        self._model = self._own(model)
-        self._tensors = named_tensors(self._model)
-        self._names = split_names(self._model, plan)
-        self._replicated = NamedSharding(plan.mesh, PartitionSpec())
-        # made by a jitted call: device_put of a one-device key to a multi-process replicated sharding gave an
-        # array whose shards cannot be listed, and a checkpoint could not write it
-        self._base_key = jax.jit(lambda: jax.random.key_data(jax.random.key(seed)), out_shardings=self._replicated)()
-        self._in_flight: collections.deque[jax.Array] = collections.deque()
-        self._stacks: dict[str, StackedArray] = {}
-        self._frozen = self._physical(self._names[2])
-        self._state = self._initial_state()
-        self._views()
-        self._given.settle(self._model)
-        bound, policy = list(self._strategies.values()), remat_.jax_policy() if remat_ is not None else None
-        shardings = shardings_by_key({**self._state.params, **self._frozen})
-        runtime = Runtime(
-            self._model,
-            loss_fn,
-            precision,
-            shardings,
-            setting.groups,
-            tuple(targets),
-            policy,
-            body_policies,
-            self._batch,
-            tracing_all(bound),
+        options = Options(
+            batch_spec=parse_spec(batch_spec) or PartitionSpec(),
+            grad_accum_steps=grad_accum_steps,
+            donate=donate,
+            seed=seed,
+            max_in_flight=max_in_flight,
+            precision=precision,
+            remat=as_remat(remat),
+            scan_layers=scan_layers,
+            skip_nonfinite=skip_nonfinite,
+            max_grad_norm=max_grad_norm,
         )
-        step = Step(
-            runtime, self.transform, grad_accum_steps, self._batch, skip_nonfinite, gradient_of(bound), max_grad_norm
-        )
-        self._step_fn = Retracing(lambda: self._compile(step, donate))
-        self._evaluations = Compiled(runtime)
-        self._trained_on: Any = None  # the structure of the batches steps took, which evaluate checks against
-        self._start_observing(log_every, trackers, peak_flops)
-
-    def _own(self, model: torch.nn.Module) -> torch.nn.Module:
-        """Places ``model``'s tensors as the plan says and makes this Trainer their owner; scanned layers are
-        placed when they are stacked, so a pipeline stage's devices receive only its layers."""
-        stacked = {name for names in self.layout.stacks().values() for name in names}
-        return self._take(shard(model, self.plan, skip=stacked))
-
-    def _take(self, model: torch.nn.Module) -> torch.nn.Module:
-        """Makes this Trainer the module's owner; arrays another Trainer may donate are copied first."""
-        previous = getattr(model, "_torchshard_trainer", None)
-        if previous is not None and previous() is not None:
-            tensors = named_tensors(model)
-            copies = jax.jit(lambda t: jax.tree.map(jnp.copy, t))({n: unwrap(t) for n, t in tensors.items()})
-            rebind(tensors, copies)
-        model._torchshard_trainer = weakref.ref(self)  # type: ignore[assignment]
-        if self.precision is not None:
-            store_params(model, self.plan, self.precision)
-        return model
+        self._core = core = assemble(self, self._holding, model, loss_fn, optimizer, plan, options, strategies)
+        self._io = StateIO(core)
+        self._observer = observer = Observer(core, log_every, trackers, peak_flops)
+        # set once, never changed: read-only copies of what the parts hold (the plan as the strategies laid it out)
+        self.precision, self.batch_spec, self.grad_accum_steps = precision, options.batch_spec, grad_accum_steps
+        self.max_in_flight, self.plan, self.layout = max_in_flight, core.plan, core.layout
+        self.optimizer, self.transform = core.given.optimizer, core.given.transform
+        self.log_every, self.trackers, self.peak_flops = log_every, observer.trackers, observer.peak_flops
 
     @property
     def lock(self) -> threading.RLock:
         """Held while a step runs (or anything else reads or rebinds the module's tensors)."""
-        return self._lock
+        return self._core.lock
 
     @property
     def mesh(self) -> Mesh:
         """The device mesh the plan places tensors on."""
-        mesh = self.plan.mesh
-        assert isinstance(mesh, Mesh)  # checked when the Trainer was built
-        return mesh
+        return self._core.mesh
 
     @property
     def model(self) -> torch.nn.Module:
         """The module, bound to the latest parameters and buffers."""
-        return self._model
+        return self._core.model
 
-    def _compile(self, step: Step, donate: bool) -> Callable[..., Any]:
-        out = (self.state_shardings(), self._replicated)
-        fresh = lambda *args: step(*args)  # noqa: E731  # a new function: JAX traces it anew (Retracing)
-        return jax.jit(fresh, donate_argnums=(0,) if donate else (), out_shardings=out)
+    @property
+    def state(self) -> TrainState:
+        return self._core.state
+
+    @property
+    def given_optimizer(self) -> GivenOptimizer:
+        """The optimizer as the step applies it: its optax transformation and, for a torch optimizer, its
+        translation and each parameter's place in the train state (what torch-format exports read)."""
+        return self._core.given
+
+    @property
+    def step_count(self) -> int:
+        return int(self._core.state.step)
+
+    @property
+    def rng_key(self) -> jax.Array:
+        """Raw key data (uint32) the per-step keys are folded from: part of a resumable state."""
+        return self._core.base_key
+
+    @property
+    def strategies(self) -> Mapping[str, Bound]:
+        """Trainer keyword → its bound strategy (``.option`` is what the keyword resolved to: e.g.
+        ``strategies["expert_dispatch"].option`` is ``ExpertDispatch()`` where all-to-all runs), read-only."""
+        return strategic.strategies(self._core)
+
+    @property
+    def idle_fraction(self) -> float:
+        """The fraction of the devices' time the strategies leave idle: a pipeline's bubble,
+        ``(S-1)/(repeats*M + S-1)`` (``2(S-1)/(3M + 2(S-1))`` under ``"zero_bubble"``); 0.0 without one."""
+        return strategic.idle_fraction(self._core)
+
+    @property
+    def kernels(self) -> dict[str, Any]:
+        """The kernel each attention call site got and why (``attention_kernel=``), once the step is traced."""
+        return strategic.kernels(self._core)
+
+    @property
+    def flops_per_step(self) -> float:
+        """Matmul FLOPs one device runs in a step, from the compiled step's HLO with loop trip counts.
+
+        The figure `torchshard.inspect.search` estimates step times from: every ``while`` body
+        counted as often as it runs, and forwards that ``remat=`` recomputes counted again. MFU
+        counts them once: see `model_flops_per_step`. Read for the batch shape of the latest step.
+
+        Raises:
+            ArgumentError: no step has run yet (the step is compiled for a batch).
+        """
+        return self._observer.flops_per_step
+
+    @property
+    def model_flops_per_step(self) -> float:
+        """`flops_per_step` with each rematerialised forward counted once: the FLOPs MFU is measured with."""
+        return self._observer.model_flops_per_step
+
+    state_shardings = Forward(_io, StateIO.state_shardings)
+    physical_arrays = Forward(_io, StateIO.physical_arrays)
+    log = Forward(_observer, Observer.log)
+    close = Forward(_observer, Observer.close)
+    profile = Forward(_observer, Observer.profile)
+    save_memory_profile = Forward(_observer, Observer.save_memory_profile)
+
+    def tensor_dtypes(self) -> dict[str, torch.dtype]:
+        """The torch dtype each tensor is stored in (the master dtype under `MixedPrecision`)."""
+        return self._core.dtypes()
+
+    def load_state(self, state: TrainState, *, rng_key: jax.Array | None = None, frozen: Arrays | None = None) -> None:
+        """Replaces the training state (e.g. from a checkpoint); arrays must already be placed.
+
+        A torch optimizer's param groups take the state's hyperparameters (a checkpoint's ``lr``, ``betas``...).
+
+        Args:
+            state: the new `TrainState`, sharded as `state_shardings` says.
+            rng_key: the `rng_key` to continue from (kept if None).
+            frozen: new arrays for frozen (``requires_grad=False``) parameters, by train-state key.
+        """
+        with self._core.lock:
+            self._observer.restart()  # the step count may have changed: read it again
+            self._io.load_state(state, rng_key=rng_key, frozen=frozen)
 
     def place_batch(self, batch: Any, *, local: bool = False, steps: int | None = None) -> Any:
         """Places every leaf of ``batch`` (torch CPU/torchax tensors, numpy, jax) with ``batch_spec``.
@@ -248,17 +279,7 @@ class Trainer(Observed, Stateful, Strategic):
                 or with no rows.
             ShardingError: every leaf whose sharded dims do not divide by the mesh axes.
         """
-        leaves = jax.tree.leaves(batch)
-        if not local and all(isinstance(x, jax.Array) and x.sharding == self._batch.sharding(x) for x in leaves):
-            return batch  # already placed (by place_batch or prefetch): nothing to check or move
-        raise_for_arguments(batch_type_problems(leaves), header="invalid batch")
-        problems = [p for i, leaf in enumerate(leaves) for p in self._batch_problems(i, leaf, local=local, steps=steps)]
-        raise_if_any(problems, header=f"batch does not fit batch_spec {self.batch_spec} on {describe_mesh(self.mesh)}")
-        return jax.tree.map(lambda x: put(x, self._batch.sharding(x), process_local=local), batch)
-
-    def _batch_problems(self, index: int, leaf: Any, *, local: bool = False, steps: int | None = None) -> list[str]:
-        steps = self.grad_accum_steps if steps is None else steps
-        return leaf_problems(self._batch, list(self._strategies.values()), steps, index, leaf, local=local)
+        return place_batch(self._core, batch, local=local, steps=steps)
 
     def step(self, batch: Any, *, local: bool = False) -> dict[str, jax.Array]:
         """Runs one training step on ``batch``; returns metrics as unsynchronised jax scalars.
@@ -280,26 +301,18 @@ class Trainer(Observed, Stateful, Strategic):
             ShardingError: the batch does not fit, ``loss_fn`` returns something other than a loss
                 tensor, or another Trainer has since taken over this module.
         """
-        started = time.perf_counter()
-        with self._lock:
-            self._check_owner()
-            args = self._step_args(batch, local=local)
-            with jax.set_mesh(self.mesh):  # constrain() inside forward reads the mesh it is traced under
-                self._state, metrics = self._step_fn(*args)
-            self._trained_on = self._trained_on or structure(batch)
-            self._bind()
-            self._throttle(metrics["loss"])
-        self._observe(metrics, args[2], started)  # every log_every steps: logs (and waits for the step)
+        started, core = time.perf_counter(), self._core
+        with core.lock:
+            check_owner(core.model, self)
+            args = self._holding.step_args(core, batch, local=local)
+            with jax.set_mesh(core.mesh):  # constrain() inside forward reads the mesh it is traced under
+                core.state, metrics = core.step_fn(*args)
+            core.trained_on = core.trained_on or structure(batch)
+            self._io.bind()
+            core.throttle(metrics["loss"])
+        self._observer.observe(metrics, args[2], started)  # every log_every steps: logs (and waits for the step)
         heartbeat()  # progress for the launcher's hang watchdog (nothing outside a launched run)
         return metrics
-
-    def _check_owner(self) -> None:
-        owner = getattr(self._model, "_torchshard_trainer", None)
-        if owner is None or owner() is not self:
-            raise ShardingError(
-                "another Trainer has been built on this Trainer's module since, and owns its tensors now; "
-                "train with the newer Trainer (or deep-copy the module before building a second one)"
-            )
 
     def lower(self, batch: Any) -> jax.stages.Lowered:
         """The step lowered for ``batch``, without running it or donating anything.
@@ -318,15 +331,15 @@ class Trainer(Observed, Stateful, Strategic):
             >>> "all-reduce" in hlo  # data parallel: the gradients are summed over "data"
             True
         """
-        with self._lock:
-            args = self._step_args(batch)
+        with self._core.lock:
+            args = self._holding.step_args(self._core, batch)
             with jax.set_mesh(self.mesh):
-                return self._step_fn.lower(*args)
+                return self._core.step_fn.lower(*args)
 
     def trace(self, batch: Any) -> jax.stages.Traced:
         """The step traced for ``batch`` (``.jaxpr`` is its program before XLA), as `lower` does without compiling."""
-        with self._lock, jax.set_mesh(self.mesh):
-            return self._step_fn.trace(*self._step_args(batch))
+        with self._core.lock, jax.set_mesh(self.mesh):
+            return self._core.step_fn.trace(*self._holding.step_args(self._core, batch))
 
     def evaluate(self, batch: Any, fn: LossFn | None = None, *, local: bool = False) -> dict[str, jax.Array]:
         """``fn(model, batch)`` on the current state in eval mode, as one compiled call; nothing in the state changes.
@@ -367,25 +380,16 @@ class Trainer(Observed, Stateful, Strategic):
             [] if callable_ else [f"fn must be a function fn(model, batch), got {fn!r:.40}"],
             header="invalid evaluate arguments",
         )
-        with self._lock:
-            self._check_owner()
+        core = self._core
+        with core.lock:
+            check_owner(core.model, self)
             raise_for_arguments(
-                structure_problems(self._trained_on, jax.tree.map(unwrap, batch)),
+                structure_problems(core.trained_on, jax.tree.map(unwrap, batch)),
                 header="evaluate: the batch is not like the training batches",
             )
-            args = self._step_args(batch, local=local, steps=1)
-            with jax.set_mesh(self.mesh), evaluating(self._model):
-                return self._evaluations(fn, *args)
-
-    def _step_args(self, batch: Any, *, local: bool = False, steps: int | None = None) -> tuple[Any, ...]:
-        placed = self.place_batch(jax.tree.map(unwrap, batch), local=local, steps=steps)
-        self._state = self._given.refresh(self._state)  # a torch optimizer's values now: inputs of the step
-        return self._state, self._frozen, placed, self._base_key
-
-    def _throttle(self, marker: jax.Array) -> None:
-        self._in_flight.append(marker)
-        while len(self._in_flight) > self.max_in_flight:
-            self._in_flight.popleft().block_until_ready()
+            args = self._holding.step_args(core, batch, local=local, steps=1)
+            with jax.set_mesh(core.mesh), evaluating(core.model):
+                return core.evaluations(fn, *args)
 
 
 reserve(Trainer)  # its own parameters: a strategy keyword among them would never reach the strategy
