@@ -58,7 +58,7 @@ def published_layout(text: str) -> SearchLayout:
     """``data=8,model=2:dots_saveable`` as a scanned bf16 layout without accumulation."""
     mesh, _, remat = text.partition(":")
     axes = {k: int(v) for k, v in (p.split("=") for p in mesh.split(","))}
-    return SearchLayout(tuple((a, axes.get(a, 1)) for a in mesh_axes()), 1, remat or "nothing_saveable", True, "bf16")
+    return SearchLayout(tuple((a, axes.get(a, 1)) for a in mesh_axes()), remat or "nothing_saveable", True, "bf16")
 
 
 def row(c: engine.Candidate, devices: int) -> str:

@@ -10,9 +10,9 @@ import jax
 import numpy as np
 import pytest
 import torch
-from models import tiny_llama
 
 import torchshard as ts
+from testsupport.models import tiny_llama
 from torchshard.__main__ import main
 from torchshard._base.errors import ArgumentError, ShardingError
 from torchshard._hlo.costs import StepCosts, step_costs
@@ -116,6 +116,7 @@ def test_an_unknown_hardware_name_lists_the_profiles():
         hardware("h10")
 
 
+LLAMA_ARG = "testsupport.models:tiny_llama"  # MODULE:FACTORY, as users name them
 DIMS = ModelDims(layers=4, heads=4, kv_heads=2, experts=None, hidden=64)
 OPTIONS = {"microbatches": (1,), "remat": (None,), "scan": (True,), "precision": ("bf16",)}
 
@@ -125,7 +126,7 @@ def test_the_space_has_only_degrees_that_divide_the_model():
     meshes = {lay.mesh for lay in found}
     assert all(dict(m)["model"] in (1, 2) and dict(m)["stage"] in (1, 2, 4) for m in meshes)
     assert (("stage", 1), ("data", 8), ("context", 1), ("expert", 1), ("model", 1)) in meshes
-    assert all(lay.microbatches == dict(lay.mesh)["stage"] for lay in found if dict(lay.mesh)["stage"] > 1)
+    assert all(lay.option("microbatches") == dict(lay.mesh)["stage"] for lay in found if dict(lay.mesh)["stage"] > 1)
 
 
 @pytest.mark.parametrize(("precision", "dtype"), [("bf16", torch.bfloat16), ("fp16", torch.float16), ("fp32", None)])
@@ -142,9 +143,9 @@ def test_each_precision_compiles_under_its_own_policy(precision, dtype):
 def test_pipelined_meshes_are_tried_with_each_schedule_and_the_rest_with_none():
     found = layouts(8, DIMS, (8, 32), schedules=("1f1b", "gpipe"), **OPTIONS)
     piped = [lay for lay in found if lay.degree("stage") > 1]
-    assert piped and {lay.schedule for lay in piped} == {"1f1b", "gpipe"}
-    assert all(lay.schedule is None for lay in found if lay.degree("stage") == 1)
-    assert " pipeline M=2 1f1b " in next(lay for lay in piped if lay.schedule == "1f1b").label() + " "
+    assert piped and {lay.option("schedule") for lay in piped} == {"1f1b", "gpipe"}
+    assert all(lay.option("schedule") is None for lay in found if lay.degree("stage") == 1)
+    assert " pipeline M=2 1f1b " in next(lay for lay in piped if lay.option("schedule") == "1f1b").label() + " "
     with pytest.raises(
         ArgumentError, match=r"schedules=\['zero'\]: choose one or more of \['gpipe', '1f1b', '1f1b_remat', 'zero_b"
     ):
@@ -187,8 +188,8 @@ def test_gradient_accumulation_with_context_parallelism_counts_every_micro_batch
     (XLA recomputes one more projection under the micro-batch loop here: 2.6% more, never fewer.)
     """
     mesh = (("stage", 1), ("data", 2), ("context", 2), ("expert", 1), ("model", 1))
-    one, four = (compile_layout(tiny_problem, SearchLayout(mesh, k, "nothing_saveable"), tiny_problem.model,
-                                jax.devices()[:4])[1] for k in (1, 4))  # fmt: skip
+    accumulating = [SearchLayout(mesh, "nothing_saveable", options=(("grad_accum_steps", k),)) for k in (1, 4)]
+    one, four = (compile_layout(tiny_problem, lay, tiny_problem.model, jax.devices()[:4])[1] for lay in accumulating)
     assert one.flops <= four.flops < 1.05 * one.flops
 
 
@@ -200,14 +201,15 @@ def test_a_searched_1f1b_pipeline_compiles_gpipes_flops_in_less_memory(tiny_prob
     problem = dataclasses.replace(tiny_problem, model=tiny_llama(layers=2, meta=True), batch=(8, 64), devices=2)
     mesh = (("stage", 2), ("data", 1), ("context", 1), ("expert", 1), ("model", 1))
     model, devices = problem.model, jax.devices()[:2]
-    one_f, gpipe = (SearchLayout(mesh, 8, None, True, "fp32", s) for s in ("1f1b", "gpipe"))
+    piped = (("microbatches", 8),)
+    one_f, gpipe = (SearchLayout(mesh, None, True, "fp32", (*piped, ("schedule", s))) for s in ("1f1b", "gpipe"))
     assert trainer_options(model, one_f)["pipeline"] == ts.Pipeline(microbatches=8, schedule="1f1b")
     assert _base([gpipe, one_f], {"remat": (None,), "precision": ("fp32",), "schedules": ("gpipe", "1f1b")}) == one_f
     (one_f_peak, one_f_costs), (gpipe_peak, gpipe_costs) = (compile_layout(problem, lay, model, devices)
                                                             for lay in (one_f, gpipe))  # fmt: skip
     assert one_f_costs.flops <= 1.05 * gpipe_costs.flops
     assert one_f_peak < gpipe_peak
-    zero = SearchLayout(mesh, 8, None, True, "fp32", "zero_bubble")
+    zero = SearchLayout(mesh, None, True, "fp32", (*piped, ("schedule", "zero_bubble")))
     zero_costs = compile_layout(problem, zero, model, devices)[1]
     assert zero_costs.flops < gpipe_costs.flops  # no placeholder weight gradients
     # the estimate's bubble share is the schedule's own (FLOPs scaled up: a tiny step's parts round to 0 s)
@@ -225,7 +227,7 @@ def test_the_search_ranks_fitting_configurations_and_its_best_fits_by_plan_compi
     assert [c.step_seconds for c in compiled if c.fits] == sorted(c.step_seconds for c in compiled if c.fits)
     best = compiled[0]
     mesh = {"data": best.mesh["data"], "model": best.layout.degree("model")}
-    argv = ["plan", "tests.models:tiny_llama", "--mesh", ",".join(f"{a}={n}" for a, n in mesh.items()), "--preset",
+    argv = ["plan", LLAMA_ARG, "--mesh", ",".join(f"{a}={n}" for a, n in mesh.items()), "--preset",
             "hf", "--compile", "--batch", "8x18", "--scan", "--precision", "bf16", "--device-memory",
             str(best.peak_bytes * 2), "--format", "json"]  # fmt: skip
     assert main(argv) == 0
@@ -254,13 +256,13 @@ def test_the_search_compiles_without_llvm_optimisation_to_the_same_program_and_m
 
 
 def test_search_cli_errors_name_the_fix(capsys):
-    assert main(["plan", "tests.models:tiny_llama", "--search", "--batch", "8x16"]) == 2
+    assert main(["plan", LLAMA_ARG, "--search", "--batch", "8x16"]) == 2
     assert "--search needs --devices N" in capsys.readouterr().err
-    assert main(["plan", "tests.models:tiny_llama", "--search", "--devices", "4", "--batch", "8x16", "--hardware",
+    assert main(["plan", LLAMA_ARG, "--search", "--devices", "4", "--batch", "8x16", "--hardware",
                  "b200"]) == 2  # fmt: skip
     assert "unknown hardware 'b200'" in capsys.readouterr().err
     with pytest.raises(SystemExit, match="2"):
-        main(["plan", "tests.models:tiny_llama"])
+        main(["plan", LLAMA_ARG])
     assert "--mesh (or use --search)" in capsys.readouterr().err
 
 
@@ -273,12 +275,12 @@ def test_search_cli_errors_name_the_fix(capsys):
 def test_search_counts_below_one_are_usage_errors_naming_the_flag(capsys, flag, value, message):
     flags = {"--devices": "4", "--hosts": "1"} | {flag: value}
     with pytest.raises(SystemExit, match="2"):
-        main(["plan", "tests.models:tiny_llama", "--search", "--batch", "8x16", *(x for f in flags.items() for x in f)])
+        main(["plan", LLAMA_ARG, "--search", "--batch", "8x16", *(x for f in flags.items() for x in f)])
     err = capsys.readouterr().err
     assert f"argument {flag}: {message}; give a count >= 1" in err and "use_cpu_devices" not in err
 
 
-SEARCH = ["plan", "tests.models:tiny_llama", "--search", "--devices", "4", "--batch", "8x16"]
+SEARCH = ["plan", LLAMA_ARG, "--search", "--devices", "4", "--batch", "8x16"]
 
 
 def _searched(monkeypatch) -> list[dict]:
@@ -332,14 +334,14 @@ FAULTY = {"microbatches": (1, 2, 4), "remat": (None,), "scan": (True,), "precisi
 
 
 def _assert_failures_recorded(found, *, abort: str, raised: str) -> None:
-    notes = {c.layout.microbatches: c.note for c in found}
+    notes = {c.layout.splits: c.note for c in found}
     assert notes[2].startswith(abort) and notes[4] == raised, notes  # 4 after the abort: a fresh compiling process
-    assert found[0].layout.microbatches == 1 and found[0].fits and found[0].step_seconds > 0
+    assert found[0].layout.splits == 1 and found[0].fits and found[0].step_seconds > 0
 
 
 @pytest.mark.slow
 def test_the_search_records_candidates_that_raise_or_abort_as_failed_and_ranks_the_rest(caplog, monkeypatch):
-    from search_faults import faulty_llama
+    from testsupport.search_faults import faulty_llama
 
     with torch.device("meta"):
         model = faulty_llama()
@@ -355,7 +357,7 @@ def test_the_search_records_candidates_that_raise_or_abort_as_failed_and_ranks_t
 
 @pytest.mark.slow
 def test_a_search_whose_loss_cannot_be_sent_to_a_child_compiles_here_and_records_errors_as_failed(caplog):
-    from search_faults import faulty_llama
+    from testsupport.search_faults import faulty_llama
 
     def loss(model, ids):  # a local function: pickle cannot send it
         if ids.shape[0] != 8:
@@ -366,13 +368,13 @@ def test_a_search_whose_loss_cannot_be_sent_to_a_child_compiles_here_and_records
         model = faulty_llama()
     found = ts.inspect.search(model, devices=2, batch=(8, 15), loss_fn=loss, max_compiles=2, **FAULTY)
     assert "compiling in this process, as the model or loss cannot be sent to a child" in caplog.text
-    assert found[0].layout.microbatches == 1 and found[0].fits
+    assert found[0].layout.splits == 1 and found[0].fits
     assert found[1].note == "failed: ValueError: no micro-batches here (4 rows)"
 
 
 @pytest.mark.slow
 def test_plan_search_survives_candidates_that_fail_to_compile_and_exits_0(capsys):
-    argv = ["plan", "tests.search_faults:faulty_llama", "--search", "--devices", "2", "--batch", "8x15",
+    argv = ["plan", "testsupport.search_faults:faulty_llama", "--search", "--devices", "2", "--batch", "8x15",
             "--microbatches", "1,2,4", "--remat-policies", "none", "--scans", "true", "--precisions", "bf16",
             "--max-compiles", "4"]  # fmt: skip
     assert main(argv) == 0
@@ -390,7 +392,7 @@ def test_at_depth_rebuilds_a_transformers_model_on_meta():
 
 @pytest.mark.slow
 def test_the_search_benchmark_runs_tiny():
-    from helpers import run_benchmark
+    from testsupport.helpers import run_benchmark
 
     # two compiles (its compile worker started, then reused) are a smoke run; the tests above search further
     stdout = run_benchmark("search.py", "--tiny", "--max-compiles", "2")

@@ -21,14 +21,14 @@ import numpy as np
 import optax
 import pytest
 import torch
-from helpers import torch_losses
 from toy_strategy import binding
 from toy_strategy.option import MARKS, Mark
 
 import torchshard as ts
+from testsupport.helpers import torch_losses
 from torchshard.__main__ import EXIT_OK, EXIT_USAGE, main
 from torchshard._search.search_compile import trainer_options
-from torchshard._search.space import SearchLayout
+from torchshard._search.space import ModelDims, SearchLayout, layouts
 from torchshard._strategies import RESERVED, STRATEGIES, register, reserve
 
 PACKAGE = pathlib.Path(ts.__file__).parent
@@ -207,6 +207,25 @@ def test_search_candidates_give_the_toy_its_option(toy):
     assert trainer_options(Stack(), SearchLayout(mesh=(("data", 1),)))["mark"] is None
 
 
+def test_the_toys_search_choice_is_a_search_keyword_and_a_flag(toy, capsys):
+    dims = ModelDims(layers=3, heads=None, kv_heads=None, experts=None, hidden=8)
+    fixed = {"remat": (None,), "scan": (True,), "precision": ("bf16",), "microbatches": (1,)}
+    found = layouts(2, dims, (4, 8), tags=("searched", "other"), **fixed)
+    tags = [lay.option("tag") for lay in found if lay.degree("data") == 2]
+    assert tags == ["searched", "other"] and all(lay.option("tag") is None for lay in found if lay.degree("data") == 1)
+    other = next(lay for lay in found if lay.option("tag") == "other")
+    assert trainer_options(Stack(), other)["mark"] == Mark("other") and other.label() == "data=2 scan bf16"
+    with pytest.raises(
+        ts.ArgumentError, match=r"search: tags=\['nope'\]: choose one or more of \['searched', 'other'\]"
+    ):
+        ts.inspect.search(Stack, devices=2, batch=(4, 8), tags=("nope",))
+    with pytest.raises(TypeError, match=r"search\(\) got an unexpected keyword argument 'tagz'"):
+        ts.inspect.search(Stack, devices=2, batch=(4, 8), tagz=("searched",))
+    with pytest.raises(SystemExit):
+        main(["plan", "--help"])
+    assert "--tags TAGS" in capsys.readouterr().out
+
+
 # the strategies' own modules: every module of a strategy's folder (the registry, _strategies/__init__.py, is not one)
 STRATEGY_MODULES = {
     ".".join(p.relative_to(PACKAGE.parent).with_suffix("").parts) for p in (PACKAGE / "_strategies").glob("*/**/*.py")
@@ -253,7 +272,7 @@ def test_an_abstract_trainer_takes_the_toy_and_compiles_its_hook(toy):
 
 @pytest.mark.slow  # a search compiles a candidate in a child process
 def test_plan_search_gives_the_toy_its_option(toy):
-    from models import tiny_llama
+    from testsupport.models import tiny_llama
 
     best = ts.inspect.search(tiny_llama(meta=True), devices=2, batch=(4, 16), remat=(None,), scan=(True,),
                              precision=("bf16",), microbatches=(1,), max_compiles=1)  # fmt: skip

@@ -15,10 +15,11 @@ from pathlib import Path
 
 from torchshard._base.errors import ShardingError
 from torchshard._report.cli import PRESET_HELP, PRESETS, UsageError, build_on_meta, load_factory, run_plan
-from torchshard._report.fit import EXIT_DOES_NOT_FIT, OPTIMIZERS, PRECISIONS
+from torchshard._report.fit import EXIT_DOES_NOT_FIT, OPTIMIZERS
 from torchshard._search.search_cli import SEARCH_HELP, add_search_arguments, search_command
 from torchshard._strategies import flagged
-from torchshard._train.remat import POLICY_NAMES
+from torchshard._train.precision import PRECISIONS
+from torchshard._train.remat import DEFAULT_POLICY, POLICY_NAMES
 
 EXIT_OK, EXIT_INVALID_PLAN, EXIT_USAGE = 0, 1, 2
 
@@ -65,7 +66,7 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--batch-spec", help="mesh axes of the batch dims, e.g. data or data,context (default: FSDP axis)")
     c.add_argument("--scan", action="store_true", default=None, help="Trainer(scan_layers=True)")
     c.add_argument("--remat", metavar="REGEX", help="Trainer(remat=Remat(REGEX)), e.g. 'model\\.layers\\.\\d+'")
-    c.add_argument("--remat-policy", choices=POLICY_NAMES, help="a Remat policy (default: nothing_saveable)")
+    c.add_argument("--remat-policy", choices=POLICY_NAMES, help=f"a Remat policy (default: {DEFAULT_POLICY})")
     c.add_argument("--precision", choices=tuple(PRECISIONS), help="bf16/fp16: MixedPrecision (fp32 master weights)")
     c.add_argument("--optimizer", choices=tuple(OPTIMIZERS), help="optax optimizer (default: adamw)")
     c.add_argument("--grad-accum", type=int, metavar="K", help="Trainer(grad_accum_steps=K)")

@@ -1,4 +1,4 @@
-"""The toy's binding to the Trainer, its execution hook, its ``plan --compile`` flag and its search hook."""
+"""The toy's binding to the Trainer, its execution hook, its ``plan --compile`` flag and its search hooks."""
 
 from __future__ import annotations
 
@@ -7,6 +7,7 @@ from typing import Any
 
 import torchshard as ts
 from torchshard._base.validate import instance_problems, raise_for_arguments
+from torchshard._train.search_seam import SearchOption
 from torchshard._train.strategy import Bound, Flag, SearchedLayout, Setting, Strategy
 from toy_strategy.option import MARKS, Mark
 
@@ -55,8 +56,23 @@ def bind(option: Any, setting: Setting) -> Bound:
 
 
 def searched(layout: SearchedLayout) -> Mark | None:
-    """A ``plan --search`` candidate's option: marked on meshes with data parallelism."""
-    return Mark("searched") if layout.axes.get("data", 1) > 1 else None
+    """A ``plan --search`` candidate's option: marked on meshes with data parallelism, with the tag tried there."""
+    return Mark(layout.option("tag", "searched")) if layout.axes.get("data", 1) > 1 else None
+
+
+def tagged(axes: dict[str, int], tag: str) -> dict[str, str]:
+    """The layout option one ``--tags`` value sets: a tag on meshes with data parallelism, none elsewhere."""
+    return {"tag": tag} if axes.get("data", 1) > 1 else {}
+
+
+TAGS = SearchOption(
+    name="tags",
+    help="Mark tags to try on meshes with data parallelism",
+    tried=lambda: ("searched",),
+    allowed=lambda: ("searched", "other"),
+    keys=("tag",),
+    sets=tagged,
+)
 
 
 FLAG = Flag(
@@ -66,4 +82,4 @@ FLAG = Flag(
     figures=lambda option, trainer: {"tag": option.tag},
     summary=lambda figures: f", mark {figures['tag']}",
 )
-STRATEGY = Strategy(keyword="mark", option=Mark, bind=bind, flag=FLAG, searched=searched)
+STRATEGY = Strategy(keyword="mark", option=Mark, bind=bind, flag=FLAG, searched=searched, search_options=(TAGS,))

@@ -21,7 +21,6 @@ from torchshard._presets.hf import hf_rules
 from torchshard._presets.hf_plan import from_hf_tp_plan
 from torchshard._presets.tables import common_tensor_parallel, fsdp
 from torchshard._report.fit import (
-    PRECISIONS,
     compile_only,
     compile_report,
     compiled_lines,
@@ -36,6 +35,7 @@ from torchshard._report.visualize import replicated_over, visualize_plan
 from torchshard._sharding.mesh import make_mesh, parse_axes
 from torchshard._sharding.plan import ShardingPlan, plan
 from torchshard._sharding.rules import Rules
+from torchshard._train.precision import master_dtype
 
 PRESET_HELP = {
     "fsdp": "presets.fsdp(FSDP_AXIS): every tensor of >= 4096 elements split along its largest dim that the axis "
@@ -180,7 +180,7 @@ def _mesh_line(data: dict[str, Any]) -> str:
 
 def _what_counts(data: dict[str, Any]) -> str:
     precision = data.get("compile", {}).get("precision", "fp32")
-    master = ", fp32 master weights" if precision != "fp32" else ""
+    master = ", fp32 master weights" if master_dtype(precision) is not None else ""
     return f"AdamW{master}, activations not included"
 
 
@@ -304,8 +304,7 @@ def run_plan(args: argparse.Namespace) -> tuple[str, bool]:
     model = build_on_meta(load_factory(args.target))
     mesh, abstract = (make_mesh(axes, devices=devices), False) if devices else build_mesh(axes)
     plan = plan_with(args, model, mesh, rules_file=args.rules, preset=args.preset)
-    stored = None if PRECISIONS[args.precision or "fp32"] is None else torch.float32
-    data = report(model, plan, abstract=abstract, top=args.top, param_dtype=stored)
+    data = report(model, plan, abstract=abstract, top=args.top, param_dtype=master_dtype(args.precision))
     if args.compare:
         data["compare"] = compare(args, model, plan)
     if devices:

@@ -27,12 +27,11 @@ from torchshard._report.usage import UsageError
 from torchshard._sharding.mesh import use_cpu_devices
 from torchshard._sharding.plan import ShardingPlan
 from torchshard._strategies import STRATEGIES, flagged
-from torchshard._train.precision import MixedPrecision
-from torchshard._train.remat import Remat
+from torchshard._train.precision import master_dtype, named_policy
+from torchshard._train.remat import DEFAULT_POLICY, Remat
 from torchshard._trainer.abstract import AbstractTrainer
 
 EXIT_DOES_NOT_FIT = 3
-PRECISIONS = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}
 OPTIMIZERS: dict[str, Callable[[float], optax.GradientTransformation]] = {
     "adamw": optax.adamw,
     "adam": optax.adam,
@@ -180,12 +179,11 @@ def loss_for(model: torch.nn.Module, target: str | None, load: Callable[[str], A
 
 def trainer_options(args: argparse.Namespace, mesh: Any) -> dict[str, Any]:
     """The Trainer keyword arguments the command line asks for."""
-    compute = PRECISIONS[args.precision or "fp32"]
     return strategy_options(args, dict(mesh.shape)) | {
         "batch_spec": parse_batch_spec(args.batch_spec, mesh, args.fsdp_axis),
         "grad_accum_steps": args.grad_accum or 1,
-        "precision": None if compute is None else MixedPrecision(compute),
-        "remat": Remat(args.remat, policy=args.remat_policy or "nothing_saveable") if args.remat else None,
+        "precision": named_policy(args.precision),
+        "remat": Remat(args.remat, policy=args.remat_policy or DEFAULT_POLICY) if args.remat else None,
         "scan_layers": bool(args.scan),
     }
 
@@ -227,14 +225,9 @@ def _notes(caught: list[warnings.WarningMessage]) -> None:
         print(f"note: {w.message}", file=sys.stderr)
 
 
-def _stored_dtype(args: argparse.Namespace) -> torch.dtype | None:
-    """The dtype MixedPrecision stores parameters in (fp32 master weights), or None for the model's own."""
-    return None if PRECISIONS[args.precision or "fp32"] is None else torch.float32
-
-
 def expected_arguments(plan: ShardingPlan, model: torch.nn.Module, args: argparse.Namespace, batch: Any) -> int:
     """What the plan says the step's arguments take per device: params, optimizer state, buffers, batch."""
-    mem = training_memory(plan, model, param_dtype=_stored_dtype(args))
+    mem = training_memory(plan, model, param_dtype=master_dtype(args.precision))
     state = _MOMENTS[args.optimizer or "adamw"] * mem.grads
     batch_bytes = sum(math.prod(s.sharding.shard_shape(s.shape)) * s.dtype.itemsize for s in jax.tree.leaves(batch))
     return mem.params + state + mem.buffers + batch_bytes
@@ -268,12 +261,13 @@ def compile_report(
     laid_out = any(s.lays_out and options.get(s.keyword) is not None for s in STRATEGIES.values())
     # bytes per step over each axis group, loops counted (the compile's simulated devices form a concrete mesh)
     traffic = collectives(compiled, mesh=plan.mesh if isinstance(plan.mesh, jax.sharding.Mesh) else None).per_axes
+    stored = master_dtype(args.precision)
     staged = (
         {}
         if not laid_out
         else {  # the plan table and memory as the Trainer lays them out (a pipeline's stages)
             "tensors": trainer.plan.rows(),
-            "per_device_bytes": dict(training_memory(trainer.plan, model, param_dtype=_stored_dtype(args)).rows()),
+            "per_device_bytes": dict(training_memory(trainer.plan, model, param_dtype=stored).rows()),
         }
     )
     return staged | {

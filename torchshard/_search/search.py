@@ -32,16 +32,22 @@ from torchshard._search.search_compile import (  # noqa: F401  (re-exported: tes
 from torchshard._search.space import (
     ModelDims,
     SearchLayout,
+    allowed,
     analytic_seconds,
+    choice_values,
+    counts,
+    dimensions,
     layouts,
-    leanest,
+    search_choices,
     strategy_axes,
-    variants,
 )
 from torchshard._strategies import STRATEGIES
+from torchshard._train.precision import master_dtype
+from torchshard._train.remat import DEFAULT_POLICY
+from torchshard._train.search_seam import GRAD_ACCUM
 
 log = logging.getLogger(__name__)
-REMATS = (None, "nothing_saveable", "dots_saveable")
+REMATS = (None, DEFAULT_POLICY, "dots_saveable")  # the remat policies a search tries by default (None: no remat)
 Progress = Callable[[int, int, str], None]
 
 
@@ -83,7 +89,7 @@ class Candidate:
         strategies = {k: _fields(v) for k, v in given.items() if k in STRATEGIES}
         return {
             **strategies,
-            "grad_accum_steps": given["grad_accum_steps"],
+            GRAD_ACCUM: given[GRAD_ACCUM],
             "remat": lay.remat,
             "scan_layers": lay.scan,
             "precision": lay.precision,
@@ -155,24 +161,19 @@ def _state_note(problem: Problem, layout: SearchLayout, devices: list[Any]) -> s
         planned = layout_plan(problem.model, layout, devices)
     except ShardingError as err:
         return f"no plan: {str(err).splitlines()[-1].strip()}"
-    stored = torch.float32 if layout.precision != "fp32" else None
-    state = training_memory(planned, problem.model, param_dtype=stored).total
+    state = training_memory(planned, problem.model, param_dtype=master_dtype(layout.precision)).total
     return f"params + grads + AdamW alone need {fmt_bytes(state)}" if state > problem.device_memory else ""
 
 
 def _base(group: list[SearchLayout], options: dict[str, Any]) -> SearchLayout:
-    """A mesh's first layout to compile: full remat, scanned, bf16, the fewest micro-batches, the schedule that
-    holds the fewest (what fits most)."""
-    remat, precision = _first(options["remat"], "nothing_saveable"), _first(options["precision"], "bf16")
+    """A mesh's first layout to compile: full remat, scanned, bf16, the fewest micro-batches, then what each
+    search choice prefers (`SearchOption.prefer`: what fits most)."""
+    remat, precision = _first(options["remat"], DEFAULT_POLICY), _first(options["precision"], "bf16")
+    preferring = [(o.name, o.prefer) for o in search_choices() if o.prefer is not None]
 
-    def prefer(lay: SearchLayout) -> tuple[bool, bool, bool, int, bool]:
-        return (
-            lay.remat != remat,
-            not lay.scan,
-            lay.precision != precision,
-            lay.microbatches,
-            lay.schedule != leanest(lay, options.get("schedules", ())),
-        )
+    def prefer(lay: SearchLayout) -> tuple[Any, ...]:
+        own = tuple(key(lay, options.get(name, ())) for name, key in preferring)
+        return (lay.remat != remat, not lay.scan, lay.precision != precision, lay.splits, *own)
 
     return min(group, key=prefer)
 
@@ -213,13 +214,12 @@ def _better(a: Candidate, b: Candidate | None) -> bool:
 
 
 def refine(run: _Runner, group: list[SearchLayout], start: Candidate) -> None:
-    """Coordinate search from ``start``: each option in turn (remat, micro-batches, precision, scan, schedule)
-    tried at every value with the others at the best so far."""
-    best = start
-    fields = ("remat", "microbatches", "precision", "scan", "schedule")
-    for field in fields:
+    """Coordinate search from ``start``: each option in turn (`dimensions`) tried at every value with the others
+    at the best so far."""
+    best, dims = start, dimensions()
+    for varied in dims:
         for layout in group:
-            others = all(getattr(layout, f) == getattr(best.layout, f) for f in fields if f != field)
+            others = all(d(layout) == d(best.layout) for d in dims if d is not varied)
             if others and layout != best.layout and run.left > 0:
                 tried = run(layout)
                 best = tried if _better(tried, best) and tried.fits else best
@@ -274,20 +274,19 @@ def search(
     device_memory: int | None = None,
     hosts: int | None = None,
     loss_fn: Callable[..., Any] | None = None,
-    microbatches: Sequence[int] = (1, 2, 4),
     remat: Sequence[str | None] = REMATS,
     scan: Sequence[bool] = (True, False),
     precision: Sequence[str] = ("bf16", "fp32"),
-    schedules: Sequence[str] | None = None,
     max_compiles: int = 20,
     refine_meshes: int = 3,
     progress: Progress | None = None,
+    **choices: Sequence[Any],
 ) -> list[Candidate]:
     """Searches meshes and Trainer options for ``model`` on ``devices`` devices; the best first.
 
     Enumerates the mesh degrees (data, model and each strategy's axis: stage, context, expert) that
-    divide the model's head counts, layers, experts and the sequence, with micro-batches (pipeline
-    micro-batches, or gradient accumulation), remat policies, scan and precision; drops those whose plan's state alone
+    divide the model's head counts, layers, experts and the sequence, with remat policies, scan, precision
+    and what the strategies vary (``choices``); drops those whose plan's state alone
     cannot fit; compiles the rest (in order of a rough estimate, at most ``max_compiles``) with an
     `AbstractTrainer` on simulated devices; and ranks the ones that fit by the step time estimated
     from the compiled FLOPs, memory traffic and collectives over ``hardware_name``'s profile.
@@ -301,17 +300,17 @@ def search(
         device_memory: bytes per device (default: the profile's).
         hosts: hosts the devices span (default: the profile's devices per host decides).
         loss_fn: ``loss_fn(model, ids)`` (default: a causal LM's own loss).
-        microbatches: the micro-batch counts to enumerate.
         remat: the remat policies to enumerate.
         scan: the scan settings to enumerate.
         precision: the precisions to enumerate.
-        schedules: the pipeline schedules to enumerate for meshes with a ``stage`` axis (default: those
-            whose `Schedule` says the search tries them). A mesh is compiled first with the one that holds
-            the fewest micro-batches' activations (``"1f1b"``: at most 2S-1 in flight, gpipe's M+S-1).
         max_compiles: layouts compiled at most: half of them the meshes' first layouts (in order of a
             rough analytic estimate), the rest refining the best ``refine_meshes`` meshes that fit.
         refine_meshes: how many of the best fitting meshes get their options searched one at a time.
         progress: called with (done, total, what) before each candidate.
+        **choices: the values to try for each registered strategy's search options (`search_choices`, by
+            `SearchOption.name`; each defaults to the option's own, and ``python -m torchshard plan --help``
+            lists them as ``plan --search`` flags): a pipeline's micro-batch counts (gradient accumulation
+            off stage meshes) and schedules (a mesh is compiled first with the one that fits most).
 
     Compiles run in a child process (started once, reused, replaced if it dies): a candidate whose
     compile raises, or kills the process as a fatal XLA check does, gets ``note`` ``"failed:
@@ -323,9 +322,11 @@ def search(
         (failed ones among them, by their ``note``).
 
     Raises:
+        TypeError: a keyword no strategy's search option takes.
         ArgumentError: an unknown hardware name (the known ones listed); ``devices``, ``hosts``,
-            ``device_memory`` or a ``microbatches`` count that is not a positive int, or hosts that do
-            not divide the devices (every problem at once, before anything is built).
+            ``device_memory`` or a count of a choice that is not a positive int, or hosts that do not
+            divide the devices (every problem at once, before anything is built); a choice's value it
+            does not take (the ones it does listed).
         ShardingError: no mesh of ``devices`` fits the model, or no layout splits the batch (the
             nearest device counts or batch sizes named).
 
@@ -340,7 +341,8 @@ def search(
         >>> best.fits, best.step_seconds > 0
         (True, True)
     """
-    raise_for_arguments(_count_problems(devices, device_memory, hosts, microbatches), header="invalid search arguments")
+    values = choice_values(choices)
+    raise_for_arguments(_count_problems(devices, device_memory, hosts, values), header="invalid search arguments")
     hw = hardware(hardware_name)
     if not isinstance(model, torch.nn.Module):
         with torch.device("meta"):
@@ -355,31 +357,28 @@ def search(
         max(per_host, 1),
         loss_fn or lm_loss,
     )
-    tried, allowed = variants()
-    schedules = tried if schedules is None else schedules
-    bad = [s for s in schedules if s not in allowed]
-    if bad or not schedules:
-        raise ArgumentError(f"search: schedules={list(schedules)!r}: choose one or more of {list(allowed)}")
-    options = {
-        "microbatches": microbatches,
-        "remat": remat,
-        "scan": scan,
-        "precision": precision,
-        "schedules": tuple(schedules),
-    }
+    for option in search_choices():
+        given, takes = values[option.name], allowed(option)
+        if takes is not None and (not given or any(v not in takes for v in given)):
+            raise ArgumentError(f"search: {option.name}={list(given)!r}: choose one or more of {list(takes)}")
+    options = {"remat": remat, "scan": scan, "precision": precision, **values}
     return run_search(problem, options, max_compiles=max_compiles, refine_meshes=refine_meshes, progress=progress)
 
 
-def _count_problems(devices: Any, device_memory: Any, hosts: Any, microbatches: Any) -> list[str]:
+def _count_problems(devices: Any, device_memory: Any, hosts: Any, values: dict[str, Any]) -> list[str]:
     """Why the counts ``search`` takes cannot be searched over (a zero device memory or micro-batch count...)."""
     problems = int_problems("devices", devices, minimum=1) + int_problems("hosts", hosts, minimum=1, none="by profile")
     problems += int_problems("device_memory", device_memory, minimum=1, none="the profile's")
     if not problems and hosts is not None and devices % hosts:
         divisors = [n for n in range(1, devices + 1) if devices % n == 0]
         problems.append(f"hosts={hosts} does not divide devices={devices}; give one of {divisors}")
-    if not microbatches or isinstance(microbatches, str | int):
-        return [*problems, f"microbatches={microbatches!r} must be a non-empty sequence of ints ≥ 1, e.g. (1, 2, 4)"]
-    return problems + [p for m in microbatches for p in int_problems("each microbatches", m, minimum=1)]
+    for name in (o.name for o in search_choices() if counts(o)):
+        given = values[name]
+        if not given or isinstance(given, str | int):
+            problems.append(f"{name}={given!r} must be a non-empty sequence of ints ≥ 1, e.g. (1, 2, 4)")
+        else:
+            problems += [p for m in given for p in int_problems(f"each {name}", m, minimum=1)]
+    return problems
 
 
 def cache_clear() -> None:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+import textwrap
 import time
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -15,22 +16,33 @@ from torchshard._hlo.hardware import PROFILES, Hardware, hardware, load_profiles
 from torchshard._report.cli import parse_device_memory
 from torchshard._report.fit import parse_batch, simulated_devices
 from torchshard._report.usage import UsageError
-from torchshard._search.search import Candidate, search
-from torchshard._search.space import PRECISIONS, variants
+from torchshard._search.search import REMATS, Candidate, search
+from torchshard._search.space import DATA, allowed, mesh_axes, search_choices
+from torchshard._train.precision import PRECISIONS
 from torchshard._train.remat import POLICY_NAMES
+from torchshard._train.search_seam import SearchOption
 
 NO_REMAT = "none"  # --remat-policies' word for no remat
 REMAT_CHOICES = (NO_REMAT, *POLICY_NAMES)
 SCANS = {"true": True, "false": False}
 
-SEARCH_HELP = """\
---search enumerates the meshes (stage x data/FSDP x context x expert x model degrees dividing the
-model's head counts, layers, experts, sequence and --devices) and options (micro-batches, remat
-policy, scan, precision, pipeline schedule), drops those whose params + grads + AdamW alone
-exceed --device-memory, compiles each mesh's first layout (in order of a rough estimate) and
-refines the best ones option by option, and ranks those that fit by a step time estimated from the
-compiled FLOPs, bytes accessed and collectives per mesh axis over --hardware's links (hosts:
---hosts, else the profile's devices per host). Exit code 3 when no compiled configuration fits."""
+
+def _flag(option: SearchOption) -> str:
+    return option.name.replace("_", "-")
+
+
+_AXES = " x ".join("data/FSDP" if a == DATA else a for a in mesh_axes())
+_CHOSEN = ", ".join(["remat policy", "scan", "precision", *(f"--{_flag(o)}" for o in search_choices())])
+SEARCH_HELP = textwrap.fill(
+    f"--search enumerates the meshes ({_AXES} degrees dividing the model's head counts, layers, experts, "
+    f"sequence and --devices) and options ({_CHOSEN}), drops those whose params + grads + AdamW alone "
+    "exceed --device-memory, compiles each mesh's first layout (in order of a rough estimate) and "
+    "refines the best ones option by option, and ranks those that fit by a step time estimated from the "
+    "compiled FLOPs, bytes accessed and collectives per mesh axis over --hardware's links (hosts: "
+    "--hosts, else the profile's devices per host). Exit code 3 when no compiled configuration fits.",
+    width=99,
+    break_on_hyphens=False,
+)
 
 
 def add_search_arguments(parser: argparse.ArgumentParser) -> None:
@@ -50,18 +62,15 @@ def add_search_arguments(parser: argparse.ArgumentParser) -> None:
     )
     s.add_argument(
         "--remat-policies",
-        default="none,nothing_saveable,dots_saveable",
+        default=",".join(NO_REMAT if r is None else r for r in REMATS),
         help=f"remat policies to try, of {','.join(REMAT_CHOICES)} (default: %(default)s)",
     )
-    s.add_argument("--microbatches", default="1,2,4", help="grad accumulation / micro-batches per stage (>= 1) to try")
     s.add_argument("--precisions", default="bf16,fp32", help="precisions to try")
     s.add_argument("--scans", default="true,false", help="scan_layers values to try")
-    tried, allowed = variants()
-    s.add_argument(
-        "--schedules",
-        default=",".join(tried),
-        help=f"pipeline schedules to try on stage meshes, of {','.join(allowed)} (default: %(default)s)",
-    )
+    for option in search_choices():  # the strategies' own (`SearchOption`)
+        takes = allowed(option)
+        shown = "" if takes is None else f", of {','.join(map(str, takes))} (default: %(default)s)"
+        s.add_argument(f"--{_flag(option)}", default=",".join(map(str, option.tried())), help=option.help + shown)
 
 
 def positive_int(text: str) -> int:
@@ -99,13 +108,19 @@ def search_options(args: argparse.Namespace, problems: list[str]) -> dict[str, A
     """The option values the flags ask to enumerate; what is wrong with them goes on ``problems``."""
     remat = _values(args.remat_policies, "--remat-policies", REMAT_CHOICES, problems)
     scans = _values(args.scans.lower(), "--scans", tuple(SCANS), problems)
-    return {
+    chosen: dict[str, Any] = {
         "remat": tuple(None if r == NO_REMAT else r for r in remat),
-        "microbatches": _counts(args.microbatches, "--microbatches", problems),
         "precision": _values(args.precisions, "--precisions", tuple(PRECISIONS), problems),
         "scan": tuple(SCANS[s] for s in scans),
-        "schedules": _values(args.schedules, "--schedules", variants()[1], problems),
     }
+    for option in search_choices():
+        text, flag = getattr(args, option.name), f"--{_flag(option)}"
+        takes = allowed(option)
+        if takes is None:
+            chosen[option.name] = _counts(text, flag, problems)
+        else:
+            chosen[option.name] = _values(text, flag, tuple(map(str, takes)), problems)
+    return chosen
 
 
 def _checked(args: argparse.Namespace) -> tuple[Any, Hardware, int | None, dict[str, Any]]:

@@ -21,21 +21,13 @@ from torchshard._hlo.hlo import axes_of
 from torchshard._hlo.memory import CompiledMemory
 from torchshard._presets.hf import hf_rules
 from torchshard._presets.tables import common_tensor_parallel, fsdp
-from torchshard._search.space import (
-    DATA,
-    MODEL,
-    PRECISIONS,
-    ModelDims,
-    SearchLayout,
-    micro_degree,
-    row_axes,
-    strategy_axes,
-)
+from torchshard._search.space import DATA, MODEL, ModelDims, SearchLayout, row_axes, strategy_axes
 from torchshard._sharding.mesh import make_mesh
 from torchshard._sharding.plan import ShardingPlan, plan
 from torchshard._strategies import STRATEGIES
-from torchshard._train.precision import MixedPrecision
+from torchshard._train.precision import named_policy
 from torchshard._train.remat import Remat
+from torchshard._train.search_seam import GRAD_ACCUM
 from torchshard._trainer.abstract import AbstractTrainer
 
 Compiled = tuple[int, StepCosts]  # peak bytes per device, costs
@@ -98,13 +90,13 @@ def trainer_options(model: torch.nn.Module | None, layout: SearchLayout) -> dict
     sequence = [a.name for a in strategy_axes() if a.batch_dim == 1 and layout.degree(a.name) > 1]
     return {
         "batch_spec": (rows[0] if len(rows) == 1 else tuple(rows), *sequence),
-        "grad_accum_steps": 1 if micro_degree(layout.axes) > 1 else layout.microbatches,
+        GRAD_ACCUM: layout.option(GRAD_ACCUM, 1),
         **{s.keyword: s.searched(layout) for s in STRATEGIES.values() if s.searched},
         "remat": Remat(rf"{re.escape(_stack_name(model))}\.\d+", policy=layout.remat)
         if layout.remat and model is not None
         else None,
         "scan_layers": layout.scan,
-        "precision": MixedPrecision(dtype) if (dtype := PRECISIONS[layout.precision]) is not None else None,
+        "precision": named_policy(layout.precision),
     }
 
 

@@ -4,15 +4,20 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import itertools
 import math
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from typing import Any
 
 import torch
 
 from torchshard._base.errors import ShardingError
 from torchshard._strategies import STRATEGIES
-from torchshard._train.strategy import SearchAxis
+from torchshard._train.precision import compute_width
+from torchshard._train.remat import DEFAULT_POLICY
+from torchshard._train.search_seam import GRAD_ACCUM, SearchAxis, SearchOption
 
+Choices = Mapping[str, Sequence[Any]]  # a search option's name → the values to try
 DATA, MODEL = "data", "model"  # the axes of every layout: FSDP / data parallelism, and tensor parallelism
 
 
@@ -34,39 +39,52 @@ def mesh_axes() -> tuple[str, ...]:
     return (*(a.name for a in axes if a.outer), DATA, *(a.name for a in axes if not a.outer), MODEL)
 
 
-def variants() -> tuple[tuple[str, ...], tuple[str, ...]]:
-    """(the variants a search tries by default, those it may be asked to try): the strategies' (pipeline schedules).
+def search_choices() -> list[SearchOption]:
+    """What the registered strategies give the search to vary (`Strategy.search_options`), in registry order: each
+    a `search` keyword and a ``plan --search`` flag."""
+    return [o for s in STRATEGIES.values() for o in s.search_options]
 
-    Examples:
-        >>> variants()
-        (('gpipe', '1f1b', 'zero_bubble'), ('gpipe', '1f1b', '1f1b_remat', 'zero_bubble'))
+
+def counts(option: SearchOption) -> bool:
+    """Whether ``option``'s values are counts of micro-batches (tried first: the batch must split into them)."""
+    return option.allowed is None
+
+
+def allowed(option: SearchOption) -> tuple[Any, ...] | None:
+    """The values ``option`` may be given (`SearchOption.allowed`); None for counts."""
+    return None if option.allowed is None else tuple(option.allowed())
+
+
+def choice_values(choices: Choices) -> dict[str, Any]:
+    """Each search option's values (`search_choices`, by name): those given in ``choices``, else its own defaults.
+
+    Raises:
+        TypeError: a name no search option has (as Python says of `search`'s unknown keywords).
     """
-    tried: tuple[str, ...] = ()
-    allowed: tuple[str, ...] = ()
-    for axis in strategy_axes():
-        if axis.variants is not None:
-            default, possible = axis.variants()
-            tried, allowed = tried + default, allowed + possible
-    return tried, allowed
+    options = {o.name: o for o in search_choices()}
+    for name in choices:
+        if name not in options:
+            raise TypeError(f"search() got an unexpected keyword argument {name!r}")
+    return {name: choices.get(name, tuple(o.tried())) for name, o in options.items()}
 
 
-def leanest(layout: SearchLayout, choices: Sequence[str]) -> str | None:
-    """Of ``choices``, the variant holding the fewest micro-batches' activations on ``layout`` (`SearchAxis.holds`)."""
-    if layout.schedule is None:
-        return None
-    held = [
-        (a.holds(v, layout.degree(a.name), layout.microbatches), v)
-        for a in strategy_axes()
-        if a.holds
-        for v in choices
-        if layout.degree(a.name) > 1
+Dimension = Callable[["SearchLayout"], Any]  # one option of a layout, as the search varies it
+
+
+def _chosen(option: SearchOption) -> Dimension:
+    return lambda lay: tuple(lay.option(key) for key in option.keys)
+
+
+def dimensions() -> list[Dimension]:
+    """A layout's options in the order the search refines them: remat, the counts, precision, scan, the others."""
+    choices = search_choices()
+    return [
+        lambda lay: lay.remat,
+        *(_chosen(o) for o in choices if counts(o)),
+        lambda lay: lay.precision,
+        lambda lay: lay.scan,
+        *(_chosen(o) for o in choices if not counts(o)),
     ]
-    return min(held)[1] if held else layout.schedule
-
-
-def micro_degree(axes: dict[str, int]) -> int:
-    """How many-fold the axes that need micro-batches of their own multiply them (a pipeline's stages)."""
-    return math.prod(axes.get(a.name, 1) for a in strategy_axes() if a.microbatches)
 
 
 def row_axes(axes: dict[str, int]) -> list[str]:
@@ -99,32 +117,20 @@ def _longest_stack(model: torch.nn.Module) -> int | None:
     return max(lengths, default=0) or None
 
 
-# a candidate's precision → the compute dtype of its MixedPrecision policy (None: float32, no policy): the one home
-# of the names --precisions takes, the policy the candidate compiles under and the widths the estimate counts
-PRECISIONS: dict[str, torch.dtype | None] = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": None}
-
-
-def precision_width(precision: str) -> int:
-    """Bytes per activation element under ``precision`` (a name of `PRECISIONS`)."""
-    dtype = PRECISIONS[precision]
-    return 4 if dtype is None else dtype.itemsize
-
-
 @dataclasses.dataclass(frozen=True)
 class SearchLayout:
     """One configuration: mesh degrees and Trainer options.
 
-    ``microbatches`` is ``Pipeline(microbatches=...)`` when ``stage > 1``, else ``grad_accum_steps``.
     ``remat`` is a ``jax.checkpoint`` policy name applied to every layer, or None for no remat.
-    ``schedule`` is the pipeline's ``Pipeline(schedule=...)`` when ``stage > 1``, else None.
+    ``options`` are what the strategies' search choices set (`SearchOption.sets`) as ``(key, value)``
+    pairs, read with `option`: `GRAD_ACCUM` (the Trainer's ``grad_accum_steps``) and each strategy's own.
     """
 
     mesh: tuple[tuple[str, int], ...]
-    microbatches: int = 1
     remat: str | None = None
     scan: bool = True
     precision: str = "bf16"
-    schedule: str | None = None
+    options: tuple[tuple[str, Any], ...] = ()
 
     @property
     def axes(self) -> dict[str, int]:
@@ -133,15 +139,22 @@ class SearchLayout:
     def degree(self, axis: str) -> int:
         return self.axes.get(axis, 1)
 
+    def option(self, key: str, default: Any = None) -> Any:
+        """The value the strategies' search choices set for ``key`` here, else ``default``."""
+        return dict(self.options).get(key, default)
+
+    @property
+    def splits(self) -> int:
+        """How many micro-batches a step splits its rows into: accumulation × each strategy's (`SearchAxis.rows`)."""
+        return self.option(GRAD_ACCUM, 1) * math.prod(a.rows(self) for a in strategy_axes())
+
     def label(self) -> str:
-        """``data=8,model=2 M=4 remat=nothing_saveable scan bf16``: one line of the table."""
+        """``data=8,model=2 accum=4 remat=nothing_saveable scan bf16``: one line of the table."""
         mesh = ",".join(f"{a}={n}" for a, n in self.mesh if n > 1) or "data=1"
-        staged = micro_degree(self.axes) > 1
-        micro = f" {'pipeline M' if staged else 'accum'}={self.microbatches}"
-        micro += f" {self.schedule}" if self.schedule else ""
-        micro = micro if self.microbatches > 1 or staged else ""
+        accum = f" accum={k}" if (k := self.option(GRAD_ACCUM, 1)) > 1 else ""
+        own = "".join(a.label(self) for a in strategy_axes())
         remat = f" remat={self.remat}" if self.remat else ""
-        return f"{mesh}{micro}{remat}{' scan' if self.scan else ''} {self.precision}"
+        return f"{mesh}{accum}{own}{remat}{' scan' if self.scan else ''} {self.precision}"
 
 
 def divisors(n: int) -> list[int]:
@@ -180,9 +193,25 @@ def meshes(devices: int, dims: ModelDims, seq: int) -> Iterator[dict[str, int]]:
     yield from fill(devices, 0, {})
 
 
-def batch_problem(axes: dict[str, int], batch: int, microbatches: int) -> bool:
-    """Whether ``batch`` rows cannot split over the row axes' shards (`row_axes`) and then into ``microbatches``."""
-    return batch % (math.prod(axes[a] for a in row_axes(axes)) * microbatches) != 0
+def batch_problem(axes: dict[str, int], batch: int, splits: int) -> bool:
+    """Whether ``batch`` rows cannot split over the row axes' shards (`row_axes`), then into ``splits`` pieces."""
+    return batch % (math.prod(axes[a] for a in row_axes(axes)) * splits) != 0
+
+
+def picks(axes: dict[str, int], choices: Choices, *, counted: bool) -> list[tuple[tuple[str, Any], ...]]:
+    """The distinct layout options the search choices (those of `counts`, or the others) give a mesh, in order:
+    every combination of their values (``choices``, else their own defaults)."""
+    picked: list[tuple[tuple[str, Any], ...]] = [()]
+    for option in search_choices():
+        if counts(option) == counted:
+            values = choices.get(option.name, option.tried())
+            picked = [(*p, *option.sets(axes, v).items()) for p in picked for v in values]
+    return list(dict.fromkeys(picked))
+
+
+def _splits(axes: dict[str, int], choices: Choices) -> list[int]:
+    mesh = tuple(axes.items())
+    return [SearchLayout(mesh, options=p).splits for p in picks(axes, choices, counted=True)]
 
 
 def layouts(
@@ -190,15 +219,15 @@ def layouts(
     dims: ModelDims,
     batch: tuple[int, int],
     *,
-    microbatches: Sequence[int],
     remat: Sequence[str | None],
     scan: Sequence[bool],
     precision: Sequence[str],
-    schedules: Sequence[str] = ("gpipe",),
+    **choices: Sequence[Any],
 ) -> list[SearchLayout]:
     """Every valid layout, or a `ShardingError` naming the device counts or batch sizes that would have some.
 
-    ``schedules`` are the pipeline schedules a mesh with a ``stage`` axis is tried with.
+    ``choices`` are the values of the strategies' search options to try (`search_choices`, by name; the
+    option's own defaults where not given): counts first, then remat, scan and precision, then the others.
     """
     rows, seq = batch
     found = list(meshes(devices, dims, seq))
@@ -206,25 +235,18 @@ def layouts(
         raise ShardingError(_no_mesh(devices, dims, seq))
     result = []
     for axes in found:
-        stages = micro_degree(axes)
-        varied = any(a.variants is not None and axes[a.name] > 1 for a in strategy_axes())
+        mesh = tuple((a, axes[a]) for a in mesh_axes())
         scanned = any(a.needs_scan and axes[a.name] > 1 for a in strategy_axes())
-        for k in microbatches:
-            m = k * stages if stages > 1 else k
-            if batch_problem(axes, rows, m):
+        others = picks(axes, choices, counted=False)
+        for counted in picks(axes, choices, counted=True):
+            if batch_problem(axes, rows, SearchLayout(mesh, options=counted).splits):
                 continue
-            for r, sc, p, s in (
-                (r, sc, p, s)
-                for r in remat
-                for sc in scan
-                for p in precision
-                for s in (schedules if varied else (None,))
-            ):
+            for r, sc, p, other in itertools.product(remat, scan, precision, others):
                 if scanned and not sc:
                     continue  # a pipeline stacks its layers: its program is the scanned one
-                result.append(SearchLayout(tuple((a, axes[a]) for a in mesh_axes()), m, r, sc, p, s))
+                result.append(SearchLayout(mesh, r, sc, p, (*counted, *other)))
     if not result:
-        raise ShardingError(_no_batch(rows, found, microbatches) + _other_devices(devices, dims, batch, microbatches))
+        raise ShardingError(_no_batch(rows, found, choices) + _other_devices(devices, dims, batch, choices))
     return result
 
 
@@ -239,27 +261,17 @@ def _no_mesh(devices: int, dims: ModelDims, seq: int) -> str:
     )
 
 
-def _other_devices(devices: int, dims: ModelDims, batch: tuple[int, int], microbatches: Sequence[int]) -> str:
+def _other_devices(devices: int, dims: ModelDims, batch: tuple[int, int], choices: Choices) -> str:
     def works(n: int) -> bool:
-        return any(
-            not batch_problem(a, batch[0], k * micro_degree(a) if micro_degree(a) > 1 else k)
-            for a in meshes(n, dims, batch[1])
-            for k in microbatches
-        )
+        return any(not batch_problem(a, batch[0], k) for a in meshes(n, dims, batch[1]) for k in _splits(a, choices))
 
     near = [n for n in range(max(1, devices - 16), devices + 17) if n != devices and works(n)]
     closest = sorted(sorted(near, key=lambda n: abs(n - devices))[:4])
     return f"; nearest device counts that split batch {batch[0]}: {closest}"
 
 
-def _no_batch(rows: int, found: list[dict[str, int]], microbatches: Sequence[int]) -> str:
-    splits = sorted(
-        {
-            math.prod(a[r] for r in row_axes(a)) * (k * micro_degree(a) if micro_degree(a) > 1 else k)
-            for a in found
-            for k in microbatches
-        }
-    )
+def _no_batch(rows: int, found: list[dict[str, int]], choices: Choices) -> str:
+    splits = sorted({math.prod(a[r] for r in row_axes(a)) * k for a in found for k in _splits(a, choices)})
     near = sorted({math.ceil(rows / s) * s for s in splits} | {rows // s * s for s in splits if rows >= s} - {0})
     closest = sorted(near, key=lambda n: (abs(n - rows), n))[:4]
     return (
@@ -275,17 +287,15 @@ def analytic_seconds(
     strategies' idle time, FSDP's weight traffic, tensor parallelism's activations, and each strategy's own
     traffic (`SearchAxis.traffic`: the context ring's keys, a pipeline's hops)."""
     tokens = batch[0] * batch[1]
-    recompute = {None: 1.0, "nothing_saveable": 4 / 3}.get(layout.remat, 1.1)
-    if layout.remat is None and any(
-        a.recomputes and layout.schedule and a.recomputes(layout.schedule) for a in strategy_axes()
-    ):
-        recompute = 4 / 3  # a schedule that replays each layer's forward in its backward (1f1b_remat)
-    flops = 6 * params * tokens * recompute / math.prod(layout.axes.values())
     axes = strategy_axes()
+    recompute = {None: 1.0, DEFAULT_POLICY: 4 / 3}.get(layout.remat, 1.1)  # the default recomputes everything
+    if layout.remat is None and any(a.recomputes(layout) for a in axes):
+        recompute = 4 / 3  # a strategy whose backward replays each layer's forward
+    flops = 6 * params * tokens * recompute / math.prod(layout.axes.values())
     idle = sum(a.idle(layout) for a in axes)
-    width = precision_width(layout.precision)
+    width = compute_width(layout.precision)
     local = width * tokens / math.prod(layout.degree(a) for a in _split_batch(layout))
-    layers = (dims.layers or 1) / micro_degree(layout.axes)
+    layers = (dims.layers or 1) / math.prod(layout.degree(a.name) for a in axes if a.splits_layers)
     weights = (
         3
         * width

@@ -37,7 +37,7 @@ class PlanEntry:
     rule: str
     kind: Kind
     tied_to: str | None = None
-    stage: int | None = None  # the pipeline stage whose devices alone hold it (a pipelined Trainer's layers)
+    group: str | None = None  # the device group whose devices alone hold it (None: all), as a strategy laid it out
 
     @property
     def shard_shape(self) -> tuple[int, ...]:
@@ -53,15 +53,34 @@ class PlanEntry:
 
 
 def fullest_device_bytes(entries: Iterable[PlanEntry], size: Callable[[PlanEntry], int]) -> int:
-    """``size`` summed as the fullest device holds ``entries``: those on every device plus the fullest stage's.
+    """``size`` summed as the fullest device holds ``entries``: those on every device plus the fullest group's.
 
-    A pipelined Trainer's layers live on their stage's devices alone (`PlanEntry.stage`), so a device holds the
-    tensors without a stage and those of one stage; the largest such sum is what must fit.
+    A tensor with a `PlanEntry.group` lives on that group's devices alone (a pipeline's stage holds its layers),
+    so a device holds the tensors without a group and those of one group; the largest such sum is what must fit.
     """
-    per_stage: dict[int | None, int] = {}
+    per_group: dict[str | None, int] = {}
     for e in entries:
-        per_stage[e.stage] = per_stage.get(e.stage, 0) + size(e)
-    return per_stage.pop(None, 0) + max(per_stage.values(), default=0)
+        per_group[e.group] = per_group.get(e.group, 0) + size(e)
+    return per_group.pop(None, 0) + max(per_group.values(), default=0)
+
+
+@dataclasses.dataclass(frozen=True)
+class PlanColumn:
+    """A column a strategy adds to a plan's table (after ``spec``) and rows: its header, each tensor's value
+    (JSON-ready, by name; a tied alias shows its tensor's) and what a tensor without one shows in the table.
+
+    Examples:
+        >>> PlanColumn("stage", {"layers.0.weight": 0}).cell("head.weight")
+        'all'
+    """
+
+    header: str
+    values: Mapping[str, Any]
+    missing: str = "all"
+
+    def cell(self, name: str) -> str:
+        value = self.values.get(name)
+        return self.missing if value is None else str(value)
 
 
 class ShardingPlan(Mapping[str, NamedSharding]):
@@ -80,10 +99,12 @@ class ShardingPlan(Mapping[str, NamedSharding]):
         Mesh(data=8): 4 tensors, 5.27 KiB in all, 1.77 KiB per device (33.5% of the model)
     """
 
-    def __init__(self, mesh: Mesh | AbstractMesh, entries: Iterable[PlanEntry]) -> None:
+    def __init__(
+        self, mesh: Mesh | AbstractMesh, entries: Iterable[PlanEntry], columns: Iterable[PlanColumn] = ()
+    ) -> None:
         self._mesh = mesh
         self._entries = {e.name: e for e in entries}
-        self._staged = any(e.stage is not None for e in self._entries.values())
+        self._columns = tuple(columns)
 
     @property
     def mesh(self) -> Mesh | AbstractMesh:
@@ -114,14 +135,23 @@ class ShardingPlan(Mapping[str, NamedSharding]):
         return [e for e in self._entries.values() if e.tied_to is None]
 
     def bytes_per_device(self, kind: Kind | None = None) -> int:
-        """Bytes each device holds for this plan's tensors (tied tensors counted once; the fullest pipeline stage's)."""
+        """Bytes each device holds for this plan's tensors (tied tensors counted once; the fullest group's)."""
         entries = [e for e in self.unique_entries() if kind in (None, e.kind)]
         return fullest_device_bytes(entries, lambda e: e.bytes_per_device)
 
-    def with_stages(self, stages: Mapping[str, int]) -> ShardingPlan:
-        """This plan with the pipeline stage that holds each named tensor (a pipelined Trainer's ``plan``)."""
-        entries = [dataclasses.replace(e, stage=stages.get(e.tied_to or e.name)) for e in self._entries.values()]
-        return ShardingPlan(self._mesh, entries)
+    def with_groups(self, groups: Mapping[str, str], *columns: PlanColumn) -> ShardingPlan:
+        """This plan with the device group that alone holds each named tensor (`PlanEntry.group`; a tied alias
+        goes with its tensor) and ``columns`` added to its table: how a strategy's rewrite lays tensors out
+        (a pipelined Trainer's ``plan``: each layer on its stage).
+
+        Examples:
+            >>> model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 4))
+            >>> p = plan(model, ts.make_mesh({"data": 8})).with_groups({"1.weight": "b", "1.bias": "b"})
+            >>> p.entries["1.weight"].group, p.entries["0.weight"].group, p.bytes_per_device()
+            ('b', None, 160)
+        """
+        entries = [dataclasses.replace(e, group=groups.get(e.tied_to or e.name)) for e in self._entries.values()]
+        return ShardingPlan(self._mesh, entries, (*self._columns, *columns))
 
     def total_bytes(self) -> int:
         """Bytes of the unsharded model (tied tensors counted once)."""
@@ -147,14 +177,15 @@ class ShardingPlan(Mapping[str, NamedSharding]):
                 "bytes_per_device": 0 if e.tied_to else e.bytes_per_device,
                 "tied_to": e.tied_to,
             }
-            | ({"stage": e.stage} if self._staged else {})
+            | {c.header: c.values.get(e.tied_to or e.name) for c in self._columns}
             for e in self._entries.values()
         ]
 
     def table(self) -> str:
         """A text table: name, shape, dtype, spec, rule, per-device shard shape and bytes, totals.
 
-        A pipelined Trainer's plan adds a ``stage`` column: the stage whose devices alone hold the tensor.
+        A strategy's columns (`with_groups`) follow ``spec``: a pipelined Trainer's ``stage``, the stage whose
+        devices alone hold the tensor.
         """
         head: tuple[str, ...] = ("name", "shape", "dtype", "spec", "rule", "shard/device", "bytes/device")
         body: list[tuple[str, ...]] = [
@@ -169,10 +200,10 @@ class ShardingPlan(Mapping[str, NamedSharding]):
             )
             for r in self.rows()
         ]
-        if self._staged:
-            head = (*head[:4], "stage", *head[4:])
-            stages = ["all" if r["stage"] is None else str(r["stage"]) for r in self.rows()]
-            body = [(*row[:4], stage, *row[4:]) for row, stage in zip(body, stages, strict=True)]
+        if self._columns:
+            head = (*head[:4], *(c.header for c in self._columns), *head[4:])
+            cells = [[c.cell(e.tied_to or e.name) for c in self._columns] for e in self._entries.values()]
+            body = [(*row[:4], *more, *row[4:]) for row, more in zip(body, cells, strict=True)]
         total = self.total_bytes()
         per_device = self.bytes_per_device()
         foot = (

@@ -70,6 +70,40 @@ class MixedPrecision:
         return _cast(x, jax_dtype(self.param_dtype))
 
 
+# a precision's name (``plan --precision``, ``plan --search --precisions``) → the compute dtype of the MixedPrecision
+# policy it stands for (None: float32 throughout, no policy): the one home of those names
+PRECISIONS: dict[str, torch.dtype | None] = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": None}
+
+
+def named_policy(name: str | None) -> MixedPrecision | None:
+    """The `MixedPrecision` a precision's name (of `PRECISIONS`) stands for; None for ``"fp32"`` or no name.
+
+    Examples:
+        >>> named_policy("bf16").compute_dtype, named_policy("fp32")
+        (torch.bfloat16, None)
+    """
+    dtype = PRECISIONS[name or "fp32"]
+    return None if dtype is None else MixedPrecision(dtype)
+
+
+def master_dtype(name: str | None) -> torch.dtype | None:
+    """The dtype parameters are stored in under the precision named: fp32 master weights under a policy, else
+    None (the model's own dtype).
+
+    Examples:
+        >>> master_dtype("bf16"), master_dtype("fp32")
+        (torch.float32, None)
+    """
+    policy = named_policy(name)
+    return None if policy is None else policy.param_dtype
+
+
+def compute_width(name: str) -> int:
+    """Bytes per activation element under the precision named (of `PRECISIONS`)."""
+    dtype = PRECISIONS[name]
+    return 4 if dtype is None else dtype.itemsize
+
+
 def _cast(x: jax.Array, dtype: Any) -> jax.Array:
     if not jnp.issubdtype(x.dtype, jnp.floating) or x.dtype == dtype:
         return x

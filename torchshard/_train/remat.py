@@ -37,6 +37,8 @@ POLICIES = tuple(
 MATMULS = "matmuls"
 # every name ``Remat(policy=)`` takes: jax's policies and torchshard's own (command lines offer these)
 POLICY_NAMES = (*POLICIES, MATMULS)
+# Remat's policy where none is named: jax's that saves nothing, so the backward recomputes every forward
+DEFAULT_POLICY = "nothing_saveable"
 
 
 def _policy_problems(policy: Any) -> list[str]:
@@ -91,7 +93,7 @@ class Remat:
     """
 
     modules: str | Sequence[str]
-    policy: str | Callable[..., Any] = "nothing_saveable"
+    policy: str | Callable[..., Any] = DEFAULT_POLICY
 
     def __post_init__(self) -> None:
         patterns = (self.modules,) if isinstance(self.modules, str) else tuple(self.modules)

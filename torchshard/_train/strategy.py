@@ -7,7 +7,8 @@ Bound``. ``option`` is what the user passed for its Trainer keyword (``None`` in
 `ShardingError` before anything moves) and returns a `Bound` whose methods the Trainer calls in
 turn for every strategy; the defaults contribute nothing. How it runs: its ``rewrite`` may hand a
 scanned stack a `StackRunner` (the execution hook the step calls instead of ``lax.scan``).
-A `Flag` makes it a ``plan --compile`` option, ``searched`` a ``plan --search`` one.
+A `Flag` makes it a ``plan --compile`` option, ``searched`` a ``plan --search`` one (the search's part of the seam:
+``search_seam``).
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 from collections.abc import Callable, Mapping, Sequence
-from typing import Any, Protocol
+from typing import Any
 
 import numpy as np
 import torch
@@ -26,6 +27,7 @@ from torchshard._sharding.plan import ShardingPlan
 from torchshard._sharding.process import global_shape
 from torchshard._train.batching import BatchLayout
 from torchshard._train.scan import ScanGroup
+from torchshard._train.search_seam import SearchAxis, SearchedLayout, SearchOption
 
 
 @dataclasses.dataclass(frozen=True)
@@ -97,64 +99,6 @@ class Flag:
     summary: Callable[[dict[str, Any]], str]  # the figures → the report's options line's words, e.g. ", pipeline ..."
 
 
-class SearchedLayout(Protocol):
-    """What a ``plan --search`` candidate tells each strategy: its mesh degrees, micro-batches and
-    pipeline schedule (None off a pipeline)."""
-
-    @property
-    def axes(self) -> dict[str, int]: ...
-
-    @property
-    def microbatches(self) -> int: ...
-
-    @property
-    def schedule(self) -> str | None: ...
-
-
-def _no_idle(layout: Any) -> float:
-    return 0.0
-
-
-def _no_traffic(layout: Any, dims: Any, activation_bytes: float, layers: float) -> float:
-    return 0.0
-
-
-@dataclasses.dataclass(frozen=True, kw_only=True)
-class SearchAxis:
-    """How ``plan --search`` lays out, splits and costs a strategy's mesh axis.
-
-    Attributes:
-        name: the mesh axis (``"stage"``, ``"context"``, ``"expert"``).
-        fits: ``(model dims, sequence length, degree) -> bool``: the axis may have this size for the model
-            (dims has ``layers``, ``heads``, ``kv_heads``, ``experts``, ``hidden``, any of them None).
-        batch_dim: the batch dim its devices split (0: rows, 1: the sequence), or None.
-        outer: laid out before ``data`` in the mesh (its devices need the fewest fast links).
-        splits_weights: each device holds 1/degree of the weights (a pipeline's stages, experts).
-        microbatches: its degree multiplies the micro-batches (a pipeline: every stage needs its own).
-        needs_scan: the layout runs the stack scanned (a pipeline stacks its layers).
-        variants: ``() -> (tried by default, may be tried)``: what a layout of this axis also varies (schedules).
-        holds: ``(variant, degree, microbatches) -> micro-batches`` of activations held: what fits most.
-        plan_keyword: the `hf_rules` keyword that puts the plan's tensors on the axis (``expert_axis``).
-        recomputes: ``variant -> bool``: the variant's backward replays each layer's forward (1f1b_remat).
-        idle: ``layout -> fraction`` of the devices' time it leaves idle (a pipeline's bubble).
-        traffic: ``(layout, dims, local activation bytes, layers per stage) -> bytes`` per step over links.
-    """
-
-    name: str
-    fits: Callable[[Any, int, int], bool]
-    batch_dim: int | None = None
-    outer: bool = False
-    splits_weights: bool = False
-    microbatches: bool = False
-    needs_scan: bool = False
-    variants: Callable[[], tuple[tuple[str, ...], tuple[str, ...]]] | None = None
-    holds: Callable[[str, int, int], int] | None = None
-    plan_keyword: str | None = None
-    recomputes: Callable[[str], bool] | None = None  # (variant) -> its backward replays each layer's forward
-    idle: Callable[[Any], float] = _no_idle
-    traffic: Callable[[Any, Any, float, float], float] = _no_traffic
-
-
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class Strategy:
     """Everything about one parallel strategy: ``Trainer(keyword=option)``, bound by ``bind``.
@@ -162,7 +106,9 @@ class Strategy:
     ``lays_out``: its rewrite stores layers differently, so ``init_sharded(keyword=option)`` builds
     them that way. ``flag``: its ``plan --compile`` flag. ``searched``: the option a ``plan
     --search`` candidate gives it, from the candidate's `SearchedLayout` (None: off); ``axis``: the
-    mesh axis the search lays out for it, and how it splits and costs (`SearchAxis`).
+    mesh axis the search lays out for it, and how it splits and costs (`SearchAxis`);
+    ``search_options``: what else the search varies for it, each a `search` keyword and a ``plan
+    --search`` flag (`SearchOption`).
 
     ``register`` refuses (one `ArgumentError` listing every problem) a keyword that is no Python
     identifier, one of the Trainer's own parameters (``plan``, ``donate``, ``seed``, ``remat``...)
@@ -177,6 +123,7 @@ class Strategy:
     flag: Flag | None = None
     searched: Callable[[SearchedLayout], Any] | None = None
     axis: SearchAxis | None = None
+    search_options: tuple[SearchOption, ...] = ()
 
 
 def row_factor(grad_accum_steps: int, bound: Sequence[Bound]) -> tuple[str, int]:

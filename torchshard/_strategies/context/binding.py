@@ -18,7 +18,8 @@ from torchshard._strategies.context.context import (
     sequence_problems,
     tracing,
 )
-from torchshard._train.strategy import Bound, SearchAxis, SearchedLayout, Setting, Strategy
+from torchshard._train.search_seam import SearchAxis, SearchedLayout
+from torchshard._train.strategy import Bound, Setting, Strategy
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)

@@ -10,7 +10,8 @@ from jax.sharding import Mesh
 
 from torchshard._strategies.experts.all_to_all import dispatching
 from torchshard._strategies.experts.experts import ExpertDispatch, Experts, expert_dispatch_for
-from torchshard._train.strategy import Bound, SearchAxis, Setting, Strategy
+from torchshard._train.search_seam import SearchAxis
+from torchshard._train.strategy import Bound, Setting, Strategy
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)

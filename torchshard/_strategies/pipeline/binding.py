@@ -16,13 +16,13 @@ from torchshard._base.specs import spec_axes
 from torchshard._base.validate import compiled, describe_mesh, instance_problems, raise_for_arguments
 from torchshard._bridge.env import current_key
 from torchshard._bridge.module_call import PureForward, argument_names
-from torchshard._sharding.plan import ShardingPlan
+from torchshard._sharding.plan import PlanColumn, ShardingPlan
 from torchshard._strategies.pipeline import grads as one_f_one_b_grads
 from torchshard._strategies.pipeline import loop as schedule
 from torchshard._strategies.pipeline.flag import FLAG
 from torchshard._strategies.pipeline.option import Pipeline
 from torchshard._strategies.pipeline.schedules import SCHEDULES
-from torchshard._strategies.pipeline.search import AXIS, searched
+from torchshard._strategies.pipeline.search import AXIS, OPTIONS, searched
 from torchshard._strategies.pipeline.stages import Stages, resolve
 from torchshard._train.scan import ScanGroup, ScanRun, block_problems, check_output, find_groups, is_stack, module_lists
 from torchshard._train.strategy import Bound, Setting, Strategy
@@ -151,7 +151,9 @@ class Pipelined(Bound):
             for suffix in staged.suffixes
             for block in range(staged.count)
         }
-        return dataclasses.replace(setting, groups=(*rest, staged), plan=setting.plan.with_stages(where))
+        stage_column = PlanColumn("stage", where)  # the stage whose devices alone hold each layer ("all": every one)
+        planned = setting.plan.with_groups({name: f"stage {s}" for name, s in where.items()}, stage_column)
+        return dataclasses.replace(setting, groups=(*rest, staged), plan=planned)
 
     def rows(self) -> tuple[str, int]:
         return "microbatches", self.stages.microbatches
@@ -194,5 +196,12 @@ def bind(pipeline: Any, setting: Setting) -> Bound:
 
 
 STRATEGY = Strategy(
-    keyword="pipeline", option=Pipeline, bind=bind, lays_out=True, flag=FLAG, searched=searched, axis=AXIS
+    keyword="pipeline",
+    option=Pipeline,
+    bind=bind,
+    lays_out=True,
+    flag=FLAG,
+    searched=searched,
+    axis=AXIS,
+    search_options=OPTIONS,
 )

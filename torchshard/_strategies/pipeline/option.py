@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 
 from torchshard._base.validate import int_problems, raise_for_arguments, regex_problem
+from torchshard._strategies.pipeline.schedule import DEFAULT_SCHEDULE
 from torchshard._strategies.pipeline.schedules import SCHEDULES
 
 
@@ -44,7 +45,7 @@ class Pipeline:
 
     axis: str = "stage"
     microbatches: int | None = None
-    schedule: str = "gpipe"
+    schedule: str = DEFAULT_SCHEDULE
     repeats: int = 1
     _: dataclasses.KW_ONLY
     layers: str | None = None

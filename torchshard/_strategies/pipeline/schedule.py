@@ -52,6 +52,7 @@ class Schedule:
 
 
 SCHEDULES: dict[str, Schedule] = {}
+DEFAULT_SCHEDULE = "gpipe"  # what `Pipeline`, its `Stages` and a searched pipeline run when no schedule is named
 
 
 def register(schedule: Schedule) -> Schedule:

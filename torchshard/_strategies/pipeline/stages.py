@@ -9,6 +9,7 @@ from jax.sharding import Mesh
 
 from torchshard._base.errors import ShardingError
 from torchshard._base.validate import describe_mesh
+from torchshard._strategies.pipeline.schedule import DEFAULT_SCHEDULE
 
 
 @dataclasses.dataclass(frozen=True)
@@ -22,7 +23,7 @@ class Stages:
     repeats: int
     layers: int
     batch: Any = None  # the mesh axes a micro-batch's rows are sharded over (a PartitionSpec entry)
-    schedule: str = "gpipe"
+    schedule: str = DEFAULT_SCHEDULE
     remats_each_layer: bool = False  # the schedule's backward recomputes each layer (`Schedule.remats_each_layer`)
 
     @property
