@@ -1,5 +1,8 @@
 """The torchax bridge: importing torchshard is silent and starts nothing; wrapping and host dtypes round-trip."""
 
+import threading
+
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -83,3 +86,27 @@ def test_64_bit_requests_are_held_narrowed_without_a_warning_per_call(name):
         got = traced(x.to("jax"))
     assert np.dtype(got.jax().dtype) == jax_dtype(expected.dtype)
     np.testing.assert_array_equal(np.asarray(got.jax()), expected.numpy().astype(jax_dtype(expected.dtype)))
+
+
+@pytest.mark.compat
+def test_a_threads_first_rng_key_is_made_eagerly_even_when_first_read_inside_a_trace():
+    """torchax keeps one RNG key per thread, made when the thread first reads the environment; jax >= 0.11 stages
+    even a constant key inside a trace, so a first read there left that trace's tracer as the thread's key (the
+    pipelined ``plan --compile`` report did, and every later random draw failed)."""
+    env()
+    keys: dict[str, object] = {}
+
+    def thread() -> None:
+        @jax.jit
+        def traced(x):
+            keys["inside"] = env().param.prng
+            return x
+
+        traced(1.0)
+        keys["after"] = env().param.prng
+
+    worker = threading.Thread(target=thread)
+    worker.start()
+    worker.join()
+    assert not isinstance(keys["inside"], jax.core.Tracer)
+    assert not isinstance(keys["after"], jax.core.Tracer)

@@ -39,7 +39,11 @@ _fixed_envs: set[int] = set()
 def env() -> Environment:
     """torchax's default environment with torchshard's lowerings, created on first use (starts the JAX backend)."""
     xla_flags.apply_gpu_flags(started=backend_started())  # before torchax's environment starts the backend
-    tx = torchax.default_env()
+    # torchax makes each thread's first RNG key when that thread first reads the environment's properties; made
+    # inside a trace (jax >= 0.11 stages even a constant key), it would be that trace's tracer, left as the key
+    with jax.ensure_compile_time_eval():
+        tx = torchax.default_env()
+        tx.param  # noqa: B018  # this thread's key, made now
     if id(tx) not in _fixed_envs:
         _install_lowerings(tx)
         _fixed_envs.add(id(tx))
