@@ -10,8 +10,10 @@ from __future__ import annotations
 import contextlib
 import copy
 import os
+import re
 from typing import Any
 
+import jax
 import numpy as np
 import pytest
 
@@ -24,6 +26,18 @@ transformers = pytest.importorskip("transformers")
 pytestmark = pytest.mark.slow  # real models, several compiles each
 
 REMAT_WARNING = "Involuntary full rematerialization"
+# Known on jax >= 0.11 (docs/compatibility.md): on a mixture-of-experts family under hf_rules, XLA's partitioner
+# replicates the router gate's input gradient ([tokens, hidden]) before adding the experts' one. Only that op is
+# let through there; a rematerialization of any other op still fails.
+GATE_INPUT_GRADIENT = re.compile(r'op_name="[^"]*\.mlp\.gate/linear/dot_general"')
+JAX_011 = tuple(int(p) for p in jax.__version__.split(".")[:2]) >= (0, 11)
+
+
+def _rematerialized(family: Family, err: str) -> list[str]:
+    """XLA's involuntary-rematerialization warnings in ``err``, less the known one where it is known."""
+    lines = [line for line in err.splitlines() if REMAT_WARNING in line]
+    known = family.moe and JAX_011
+    return [line for line in lines if not (known and GATE_INPUT_GRADIENT.search(line))]
 
 
 def _selected(*, moe: bool = False) -> list[Any]:
@@ -52,7 +66,7 @@ def test_family_trains_like_eager_torch(family, kind, capfd):
     got, expected, _ = _train(family, kind)
     np.testing.assert_allclose(got, expected, rtol=RTOL, err_msg=f"{family.model_type} under {kind}")
     if kind == "hf_rules":  # XLA logs a replicate-then-repartition of an activation to stderr
-        assert REMAT_WARNING not in capfd.readouterr().err
+        assert _rematerialized(family, capfd.readouterr().err) == []
 
 
 @pytest.mark.filterwarnings("ignore::torchshard.UnusedRuleWarning")
@@ -68,3 +82,17 @@ def test_moe_family_trains_expert_parallel_like_eager_torch(family):
     assert (
         trainer.strategies["expert_dispatch"].option == moved
     )  # tokens moved to their experts' devices where the module allows
+
+
+@pytest.mark.parametrize(
+    ("moe", "op", "kept"),
+    [
+        (True, "model.layers.0.mlp.gate/linear/dot_general", not JAX_011),  # the known one, where it is known
+        (True, "model.layers.0.mlp.experts/linear/dot_general", True),
+        (False, "model.layers.0.mlp.gate/linear/dot_general", True),  # a dense family's gate is no router
+        (True, "model.layers.0.self_attn.q_proj/linear/dot_general", True),
+    ],
+)
+def test_only_the_known_rematerialization_is_let_through(moe, op, kept):
+    line = f'[SPMD] {REMAT_WARNING}. ... metadata={{op_name="jit(f)/transpose(jvp(model))/{op}"}}'
+    assert _rematerialized(Family(model_type="x", moe=moe), f"other\n{line}\n") == ([line] if kept else [])
