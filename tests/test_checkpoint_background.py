@@ -197,3 +197,20 @@ def test_a_process_that_exits_right_after_a_background_save_leaves_it_complete(t
     probe = ts.load(tmp_path, sharded(two_linears, mesh_dm, seed=1))
     torch.manual_seed(0)
     jax.tree.map(np.testing.assert_array_equal, values(probe), values(two_linears()))
+
+
+def test_a_save_helper_runs_in_place_where_the_interpreter_refuses_new_threads_at_exit(monkeypatch):
+    """CPython 3.12.0 and 3.12.1 refuse a thread started while the interpreter waits for its non-daemon threads at
+    exit (python/cpython#113964): a background save still running then started its helpers, and failed."""
+
+    def refused(self: threading.Thread) -> None:
+        raise RuntimeError("can't create new thread at interpreter shutdown")
+
+    monkeypatch.setattr(threading.Thread, "start", refused)
+    ran_on: list[threading.Thread] = []
+    future = pending.on_thread(lambda: ran_on.append(threading.current_thread()) or 42, name="helper")
+    assert future.result(timeout=0) == 42
+    assert ran_on == [threading.current_thread()]
+    failing = pending.on_thread(lambda: 1 / 0, name="helper")
+    with pytest.raises(ZeroDivisionError):
+        failing.result(timeout=0)

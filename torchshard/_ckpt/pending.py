@@ -65,7 +65,12 @@ def on_thread[T](
         else:
             future.set_result(result)
 
-    threading.Thread(target=run, name=name).start()
+    try:
+        threading.Thread(target=run, name=name).start()
+    except RuntimeError:
+        # CPython 3.12.0 and 3.12.1 refuse new threads once the interpreter waits for its non-daemon ones at exit
+        # (python/cpython#113964), which is when a background save still running starts its helpers: run it here
+        run()
     return future
 
 
