@@ -297,7 +297,7 @@ def test_the_fused_path_is_taken_and_the_whole_logits_vanish(monkeypatch, caplog
 
 def test_eager_loss_and_grads_inside_the_hook_match_transformers_loss(caplog):
     """The hook on a CPU model (eager torch): every argument of transformers' causal-LM loss it honours."""
-    from torchshard._train.fused_loss import fused_head_losses
+    from torchshard._strategies.fused_loss.head_loss import fused_head_losses
 
     ids = _batches(1)[0]
     shifted = torch.cat([ids[:, 1:], torch.full((8, 1), -100)], 1).masked_fill(ids < 20, -100)

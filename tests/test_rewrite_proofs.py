@@ -21,7 +21,7 @@ import torch
 
 import torchshard as ts
 from testsupport.helpers import assert_close, torch_losses
-from torchshard._train.fused_loss import fused_head_losses
+from torchshard._strategies.fused_loss.head_loss import fused_head_losses
 
 transformers = pytest.importorskip("transformers")
 from transformers.modeling_outputs import CausalLMOutputWithPast  # noqa: E402

@@ -15,6 +15,7 @@ import dataclasses
 import json
 import pathlib
 import re
+import sys
 
 import jax
 import numpy as np
@@ -258,6 +259,46 @@ def test_no_strategy_imports_another(folder):
     for path in sorted((PACKAGE / "_strategies" / folder).rglob("*.py")):
         named = sorted(_imported(path) & others)
         assert named == [], f"{path.relative_to(PACKAGE)} imports another strategy's {named}: share through _train"
+
+
+# the strategies torchshard registers itself (the toy's bind lives in tests/toy_strategy/, not in torchshard)
+OWN = [keyword for keyword, s in STRATEGIES.items() if s.bind.__module__.startswith("torchshard.")]
+PARTS = ("__init__.py", "option.py", "binding.py")  # every strategy's folder has these (docs/strategies/writing.md)
+
+
+def _shape_problems(strategy) -> list[str]:
+    """How the folder whose ``binding`` defines ``strategy`` differs from the shape every strategy's folder has."""
+    root = strategy.bind.__module__.split(".")[0]
+    owners = sorted(n for n, m in list(sys.modules.items()) if n.split(".")[0] == root
+                    and getattr(m, "__dict__", {}).get("STRATEGY") is strategy)  # fmt: skip
+    if len(owners) != 1 or not owners[0].endswith(".binding"):
+        return [f"its STRATEGY is defined in {owners}, not in one folder's binding.py"]
+    package, folder = owners[0].removesuffix(".binding"), pathlib.Path(sys.modules[owners[0]].__file__).parent
+    files = {p.name for p in folder.glob("*.py")}
+    problems = [f"{folder.name}/ has no {part}" for part in PARTS if part not in files]
+    defined = strategy.option.__module__
+    if defined.split(".")[0] == root and defined != f"{package}.option":  # a class of its own, not str or object
+        problems.append(f"its option {strategy.option.__name__} is defined in {defined}, not in {package}.option")
+    searched = strategy.searched is not None or strategy.axis is not None or bool(strategy.search_options)
+    if searched != ("search.py" in files):
+        problems.append(f"{folder.name}/search.py must exist exactly when the strategy is searched ({searched})")
+    flagged = strategy.flag is not None
+    if flagged != ("flag.py" in files):
+        problems.append(f"{folder.name}/flag.py must exist exactly when the strategy has a flag ({flagged})")
+    return problems
+
+
+@pytest.mark.parametrize("keyword", OWN)
+def test_every_strategy_torchshard_registers_is_a_folder_of_the_same_shape(keyword):
+    strategy = STRATEGIES[keyword]
+    home = re.fullmatch(r"torchshard\._strategies\.\w+\.binding", strategy.bind.__module__)
+    assert home, f"strategy {keyword!r}: its bind is in {strategy.bind.__module__}, not in a _strategies/<folder>/"
+    problems = _shape_problems(strategy)
+    assert problems == [], f"strategy {keyword!r}: " + "; ".join(problems)
+
+
+def test_the_toy_is_a_folder_of_the_same_shape(toy):
+    assert _shape_problems(toy) == []
 
 
 def test_an_abstract_trainer_takes_the_toy_and_compiles_its_hook(toy):

@@ -22,9 +22,11 @@ from torchshard._sharding.mesh import make_mesh, use_cpu_devices
 from torchshard._sharding.placement import shard
 from torchshard._sharding.plan import PlanEntry, ShardingPlan, plan
 from torchshard._sharding.rules import Rule, Rules, TensorInfo
-from torchshard._strategies.context.context import ContextParallel, ContextParallelWarning
+from torchshard._strategies.context.context import ContextParallelWarning
 from torchshard._strategies.context.documents import document_mask
-from torchshard._strategies.experts.experts import ExpertDispatch, ExpertDispatchWarning
+from torchshard._strategies.context.option import ContextParallel
+from torchshard._strategies.experts.experts import ExpertDispatchWarning
+from torchshard._strategies.experts.option import ExpertDispatch
 from torchshard._strategies.pipeline.option import Pipeline
 from torchshard._train.precision import MixedPrecision
 from torchshard._train.remat import Remat

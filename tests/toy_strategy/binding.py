@@ -1,4 +1,4 @@
-"""The toy's binding to the Trainer, its execution hook, its ``plan --compile`` flag and its search hooks."""
+"""The toy's binding to the Trainer and its execution hook, with its flag and search hooks named."""
 
 from __future__ import annotations
 
@@ -7,9 +7,10 @@ from typing import Any
 
 import torchshard as ts
 from torchshard._base.validate import instance_problems, raise_for_arguments
-from torchshard._train.search_seam import SearchOption
-from torchshard._train.strategy import Bound, Flag, SearchedLayout, Setting, Strategy
+from torchshard._train.strategy import Bound, Setting, Strategy
+from toy_strategy.flag import FLAG
 from toy_strategy.option import MARKS, Mark
+from toy_strategy.search import TAGS, searched
 
 
 @dataclasses.dataclass(frozen=True)
@@ -55,31 +56,4 @@ def bind(option: Any, setting: Setting) -> Bound:
     return Marked(option=option)
 
 
-def searched(layout: SearchedLayout) -> Mark | None:
-    """A ``plan --search`` candidate's option: marked on meshes with data parallelism, with the tag tried there."""
-    return Mark(layout.option("tag", "searched")) if layout.axes.get("data", 1) > 1 else None
-
-
-def tagged(axes: dict[str, int], tag: str) -> dict[str, str]:
-    """The layout option one ``--tags`` value sets: a tag on meshes with data parallelism, none elsewhere."""
-    return {"tag": tag} if axes.get("data", 1) > 1 else {}
-
-
-TAGS = SearchOption(
-    name="tags",
-    help="Mark tags to try on meshes with data parallelism",
-    tried=lambda: ("searched",),
-    allowed=lambda: ("searched", "other"),
-    keys=("tag",),
-    sets=tagged,
-)
-
-
-FLAG = Flag(
-    metavar="TAG",
-    help="Trainer(mark=Mark(TAG))",
-    parse=lambda text, axes: Mark(text),
-    figures=lambda option, trainer: {"tag": option.tag},
-    summary=lambda figures: f", mark {figures['tag']}",
-)
 STRATEGY = Strategy(keyword="mark", option=Mark, bind=bind, flag=FLAG, searched=searched, search_options=(TAGS,))

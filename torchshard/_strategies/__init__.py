@@ -1,6 +1,6 @@
-"""The parallel strategies, one folder each (pipeline, context, experts), and their registry: the one place a
-strategy registers. Trainer, AbstractTrainer, init_sharded, ``plan --compile``, ``plan --search`` and the command
-line read their strategies from `STRATEGIES`; none of them names one.
+"""The parallel strategies, one folder each (pipeline, context, experts, fused_loss, attention_kernel), and their
+registry: the one place a strategy registers. Trainer, AbstractTrainer, init_sharded, ``plan --compile``,
+``plan --search`` and the command line read their strategies from `STRATEGIES`; none of them names one.
 
 May import _train and everything below it; no strategy's folder imports another's.
 """
@@ -13,10 +13,11 @@ from typing import Any
 
 from torchshard._base.errors import ArgumentError
 from torchshard._base.validate import raise_for_arguments
+from torchshard._strategies.attention_kernel import binding as kernel
 from torchshard._strategies.context import binding as contextual
 from torchshard._strategies.experts import binding as dispatched
+from torchshard._strategies.fused_loss import binding as fused
 from torchshard._strategies.pipeline import binding as pipelined
-from torchshard._train import fused_loss, kernel_choice
 from torchshard._train.strategy import Bound, Setting, Strategy
 
 __all__ = ["RESERVED", "STRATEGIES", "bind_all", "flagged", "register", "reserve"]
@@ -92,8 +93,8 @@ def reserve(function: Callable[..., Any]) -> None:
 register(pipelined.STRATEGY)
 register(contextual.STRATEGY)
 register(dispatched.STRATEGY)
-register(fused_loss.STRATEGY)
-register(kernel_choice.STRATEGY)
+register(fused.STRATEGY)
+register(kernel.STRATEGY)
 
 
 def flagged() -> list[Strategy]:

@@ -1,1 +1,1 @@
-"""Context parallelism: the option, ring and all-gather attention, packed documents, the Trainer binding."""
+"""Context parallelism: the option, ring and all-gather attention, packed documents, the binding, the search hook."""

@@ -1,4 +1,4 @@
-"""The context-parallel strategy: a `ContextParallel` checked against the mesh and batch spec, and its trace context."""
+"""The context-parallel strategy: a `ContextParallel` bound to the model, mesh and batch spec, and its trace context."""
 
 from __future__ import annotations
 
@@ -11,14 +11,9 @@ from jax.sharding import Mesh
 
 from torchshard._base.errors import raise_if_any
 from torchshard._base.specs import entry_axes
-from torchshard._strategies.context.context import (
-    ContextParallel,
-    check_context,
-    model_problems,
-    sequence_problems,
-    tracing,
-)
-from torchshard._train.search_seam import SearchAxis, SearchedLayout
+from torchshard._strategies.context.context import model_problems, sequence_problems, tracing
+from torchshard._strategies.context.option import ContextParallel, check_context
+from torchshard._strategies.context.search import AXIS, searched
 from torchshard._train.strategy import Bound, Setting, Strategy
 
 
@@ -55,19 +50,4 @@ def bind(context: Any, setting: Setting) -> Bound:
     return Contextual(option=context, mesh=setting.plan.mesh, row_axes=tuple(rows), model=setting.model)
 
 
-def _searched(layout: SearchedLayout) -> ContextParallel | None:
-    return ContextParallel() if layout.axes.get(AXIS.name, 1) > 1 else None
-
-
-def _fits(dims: Any, seq: int, degree: int) -> bool:
-    return degree == 1 or seq % (2 * degree) == 0  # load-balanced: 2·degree equal chunks
-
-
-def _ring(layout: Any, dims: Any, activation_bytes: float, layers: float) -> float:
-    # each layer's keys and values go round the ring, forward and backward (K, V, dK, dV: ~6 passes)
-    kv = (dims.hidden or 0) * (dims.kv_heads or 1) / (dims.heads or 1) / layout.degree("model")
-    return 6 * layers * activation_bytes * kv * (layout.degree(AXIS.name) - 1)
-
-
-AXIS = SearchAxis(name="context", fits=_fits, batch_dim=1, traffic=_ring)
-STRATEGY = Strategy(keyword="context", option=ContextParallel, bind=bind, searched=_searched, axis=AXIS)
+STRATEGY = Strategy(keyword="context", option=ContextParallel, bind=bind, searched=searched, axis=AXIS)

@@ -1,1 +1,1 @@
-"""Expert parallelism: the option, the all-to-all dispatch of tokens to experts, the Trainer binding."""
+"""Expert parallelism: the option, the all-to-all dispatch of tokens to experts, the binding, the search hook."""

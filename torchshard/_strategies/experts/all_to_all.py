@@ -26,13 +26,8 @@ from torchshard._bridge.forwards import replaced_forwards
 from torchshard._bridge.loaded import View
 from torchshard._bridge.tensors import bound, unwrap, wrap
 from torchshard._bridge.vmapped import vmapped_axes
-from torchshard._strategies.experts.experts import (
-    INTERFACE,
-    ExpertDispatch,
-    Experts,
-    routing_signature,
-    warn_fallback,
-)
+from torchshard._strategies.experts.experts import INTERFACE, Experts, routing_signature, warn_fallback
+from torchshard._strategies.experts.option import ExpertDispatch
 
 
 def _capacity(dispatch: ExpertDispatch, pairs: int, experts: int, local: int) -> int:

@@ -9,8 +9,9 @@ from typing import Any
 from jax.sharding import Mesh
 
 from torchshard._strategies.experts.all_to_all import dispatching
-from torchshard._strategies.experts.experts import ExpertDispatch, Experts, expert_dispatch_for
-from torchshard._train.search_seam import SearchAxis
+from torchshard._strategies.experts.experts import Experts, expert_dispatch_for
+from torchshard._strategies.experts.option import ExpertDispatch
+from torchshard._strategies.experts.search import AXIS
 from torchshard._train.strategy import Bound, Setting, Strategy
 
 
@@ -40,10 +41,4 @@ def bind(dispatch: Any, setting: Setting) -> Bound:
     return Dispatched(option=resolved, mesh=setting.plan.mesh, experts=tuple(experts))
 
 
-def _fits(dims: Any, seq: int, degree: int) -> bool:
-    return degree == 1 or (dims.experts is not None and dims.experts % degree == 0)
-
-
-# the search gives no option: all-to-all is the default wherever the batch is split over the expert axis
-AXIS = SearchAxis(name="expert", fits=_fits, batch_dim=0, splits_weights=True, plan_keyword="expert_axis")
 STRATEGY = Strategy(keyword="expert_dispatch", option=ExpertDispatch, bind=bind, axis=AXIS)

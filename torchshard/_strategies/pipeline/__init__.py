@@ -1,1 +1,1 @@
-"""Pipeline parallelism: the option, the loops that run stages, the schedules' registry, the Trainer binding."""
+"""Pipeline parallelism: the option, the loops that run stages, the schedules' registry, the binding, flag, search."""

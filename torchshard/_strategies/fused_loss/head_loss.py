@@ -1,40 +1,21 @@
-"""``Trainer(fused_loss=)``: a transformers causal LM's loss taken from its LM head's input, chunked over tokens.
-
-While the step is traced, each recognised model's ``lm_head`` records (its input, its weight,
-its output) and the model's ``loss_function`` is wrapped: when the logits it is handed are, by
-identity, a recorded head output that nothing has written to since, it computes transformers'
-``ForCausalLMLoss`` (label shift, ``ignore_index``, ``num_items_in_batch``, ``shift_labels``) with
-`linear_cross_entropy` on the head's input instead. The rewrite proves that at every call, and
-steps aside (the model's own loss runs, and the ``torchshard`` logger says why at INFO) where it
-cannot: logits that are a new tensor (a soft cap, a scale), logits or the head's input written in
-place since the head made them (Chameleon masks its image tokens' logits so, xLSTM soft-caps in
-place), a head with forward hooks of its own or an instance ``forward``, a model class that
-overrides transformers' ``loss_function``, and a head that is not a bias-free ``nn.Linear`` (a
-peft LoRA layer). The full logits stay the model's output; when nothing reads them, XLA drops them
-from the compiled step. ``fused_loss="tokamax"`` computes it by tokamax's fused linear softmax
-cross-entropy where one of its implementations takes the call (`tokamax_loss.choose`), else by
-torchshard's own chunks, saying why; the choice is in ``trainer.kernels`` under the head's name.
-"""
+"""A transformers causal LM's loss taken from its LM head's input, chunked over tokens, while the step is traced."""
 
 from __future__ import annotations
 
 import contextlib
 import dataclasses
-import functools
 import inspect
 import logging
 import sys
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import jax.numpy as jnp
 import numpy as np
 import torch
 
-from torchshard._base.validate import raise_for_arguments
-from torchshard._bridge.ops import kernels, tokamax_attention, tokamax_loss
+from torchshard._bridge.ops import tokamax_loss
 from torchshard._bridge.ops.linear_cross_entropy import head_loss
-from torchshard._train.strategy import Bound, Setting, Strategy, where
 
 _log = logging.getLogger(__name__)
 
@@ -249,6 +230,18 @@ def fused_head_losses(model: torch.nn.Module, choose: Chooser | None = None) -> 
     """Inside the block, every transformers causal LM in ``model`` computes its loss by `causal_lm_loss`
     (with the implementation ``choose`` gives, where given).
 
+    Each recognised model's ``lm_head`` records (its input, its weight, its output) and the model's
+    ``loss_function`` is wrapped: when the logits it is handed are, by identity, a recorded head
+    output that nothing has written to since, it computes transformers' ``ForCausalLMLoss`` (label
+    shift, ``ignore_index``, ``num_items_in_batch``, ``shift_labels``) with `linear_cross_entropy` on
+    the head's input instead. The rewrite proves that at every call, and steps aside (the model's own
+    loss runs, and the ``torchshard`` logger says why at INFO) where it cannot: logits that are a new
+    tensor (a soft cap, a scale), logits or the head's input written in place since the head made
+    them (Chameleon masks its image tokens' logits so, xLSTM soft-caps in place), a head with forward
+    hooks of its own or an instance ``forward``, a model class that overrides transformers'
+    ``loss_function``, and a head that is not a bias-free ``nn.Linear`` (a peft LoRA layer). The full
+    logits stay the model's output; when nothing reads them, XLA drops them from the compiled step.
+
     Examples:
         >>> with fused_head_losses(torch.nn.Linear(2, 2)):  # no transformers model inside: nothing changes
         ...     pass
@@ -274,55 +267,3 @@ def fused_head_losses(model: torch.nn.Module, choose: Chooser | None = None) -> 
             yield
         finally:
             records.clear()
-
-
-@dataclasses.dataclass(frozen=True, kw_only=True)
-class FusedLoss(Bound):
-    """While the step is traced, transformers causal LMs in the model take their loss from the LM head's input
-    (``option="tokamax"``: by tokamax's fused loss where it takes the call; the choices are kept by head)."""
-
-    option: bool | str = True
-    model: Any = dataclasses.field(default=None, compare=False, repr=False)
-    platform: str = "cpu"
-    devices: int = 1
-    chosen: dict[str, kernels.Choice] = dataclasses.field(default_factory=dict, compare=False, repr=False)
-
-    def tracing(self) -> contextlib.AbstractContextManager[Any]:
-        return fused_head_losses(self.model, self._choose if self.option == "tokamax" else None)
-
-    def _choose(self, owner: str, head: str, call: tokamax_loss.LossCall) -> str | None:
-        probe = functools.partial(tokamax_loss.failure, call=call, platform=self.platform)
-        choice = tokamax_loss.choose(call, self.platform, devices=self.devices, probe=probe)
-        self.chosen.setdefault(head, choice)
-        if choice.kernel == tokamax_loss.CHUNKED:
-            _log.info("%s: loss fused by torchshard's chunks, not tokamax's (%s)", owner, choice.reason)
-            return None
-        return choice.kernel.removeprefix("tokamax:")
-
-    def kernels(self) -> Mapping[str, Any]:
-        return dict(self.chosen)
-
-
-OPTIONS = "True, False or 'tokamax'"
-
-
-def bind(fused: Any, setting: Setting) -> Bound:
-    """``Trainer(fused_loss=)``: on unless ``False``; ``"tokamax"``: by tokamax's fused loss where it can.
-
-    Raises:
-        ArgumentError: ``fused`` is none of True, False, None and "tokamax", or is "tokamax" where tokamax
-            cannot be imported.
-    """
-    problems, tokamax = [], isinstance(fused, str) and fused == "tokamax"
-    if fused is not None and not isinstance(fused, bool) and not tokamax:
-        problems.append(f"fused_loss must be {OPTIONS}, got {fused!r:.40}")
-    elif tokamax and (missing := tokamax_attention.missing()) is not None:
-        problems.append(f"fused_loss='tokamax' cannot run here: {missing}")
-    raise_for_arguments(problems, header="invalid Trainer arguments")
-    if fused is False:
-        return Bound(option=False)
-    platform, devices = where(setting)
-    return FusedLoss(option="tokamax" if tokamax else True, model=setting.model, platform=platform, devices=devices)
-
-
-STRATEGY = Strategy(keyword="fused_loss", option=object, bind=bind)

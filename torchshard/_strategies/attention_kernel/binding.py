@@ -1,5 +1,5 @@
-"""``Trainer(attention_kernel=)``: which kernel each attention call (and, under ``"tokamax"``, each grouped
-matmul of experts) gets, chosen while the step is traced."""
+"""The attention-kernel strategy: which kernel each attention call (and, under ``"tokamax"``, each grouped matmul
+of experts) gets, chosen while the step is traced."""
 
 from __future__ import annotations
 
@@ -11,6 +11,7 @@ from typing import Any
 
 from torchshard._base.validate import raise_for_arguments
 from torchshard._bridge.ops import kernels
+from torchshard._strategies.attention_kernel.option import DEFAULT, problems
 from torchshard._train.strategy import Bound, Setting, Strategy, where
 
 logger = logging.getLogger("torchshard")
@@ -21,7 +22,7 @@ class KernelChoice(Bound):
     """Every attention call and grouped matmul traced in the step picks its kernel by the option; the choices are
     kept, by call site."""
 
-    option: str = "auto"
+    option: str = DEFAULT
     platform: str = "cpu"
     devices: int = 1
     chosen: dict[str, kernels.Choice] = dataclasses.field(default_factory=dict, compare=False, repr=False)
@@ -47,10 +48,9 @@ def bind(option: Any, setting: Setting) -> Bound:
     Raises:
         ArgumentError: ``option`` is not a kernel name.
     """
-    option = "auto" if option is None else option
-    raise_for_arguments(kernels.check_kernel(option, what="attention_kernel"), header="invalid Trainer arguments")
+    raise_for_arguments(problems(option), header="invalid Trainer arguments")
     platform, devices = where(setting)
-    return KernelChoice(option=option, platform=platform, devices=devices)
+    return KernelChoice(option=DEFAULT if option is None else option, platform=platform, devices=devices)
 
 
 STRATEGY = Strategy(keyword="attention_kernel", option=str, bind=bind)

@@ -1,0 +1,1 @@
+"""The attention-kernel choice (``Trainer(attention_kernel=)``): the option, the binding; the kernels are in _bridge."""
