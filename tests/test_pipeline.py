@@ -349,7 +349,9 @@ class ComplexRotary(BlockStack):
 
 
 @pytest.mark.parametrize(
-    "kwargs", [{}, {"remat": ts.Remat(r"blocks\.\d+", policy="everything_saveable")}], ids=["all", "remat"]
+    "kwargs",
+    [{}, pytest.param({"remat": ts.Remat(r"blocks\.\d+", policy="everything_saveable")}, marks=pytest.mark.slow)],
+    ids=["all", "remat"],
 )
 def test_layers_that_multiply_complex_numbers_train_like_eager_torch_under_gpipe(kwargs):
     # gpipe's backward keeps what each layer computes, which remat rounds with reduce_precision: no complex dtype

@@ -223,11 +223,11 @@ def bf16(row: Row, work: Work) -> Cell:
     losses = noisy_losses_cell(got, list(expected), precision.RTOL, lambda: _reordered(row, data))
     if losses.status != "ok":
         return losses
-    grads = bf16_gradients(row.fresh(), data[0])
+    grads = bf16_gradient_cell(row.fresh(), data[0])
     return Cell(grads.status, f"losses {losses.text}; {grads.text}")
 
 
-def bf16_gradients(model: torch.nn.Module, ids: torch.Tensor) -> Cell:
+def bf16_gradient_cell(model: torch.nn.Module, ids: torch.Tensor) -> Cell:
     """One step's gradients: torchshard's fp32 must be eager's, and its bf16 must drift from its fp32 as eager
     torch's bf16 drifts from eager's fp32 (ratio in (0.5, 1.25]: a step that ran in fp32 scores ~0, a 3× drift
     fails), with the routers' top-k pinned to eager fp32's choice where they can be (tests/test_bf16_moe.py:
