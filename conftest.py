@@ -9,8 +9,9 @@ import pytest
 # The suite compiles hundreds of tiny steps and runs each a few times, so XLA's CPU compiler is most
 # of its time. Without LLVM optimisation it compiles faster (with XLA's older CPU fusion emitters too it
 # was ~40% faster; jaxlib 0.11.2, every tested lane's, no longer has that flag: the suite took 16:54 on it
-# against 10:50 on jaxlib 0.10.2, the flag's loss not measured apart from the rest of the stack's move). The HLO passes (sharding, collectives, buffer assignment) stay
-# the same, so the tests check the same things: on a 4-layer Llama step, losses agree to 1e-7 and
+# against 10:50 on jaxlib 0.10.2, the flag's loss not measured apart from the rest of the stack's move).
+# The HLO passes (sharding, collectives, buffer assignment) stay the same, so the tests check the same
+# things: on a 4-layer Llama step, losses agree to 1e-7 and
 # compiled temp memory to 128 bytes in 1.3 MB. One exception is known: xLSTM's third AdamW step is NaN
 # without LLVM optimisation and equals eager torch with XLA's defaults, so the conformance matrix runs
 # it with the defaults (tools/families.py, XLA_DEFAULTS). The third flag compiles each program's LLVM code as one
